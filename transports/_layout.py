@@ -1,0 +1,123 @@
+"""The paged KV layout both ends agree on, and the slices a pull can name.
+
+A KV pool is one tensor, block-major, so that every block is one contiguous region::
+
+    pool[num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]
+
+A pull names a layer range and a head range (a ``KVSlice``); what moves on the wire for a request
+is the gathered tensor ``pool[block_ids][:, l0:l1, :, h0:h1]`` made contiguous, whose shape is
+``staging_shape(num_blocks, kv_slice)``. A full-range slice of a request is byte-for-byte the
+request's blocks in pool order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSlice:
+    """A half-open layer range and kv-head range of a request's KV."""
+
+    layer_start: int
+    layer_end: int
+    head_start: int
+    head_end: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def num_heads(self) -> int:
+        return self.head_end - self.head_start
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """Shape of one paged KV pool. Both nodes of a pair must agree on it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+        dtype_name(self.dtype)  # validates
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return math.prod(self.block_shape) * self.element_size
+
+    def full_slice(self) -> KVSlice:
+        return KVSlice(0, self.num_layers, 0, self.num_kv_heads)
+
+    def check_slice(self, kv_slice: KVSlice) -> None:
+        if not (0 <= kv_slice.layer_start < kv_slice.layer_end <= self.num_layers):
+            raise ValueError(f"layer range {kv_slice.layer_start}:{kv_slice.layer_end} outside 0:{self.num_layers}")
+        if not (0 <= kv_slice.head_start < kv_slice.head_end <= self.num_kv_heads):
+            raise ValueError(f"head range {kv_slice.head_start}:{kv_slice.head_end} outside 0:{self.num_kv_heads}")
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def staging_shape(self, num_blocks: int, kv_slice: KVSlice | None = None) -> tuple[int, ...]:
+        s = kv_slice or self.full_slice()
+        return (num_blocks, s.num_layers, 2, s.num_heads, self.block_size, self.head_dim)
+
+    def staging_bytes(self, num_blocks: int, kv_slice: KVSlice | None = None) -> int:
+        return math.prod(self.staging_shape(num_blocks, kv_slice)) * self.element_size
+
+    def new_pool(self, num_blocks: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
+
+
+def gather(pool: torch.Tensor, block_ids: torch.Tensor, kv_slice: KVSlice) -> torch.Tensor:
+    """Copy a request's slice out of a pool into one contiguous tensor (the wire form)."""
+    picked = pool.index_select(0, block_ids.to(pool.device))
+    return picked[:, kv_slice.layer_start : kv_slice.layer_end, :, kv_slice.head_start : kv_slice.head_end].contiguous()
+
+
+def scatter(pool: torch.Tensor, block_ids: torch.Tensor, staged: torch.Tensor, kv_slice: KVSlice) -> None:
+    """Write a staged (wire-form) slice into a pool's blocks; one copy, no per-block Python loop."""
+    ids = block_ids.to(pool.device)
+    if kv_slice.num_layers == pool.shape[1] and kv_slice.num_heads == pool.shape[3]:
+        pool.index_copy_(0, ids, staged.to(pool.device, non_blocking=True))
+        return
+    view = pool[:, kv_slice.layer_start : kv_slice.layer_end, :, kv_slice.head_start : kv_slice.head_end]
+    view.index_copy_(0, ids, staged.to(pool.device, non_blocking=True))

@@ -1,0 +1,112 @@
+"""CTX-side holding of prefilled KV until GEN pulls it, is told to release it, or its lease ends.
+
+Life cycle of one entry::
+
+    put(request_id, block_ids, lease) --pull ok--> released (on_release frees the blocks)
+                                       \\-release()--> released
+                                       \\-lease expires (expire())--> released
+
+The store is thread-safe: prefill (CTX execution) puts, the transport's event loop takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ._errors import UnknownRequest
+from ._layout import KVLayout, KVSlice, gather
+
+
+@dataclasses.dataclass
+class _Held:
+    block_ids: torch.Tensor
+    num_tokens: int
+    expires_at: float
+    on_release: Callable[[], None] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class KVStoreStatistics:
+    held_requests: int
+    held_blocks: int
+    released: int
+    expired: int
+
+
+class KVStore:
+    def __init__(self, layout: KVLayout, pool: torch.Tensor, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.layout = layout
+        self.pool = pool
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held: dict[str, _Held] = {}
+        self._released = 0
+        self._expired = 0
+
+    def put(
+        self,
+        request_id: str,
+        block_ids: torch.Tensor,
+        *,
+        num_tokens: int,
+        lease_s: float,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        with self._lock:
+            if request_id in self._held:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._held[request_id] = _Held(block_ids.clone(), num_tokens, self._clock() + lease_s, on_release)
+
+    def num_blocks(self, request_id: str) -> int:
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None:
+                raise UnknownRequest(f"no KV held for request {request_id!r}")
+            return int(held.block_ids.numel())
+
+    def gather(self, request_id: str, kv_slice: KVSlice) -> torch.Tensor:
+        """The wire form of ``request_id``'s slice; raises ``UnknownRequest`` if not held."""
+        self.layout.check_slice(kv_slice)
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None:
+                raise UnknownRequest(f"no KV held for request {request_id!r}")
+            block_ids = held.block_ids
+        return gather(self.pool, block_ids, kv_slice)
+
+    def release(self, request_id: str) -> bool:
+        """Free ``request_id``'s KV; returns False when it was not held (already released)."""
+        with self._lock:
+            held = self._held.pop(request_id, None)
+            if held is None:
+                return False
+            self._released += 1
+        if held.on_release is not None:
+            held.on_release()
+        return True
+
+    def expire(self) -> list[str]:
+        """Release every entry whose lease has ended; returns their ids."""
+        now = self._clock()
+        with self._lock:
+            dead = [rid for rid, h in self._held.items() if h.expires_at <= now]
+            held = [self._held.pop(rid) for rid in dead]
+            self._expired += len(dead)
+        for h in held:
+            if h.on_release is not None:
+                h.on_release()
+        return dead
+
+    def statistics(self) -> KVStoreStatistics:
+        with self._lock:
+            return KVStoreStatistics(
+                held_requests=len(self._held),
+                held_blocks=sum(int(h.block_ids.numel()) for h in self._held.values()),
+                released=self._released,
+                expired=self._expired,
+            )
