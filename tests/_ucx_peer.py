@@ -1,0 +1,96 @@
+"""A CTX peer in its own process for the UCX tests: ``python -m tests._ucx_peer [options]``.
+
+It fills a deterministic KV pool (``make_pool``), holds ``--requests`` requests ``req-0 ...``
+(``--blocks`` blocks each, ids from ``block_ids``) in a ``KVStore`` and serves them with a
+``UCXKVServer``. Once listening it prints one JSON line ``{"port": ..., "pid": ...}``. Then it
+answers stdin commands, one JSON line each: ``stats`` (store statistics and held ids),
+``put <id>`` (hold one more request). The secret comes from ``KVO_SHARED_SECRET``; ``--insecure``
+serves without one. ``--gather-delay S`` makes every gather sleep S seconds (to kill it mid-pull).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from transports import KVLayout, KVSlice, KVStore
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float16)
+
+
+def make_pool(layout: KVLayout, num_blocks: int, seed: int = 1234) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((num_blocks, *layout.block_shape), generator=g, dtype=torch.float32).to(layout.dtype)
+
+
+def block_ids(index: int, blocks: int, total: int) -> torch.Tensor:
+    """Request ``index``'s blocks: a scattered, reversed run so that gather order matters."""
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(99))
+    return perm[index * blocks : (index + 1) * blocks].flip(0)
+
+
+class _SlowStore(KVStore):
+    delay_s = 0.0
+
+    def gather(self, request_id: str, kv_slice: KVSlice) -> torch.Tensor:
+        time.sleep(self.delay_s)  # runs in a worker thread (to_thread), not on the event loop
+        return super().gather(request_id, kv_slice)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    import anyio
+
+    from transports._auth import load_secret
+    from transports.ucx import UCXConfig, UCXKVServer
+
+    total = args.requests * args.blocks + 8
+    pool = make_pool(LAYOUT, total)
+    store = _SlowStore(LAYOUT, pool)
+    store.delay_s = args.gather_delay
+    for i in range(args.requests):
+        store.put(f"req-{i}", block_ids(i, args.blocks, total), num_tokens=args.blocks * LAYOUT.block_size, lease_s=args.lease)
+    secret = None if args.insecure else load_secret()
+    config = UCXConfig(secret=secret, allow_insecure=args.insecure, expire_interval_s=0.2)
+    async with UCXKVServer(store, config, port=args.port) as server:
+        print(json.dumps({"port": server.port, "pid": __import__("os").getpid()}), flush=True)
+        while True:
+            line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+            if not line:
+                break
+            cmd, _, arg = line.strip().partition(" ")
+            if cmd == "stats":
+                s = store.statistics()
+                held = sorted(store._held)  # test helper: peek at the ids still held
+                out = {"held": held, "released": s.released, "expired": s.expired, **vars(server.statistics())}
+            elif cmd == "put":
+                store.put(arg, block_ids(0, args.blocks, total), num_tokens=16, lease_s=args.lease)
+                out = {"ok": True}
+            else:
+                out = {"error": f"unknown command {cmd!r}"}
+            print(json.dumps(out), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--lease", type=float, default=600.0)
+    p.add_argument("--gather-delay", type=float, default=0.0)
+    p.add_argument("--insecure", action="store_true")
+    args = p.parse_args(argv)
+    import anyio
+    import structlog
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is for replies
+
+    anyio.run(_main, args, backend="asyncio")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""The control-message wire protocol between a GEN node (client) and a CTX node (server).
+
+Every control message is a fixed 20-byte header followed by a typed body, big-endian::
+
+    magic  b"KVOW" | version u8 | type u8 | flags u16 | body_len u32 | txid u64 | body ...
+
+``txid`` is chosen by the client and echoed by the server, so replies are matched by id. On UCX
+each message travels in one fixed-size frame of ``FRAME_BYTES`` (the message, zero padded): the
+receiver always posts a recv of exactly that size, so nothing is ever allocated from a field that a
+peer declared.
+
+Life cycle of one pull (after the handshake)::
+
+    GEN                                      CTX
+    PULL(txid, id, slice, dtype, shape, nbytes, tag) ->
+                                          <- PULL_OK(txid, tag, dtype, shape, nbytes) | PULL_ERR
+    (checks the reply against ``into``, posts the receive on ``tag``)
+    READY(txid) ->                        (or ABORT(txid): nothing is sent, the entry is kept)
+                                          <- KV bytes on the data tag, then CTX releases the entry
+    RELEASE(txid, id) ->                  <- RELEASE_OK(txid, released)
+
+Handshake (mutual HMAC, see ``_auth``): CTX sends AUTH_CHALLENGE(nonce), GEN answers AUTH_RESPONSE
+(nonce, mac), CTX answers AUTH_OK(mac) or AUTH_FAIL and closes.
+
+``decode``/``decode_frame`` validate every field against a ``WireLimits`` before building anything,
+and raise ``ProtocolViolation`` (never another exception) for anything malformed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+import struct
+
+from ._errors import ProtocolViolation
+from ._layout import KVSlice, _DTYPES
+
+MAGIC = b"KVOW"
+VERSION = 1
+FRAME_BYTES = 1024
+NONCE_BYTES = 32
+MAC_BYTES = 32
+
+_HEADER = struct.Struct("!4sBBHIQ")
+HEADER_BYTES = _HEADER.size  # 20
+_PULL_FIXED = struct.Struct("!HBBIIIIQQ")  # id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag
+_PULL_OK_FIXED = struct.Struct("!BBQQ")  # dtype_len, rank, nbytes, tag
+_ERR_FIXED = struct.Struct("!HH")  # status, reason_len
+_U16 = struct.Struct("!H")
+_U8 = struct.Struct("!B")
+_DIM = struct.Struct("!Q")
+
+_REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:\-]+")
+_REASON_RE = re.compile(rb"[\x20-\x7e]*")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+assert set(_ITEMSIZE) == set(_DTYPES)
+
+FLAG_AUTH_REQUIRED = 0x0001
+
+
+class MsgType(enum.IntEnum):
+    AUTH_CHALLENGE = 1
+    AUTH_RESPONSE = 2
+    AUTH_OK = 3
+    AUTH_FAIL = 4
+    PULL = 10
+    PULL_OK = 11
+    PULL_ERR = 12
+    READY = 13
+    ABORT = 14
+    RELEASE = 20
+    RELEASE_OK = 21
+
+
+class Status(enum.IntEnum):
+    """Why a PULL or the handshake failed."""
+
+    UNKNOWN_REQUEST = 1
+    BUSY = 2
+    SHAPE_MISMATCH = 3
+    BAD_REQUEST = 4
+    AUTH_FAILED = 5
+    INTERNAL = 6
+    SHUTTING_DOWN = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class WireLimits:
+    """What a node accepts from a peer; everything a message declares is checked against these."""
+
+    max_request_id_len: int = 128
+    max_transfer_bytes: int = 4 << 30
+    max_layers: int = 1024
+    max_heads: int = 1024
+    max_rank: int = 8
+    max_dim: int = 1 << 32
+    max_reason_len: int = 256
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"WireLimits.{f.name} must be positive")
+        worst = HEADER_BYTES + _PULL_FIXED.size + self.max_request_id_len + 16 + 8 * self.max_rank
+        if worst > FRAME_BYTES:
+            raise ValueError(f"WireLimits allow a PULL of {worst} bytes, more than a frame ({FRAME_BYTES})")
+        if HEADER_BYTES + _ERR_FIXED.size + self.max_reason_len > FRAME_BYTES:
+            raise ValueError("WireLimits.max_reason_len does not fit in a frame")
+
+
+# -- messages -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthChallenge:
+    nonce: bytes
+    auth_required: bool = True
+    txid: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthResponse:
+    nonce: bytes
+    mac: bytes
+    txid: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthOk:
+    mac: bytes
+    txid: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthFail:
+    status: Status
+    reason: str
+    txid: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Pull:
+    txid: int
+    request_id: str
+    kv_slice: KVSlice
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    tag: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PullOk:
+    txid: int
+    tag: int
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PullErr:
+    txid: int
+    status: Status
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    txid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    txid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    txid: int
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseOk:
+    txid: int
+    released: bool
+
+
+Message = AuthChallenge | AuthResponse | AuthOk | AuthFail | Pull | PullOk | PullErr | Ready | Abort | Release | ReleaseOk
+
+
+# -- encoding -------------------------------------------------------------------------------------
+
+
+def _shape_bytes(dtype: str, shape: tuple[int, ...]) -> bytes:
+    return dtype.encode("ascii") + b"".join(_DIM.pack(d) for d in shape)
+
+
+def _reason_bytes(reason: str) -> bytes:
+    raw = reason.encode("ascii", "replace")[:120]
+    return bytes(b if 0x20 <= b <= 0x7E else 0x3F for b in raw)
+
+
+def encode(msg: Message) -> bytes:
+    """The exact bytes of ``msg`` (header and body). Raises ``ValueError`` for unencodable fields."""
+    flags = 0
+    txid = msg.txid
+    match msg:
+        case AuthChallenge(nonce=nonce, auth_required=req):
+            mtype, body = MsgType.AUTH_CHALLENGE, bytes(nonce)
+            flags = FLAG_AUTH_REQUIRED if req else 0
+            _check_len("nonce", body, NONCE_BYTES)
+        case AuthResponse(nonce=nonce, mac=mac):
+            _check_len("nonce", nonce, NONCE_BYTES)
+            _check_len("mac", mac, MAC_BYTES)
+            mtype, body = MsgType.AUTH_RESPONSE, bytes(nonce) + bytes(mac)
+        case AuthOk(mac=mac):
+            _check_len("mac", mac, MAC_BYTES)
+            mtype, body = MsgType.AUTH_OK, bytes(mac)
+        case AuthFail(status=status, reason=reason) | PullErr(status=status, reason=reason):
+            mtype = MsgType.AUTH_FAIL if isinstance(msg, AuthFail) else MsgType.PULL_ERR
+            r = _reason_bytes(reason)
+            body = _ERR_FIXED.pack(int(status), len(r)) + r
+        case Pull(request_id=rid, kv_slice=s, dtype=dtype, shape=shape, nbytes=nbytes, tag=tag):
+            r = rid.encode("ascii")
+            body = (
+                _PULL_FIXED.pack(len(r), len(dtype), len(shape), s.layer_start, s.layer_end,
+                                 s.head_start, s.head_end, nbytes, tag)
+                + r
+                + _shape_bytes(dtype, shape)
+            )
+            mtype = MsgType.PULL
+        case PullOk(tag=tag, dtype=dtype, shape=shape, nbytes=nbytes):
+            mtype = MsgType.PULL_OK
+            body = _PULL_OK_FIXED.pack(len(dtype), len(shape), nbytes, tag) + _shape_bytes(dtype, shape)
+        case Ready():
+            mtype, body = MsgType.READY, b""
+        case Abort():
+            mtype, body = MsgType.ABORT, b""
+        case Release(request_id=rid):
+            r = rid.encode("ascii")
+            mtype, body = MsgType.RELEASE, _U16.pack(len(r)) + r
+        case ReleaseOk(released=released):
+            mtype, body = MsgType.RELEASE_OK, _U8.pack(1 if released else 0)
+        case _:
+            raise ValueError(f"not a wire message: {msg!r}")
+    try:
+        return _HEADER.pack(MAGIC, VERSION, int(mtype), flags, len(body), txid) + body
+    except struct.error as exc:
+        raise ValueError(f"cannot encode {type(msg).__name__}: {exc}") from None
+
+
+def encode_frame(msg: Message) -> bytearray:
+    """``msg`` zero-padded to ``FRAME_BYTES`` (what goes on a UCX control tag)."""
+    raw = encode(msg)
+    if len(raw) > FRAME_BYTES:
+        raise ValueError(f"{type(msg).__name__} of {len(raw)} bytes does not fit a {FRAME_BYTES}-byte frame")
+    frame = bytearray(FRAME_BYTES)
+    frame[: len(raw)] = raw
+    return frame
+
+
+def _check_len(name: str, value: bytes, n: int) -> None:
+    if len(value) != n:
+        raise ValueError(f"{name} must be {n} bytes, got {len(value)}")
+
+
+# -- decoding -------------------------------------------------------------------------------------
+
+
+def _bad(msg: str) -> ProtocolViolation:
+    return ProtocolViolation(msg)
+
+
+class _Reader:
+    """Bounds-checked cursor over a body; every read fails with ProtocolViolation, never IndexError."""
+
+    def __init__(self, body: memoryview, what: str) -> None:
+        self.body = body
+        self.pos = 0
+        self.what = what
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.body):
+            raise _bad(f"{self.what}: truncated body (need {n} bytes at offset {self.pos}, have {len(self.body)})")
+        out = bytes(self.body[self.pos : self.pos + n])
+        self.pos += n
+        return out
+
+    def unpack(self, st: struct.Struct) -> tuple[int, ...]:
+        return st.unpack(self.take(st.size))
+
+    def done(self) -> None:
+        if self.pos != len(self.body):
+            raise _bad(f"{self.what}: {len(self.body) - self.pos} trailing bytes in body")
+
+
+def decode_header(buf: bytes | bytearray | memoryview) -> tuple[MsgType, int, int, int]:
+    """``(type, flags, body_len, txid)`` of a message, after checking magic, version and type."""
+    if len(buf) < HEADER_BYTES:
+        raise _bad(f"truncated header: {len(buf)} bytes, need {HEADER_BYTES}")
+    magic, version, mtype, flags, body_len, txid = _HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise _bad(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise _bad(f"unsupported protocol version {version} (this node speaks {VERSION})")
+    try:
+        kind = MsgType(mtype)
+    except ValueError:
+        raise _bad(f"unknown message type {mtype}") from None
+    allowed = FLAG_AUTH_REQUIRED if kind is MsgType.AUTH_CHALLENGE else 0
+    if flags & ~allowed:
+        raise _bad(f"{kind.name}: unknown flags 0x{flags:04x}")
+    if body_len > FRAME_BYTES - HEADER_BYTES:
+        raise _bad(f"{kind.name}: body length {body_len} exceeds the frame ({FRAME_BYTES - HEADER_BYTES})")
+    return kind, flags, body_len, txid
+
+
+def decode(buf: bytes | bytearray | memoryview, limits: WireLimits) -> Message:
+    """Decode exactly one message filling ``buf``; raise ``ProtocolViolation`` if anything is off."""
+    kind, flags, body_len, txid = decode_header(buf)
+    if HEADER_BYTES + body_len != len(buf):
+        raise _bad(f"{kind.name}: declared length {HEADER_BYTES + body_len} != buffer length {len(buf)}")
+    return _decode_body(kind, flags, txid, memoryview(buf)[HEADER_BYTES:], limits)
+
+
+def decode_frame(frame: bytes | bytearray | memoryview, limits: WireLimits) -> Message:
+    """Decode a ``FRAME_BYTES`` frame: one message, then only zero padding."""
+    if len(frame) != FRAME_BYTES:
+        raise _bad(f"frame of {len(frame)} bytes, expected {FRAME_BYTES}")
+    kind, flags, body_len, txid = decode_header(frame)
+    end = HEADER_BYTES + body_len
+    view = memoryview(frame)
+    if any(view[end:]):
+        raise _bad(f"{kind.name}: non-zero bytes after the declared length")
+    return _decode_body(kind, flags, txid, view[HEADER_BYTES:end], limits)
+
+
+def _request_id(raw: bytes, limits: WireLimits, what: str) -> str:
+    if not raw:
+        raise _bad(f"{what}: empty request id")
+    if len(raw) > limits.max_request_id_len:
+        raise _bad(f"{what}: request id of {len(raw)} bytes exceeds {limits.max_request_id_len}")
+    if not _REQUEST_ID_RE.fullmatch(raw):
+        raise _bad(f"{what}: request id has characters outside [A-Za-z0-9._:-]")
+    return raw.decode("ascii")
+
+
+def _dtype_and_shape(r: _Reader, dtype_len: int, rank: int, nbytes: int, limits: WireLimits) -> tuple[str, tuple[int, ...]]:
+    what = r.what
+    if not 0 < dtype_len <= 16:
+        raise _bad(f"{what}: dtype name length {dtype_len} out of range")
+    if not 0 < rank <= limits.max_rank:
+        raise _bad(f"{what}: shape rank {rank} outside 1..{limits.max_rank}")
+    raw = r.take(dtype_len)
+    try:
+        dtype = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise _bad(f"{what}: dtype name is not ascii") from None
+    if dtype not in _ITEMSIZE:
+        raise _bad(f"{what}: unknown dtype {dtype!r}")
+    shape = tuple(r.unpack(_DIM)[0] for _ in range(rank))
+    for i, d in enumerate(shape):
+        if not 0 < d <= limits.max_dim:
+            raise _bad(f"{what}: dim {i} = {d} outside 1..{limits.max_dim}")
+    expected = math.prod(shape) * _ITEMSIZE[dtype]
+    if nbytes != expected:
+        raise _bad(f"{what}: nbytes {nbytes} != prod(shape) * itemsize = {expected}")
+    if nbytes > limits.max_transfer_bytes:
+        raise _bad(f"{what}: transfer of {nbytes} bytes exceeds max_transfer_bytes {limits.max_transfer_bytes}")
+    return dtype, shape
+
+
+def _reason(r: _Reader, limits: WireLimits) -> tuple[Status, str]:
+    status, reason_len = r.unpack(_ERR_FIXED)
+    try:
+        st = Status(status)
+    except ValueError:
+        raise _bad(f"{r.what}: unknown status {status}") from None
+    if reason_len > limits.max_reason_len:
+        raise _bad(f"{r.what}: reason of {reason_len} bytes exceeds {limits.max_reason_len}")
+    raw = r.take(reason_len)
+    if not _REASON_RE.fullmatch(raw):
+        raise _bad(f"{r.what}: reason is not printable ascii")
+    return st, raw.decode("ascii")
+
+
+def _decode_body(kind: MsgType, flags: int, txid: int, body: memoryview, limits: WireLimits) -> Message:
+    r = _Reader(body, kind.name)
+    msg: Message
+    if kind is MsgType.AUTH_CHALLENGE:
+        msg = AuthChallenge(r.take(NONCE_BYTES), bool(flags & FLAG_AUTH_REQUIRED), txid)
+    elif kind is MsgType.AUTH_RESPONSE:
+        msg = AuthResponse(r.take(NONCE_BYTES), r.take(MAC_BYTES), txid)
+    elif kind is MsgType.AUTH_OK:
+        msg = AuthOk(r.take(MAC_BYTES), txid)
+    elif kind in (MsgType.AUTH_FAIL, MsgType.PULL_ERR):
+        status, reason = _reason(r, limits)
+        msg = AuthFail(status, reason, txid) if kind is MsgType.AUTH_FAIL else PullErr(txid, status, reason)
+    elif kind is MsgType.PULL:
+        id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag = r.unpack(_PULL_FIXED)
+        if not 0 <= l0 < l1 <= limits.max_layers:
+            raise _bad(f"PULL: layer range {l0}:{l1} outside 0:{limits.max_layers}")
+        if not 0 <= h0 < h1 <= limits.max_heads:
+            raise _bad(f"PULL: head range {h0}:{h1} outside 0:{limits.max_heads}")
+        if not 0 < id_len <= limits.max_request_id_len:
+            raise _bad(f"PULL: request id length {id_len} outside 1..{limits.max_request_id_len}")
+        rid = _request_id(r.take(id_len), limits, "PULL")
+        dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
+        msg = Pull(txid, rid, KVSlice(l0, l1, h0, h1), dtype, shape, nbytes, tag)
+    elif kind is MsgType.PULL_OK:
+        dtype_len, rank, nbytes, tag = r.unpack(_PULL_OK_FIXED)
+        dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
+        msg = PullOk(txid, tag, dtype, shape, nbytes)
+    elif kind is MsgType.READY:
+        msg = Ready(txid)
+    elif kind is MsgType.ABORT:
+        msg = Abort(txid)
+    elif kind is MsgType.RELEASE:
+        (id_len,) = r.unpack(_U16)
+        if not 0 < id_len <= limits.max_request_id_len:
+            raise _bad(f"RELEASE: request id length {id_len} outside 1..{limits.max_request_id_len}")
+        msg = Release(txid, _request_id(r.take(id_len), limits, "RELEASE"))
+    elif kind is MsgType.RELEASE_OK:
+        (flag,) = r.unpack(_U8)
+        if flag > 1:
+            raise _bad(f"RELEASE_OK: released flag {flag} is not 0 or 1")
+        msg = ReleaseOk(txid, bool(flag))
+    else:  # pragma: no cover - MsgType is exhaustive above
+        raise _bad(f"unhandled message type {kind.name}")
+    r.done()
+    return msg
