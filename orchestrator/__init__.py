@@ -1,0 +1,46 @@
+"""GEN-side KV-receive orchestration: the decode loop never waits for a receive.
+
+See ``_engine`` for a step's anatomy, ``_budget`` for the transfer budget, ``_receiver`` for the
+receive task group, ``_loop`` for the threads a node runs.
+"""
+
+from transports import KVLayout as KVLayout
+from transports import KVSlice as KVSlice
+
+from ._budget import BudgetStatistics as BudgetStatistics
+from ._budget import Grant as Grant
+from ._budget import TransferBudget as TransferBudget
+from ._config import Mode as Mode
+from ._config import OrchestratorConfig as OrchestratorConfig
+from ._engine import DecodeBatch as DecodeBatch
+from ._engine import EngineStatistics as EngineStatistics
+from ._engine import GenEngine as GenEngine
+from ._engine import StepReport as StepReport
+from ._errors import InvalidRequest as InvalidRequest
+from ._errors import KVExhausted as KVExhausted
+from ._errors import NotRunning as NotRunning
+from ._errors import OrchestratorError as OrchestratorError
+from ._errors import WouldBlock as WouldBlock
+from ._kvpool import KVBlockPool as KVBlockPool
+from ._kvpool import PoolStatistics as PoolStatistics
+from ._loop import DecodeLoop as DecodeLoop
+from ._loop import EngineThreads as EngineThreads
+from ._loop import LoopStatistics as LoopStatistics
+from ._loop import Percentiles as Percentiles
+from ._receiver import ReceiveGroup as ReceiveGroup
+from ._receiver import ReceiveJob as ReceiveJob
+from ._receiver import plan_chunks as plan_chunks
+from ._requests import DeferReason as DeferReason
+from ._requests import FailureReason as FailureReason
+from ._requests import GenRequest as GenRequest
+from ._requests import ReceiveResult as ReceiveResult
+from ._requests import RequestOutput as RequestOutput
+from ._requests import RequestState as RequestState
+
+__all__ = [
+    "BudgetStatistics", "DecodeBatch", "DecodeLoop", "DeferReason", "EngineStatistics", "EngineThreads",
+    "FailureReason", "GenEngine", "GenRequest", "Grant", "InvalidRequest", "KVBlockPool", "KVExhausted",
+    "KVLayout", "KVSlice", "LoopStatistics", "Mode", "NotRunning", "OrchestratorConfig", "OrchestratorError",
+    "Percentiles", "PoolStatistics", "ReceiveGroup", "ReceiveJob", "ReceiveResult", "RequestOutput",
+    "RequestState", "StepReport", "TransferBudget", "WouldBlock", "plan_chunks",
+]

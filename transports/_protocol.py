@@ -27,8 +27,13 @@ class Transport(Protocol):
     async def connect(self, peer: str) -> None:
         """Make sure an endpoint to ``peer`` exists (reused by later pulls)."""
 
-    async def pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor) -> int:
-        """Pull ``request_id``'s KV ``kv_slice`` from ``peer`` into ``into``; returns bytes moved."""
+    async def pull(
+        self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *, release: bool = True
+    ) -> int:
+        """Pull ``request_id``'s KV ``kv_slice`` from ``peer`` into ``into``; returns bytes moved.
+
+        With ``release`` the peer frees its copy once this pull succeeded; a request pulled in
+        several chunks passes ``release=False`` for every chunk but the last."""
 
     async def release(self, peer: str, request_id: str) -> None:
         """Tell ``peer`` that its KV for ``request_id`` will not be pulled (best effort)."""

@@ -1,0 +1,49 @@
+"""Configuration: one frozen dataclass, knobs named as the field names them."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from transports import KVLayout
+
+
+class Mode(enum.Enum):
+    """How the GEN node sets up receives."""
+
+    ORCHESTRATED = "orchestrated"  # this design: early budget, receive setup on the event loop
+    INLINE = "inline"  # the original path (baseline): setup on the execution thread, blocking reserve
+    IDEAL = "ideal"  # no transfer at all: KV is present at admission (the ceiling, for benchmarks)
+
+    def __repr__(self) -> str:
+        return f"Mode.{self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class OrchestratorConfig:
+    layout: KVLayout
+    num_blocks: int
+    """KV blocks in the GEN pool."""
+    staging_bytes: int
+    """The transfer budget: bytes of receives in flight (``max_tokens_in_buffer`` expressed in bytes)."""
+    mode: Mode = Mode.ORCHESTRATED
+    kv_transfer_timeout_ms: int = 60_000
+    """A receive that has not completed within this time fails with reason TIMEOUT."""
+    max_num_seqs: int = 256
+    """Most requests receiving or decoding at once."""
+    max_model_len: int = 1 << 16
+    """Longest prompt + output a request may ask for."""
+    inline_reserve_timeout_s: float = 0.2
+    """``inline`` mode only: how long the execution thread waits for staging before the slow fallback."""
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0 or self.staging_bytes <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("num_blocks, staging_bytes and max_num_seqs must be positive")
+        if self.kv_transfer_timeout_ms <= 0:
+            raise ValueError("kv_transfer_timeout_ms must be positive")
+
+    @staticmethod
+    def staging_bytes_for_tokens(layout: KVLayout, max_tokens_in_buffer: int) -> int:
+        """The byte budget that holds ``max_tokens_in_buffer`` tokens' KV (whole blocks)."""
+        return layout.blocks_for(max_tokens_in_buffer) * layout.block_bytes

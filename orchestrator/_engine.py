@@ -1,0 +1,434 @@
+"""The GEN engine: the execution thread's side of the orchestrator.
+
+One ``step()`` per decode iteration, on the execution thread::
+
+    1. drain the inbox        (submits and aborts from any thread; validated at submit)
+    2. drain completions      (ReceiveResults from the event loop: RECEIVING -> RUNNING / FAILED)
+    3. schedule               (decode keeps its batch; admit WAITING in FCFS: budget, then KV)
+    4. start receives         ORCHESTRATED: non-blocking submit to the receive group
+                              INLINE: blocking staging reserve (timeout, then slow fallback) and a
+                                      blocking peer handshake, here, on this thread (the baseline)
+                              IDEAL: no receive; the request runs at once
+    5. one decode step        step_fn(DecodeBatch) for every RUNNING request; emit tokens
+
+``step()`` never awaits. In ORCHESTRATED mode nothing in it waits on I/O, a peer or a reservation;
+it measures the time it spent in orchestration (1-4) and in explicit blocking waits (INLINE only).
+Outputs are polled with ``poll()`` (or pushed to ``on_output``). The receive group must be running
+on an event loop (``await engine.serve()``, or ``EngineThreads`` for a ready-made pair of threads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence as Seq
+
+import structlog
+import torch
+
+from transports import KVSlice, Transport, scatter
+
+from ._budget import TransferBudget
+from ._config import Mode, OrchestratorConfig
+from ._errors import InvalidRequest, WouldBlock
+from ._kvpool import KVBlockPool, PoolStatistics
+from ._budget import BudgetStatistics
+from ._receiver import ReceiveGroup, ReceiveJob, plan_chunks
+from ._requests import (
+    DeferReason,
+    FailureReason,
+    GenRequest,
+    ReceiveResult,
+    RequestOutput,
+    RequestState,
+    Sequence,
+)
+from ._scheduler import Admission, Scheduler
+
+log = structlog.get_logger("orchestrator.engine")
+
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """Input of one decode step: the RUNNING requests, in a stable order."""
+
+    request_ids: list[str]
+    tokens: torch.Tensor  # int64 [B]: each request's newest token
+    positions: torch.Tensor  # int64 [B]: its position (where this step writes its KV)
+    block_tables: list[torch.Tensor]  # each request's KV blocks, in order
+    kv: torch.Tensor  # the pool
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+StepFn = Callable[[DecodeBatch], "Seq[int] | torch.Tensor"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    batch_size: int
+    admitted: int
+    deferred: dict[DeferReason, int]
+    orchestration_s: float
+    """Wall time of steps 1-4 (everything but the model step)."""
+    blocked_s: float
+    """Of that, time spent in explicit blocking waits (staging reserve, peer handshake)."""
+    model_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStatistics:
+    waiting: int
+    receiving: int
+    running: int
+    finished: int
+    failed: dict[FailureReason, int]
+    aborted: int
+    deferral_episodes: dict[DeferReason, int]
+    receives_in_flight: int
+    staging_bytes: int
+    peak_staging_bytes: int
+    inline_fallbacks: int
+    budget: BudgetStatistics
+    pool: PoolStatistics
+
+
+class GenEngine:
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        transport: Transport | None,
+        step_fn: StepFn,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if transport is None and config.mode is not Mode.IDEAL:
+            raise ValueError(f"mode {config.mode.value} needs a transport")
+        self.config = config
+        self.layout = config.layout
+        self.budget = TransferBudget(config.staging_bytes)
+        self.pool = KVBlockPool(config.layout, config.num_blocks, config.device)
+        self.scheduler = Scheduler(config, self.budget, self.pool)
+        self._step_fn = step_fn
+        self._clock = clock
+        self._on_output = on_output
+        self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[GenRequest | str] = queue.SimpleQueue()
+        self._completions: queue.SimpleQueue[ReceiveResult] = queue.SimpleQueue()
+        self.wakeup = threading.Event()
+        """Set whenever there is new work for the execution thread (submit, abort, completion)."""
+        self._live_lock = threading.Lock()
+        self._live: set[str] = set()
+        self._receiving: dict[str, Sequence] = {}
+        self._running: dict[str, Sequence] = {}
+        self._finished = 0
+        self._aborted = 0
+        self._failed = {r: 0 for r in FailureReason}
+        self._inline_fallbacks = 0
+        self.receiver = (
+            ReceiveGroup(
+                transport,
+                self.pool.kv,
+                config.layout,
+                timeout_s=config.kv_transfer_timeout_ms / 1e3,
+                on_result=self._on_result,
+            )
+            if transport is not None
+            else None
+        )
+
+    # -- any thread ------------------------------------------------------------------------------
+    def submit(self, request: GenRequest) -> None:
+        """Queue a request for admission. Validates it first; raises ``InvalidRequest``. Never blocks."""
+        self._validate(request)
+        with self._live_lock:
+            if request.request_id in self._live:
+                raise InvalidRequest(f"request id {request.request_id!r} is already live")
+            self._live.add(request.request_id)
+        self._inbox.put(request)
+        self.wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in any state (unknown or finished ids are ignored). Never blocks."""
+        self._inbox.put(request_id)
+        self.wakeup.set()
+
+    def poll(self) -> list[RequestOutput]:
+        """Every output emitted since the last poll (non-blocking)."""
+        out = []
+        while True:
+            try:
+                out.append(self._outputs.get_nowait())
+            except queue.Empty:
+                return out
+
+    async def serve(self) -> None:
+        """Run the receive group on the current event loop until ``close()``."""
+        if self.receiver is not None:
+            await self.receiver.run()
+
+    async def start(self, task_group: object) -> None:
+        """Start the receive group in ``task_group`` (an anyio TaskGroup) and wait until it runs."""
+        if self.receiver is not None:
+            await task_group.start(self.receiver.run)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+
+    @property
+    def live_requests(self) -> int:
+        with self._live_lock:
+            return len(self._live)
+
+    # -- execution thread ------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def step(self) -> StepReport:
+        t0 = self._clock()
+        self._drain_inbox()
+        self._drain_completions()
+        sched = self.scheduler.schedule(active=len(self._receiving) + len(self._running))
+        blocked = 0.0
+        for admission in sched.admitted:
+            blocked += self._start_receive(admission)
+        t1 = self._clock()
+        batch_size = len(self._running)
+        if batch_size:
+            self._decode()
+        t2 = self._clock()
+        return StepReport(batch_size, len(sched.admitted), sched.deferred, t1 - t0, blocked, t2 - t1)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, str):
+                self._abort(item)
+                continue
+            layout = self.layout
+            prompt_blocks = layout.blocks_for(item.prompt_len)
+            kv_slice = item.kv_slice or layout.full_slice()
+            seq = Sequence(
+                request=item,
+                arrival=self._clock(),
+                num_blocks=layout.blocks_for(item.prompt_len + item.max_tokens),
+                num_prompt_blocks=prompt_blocks,
+                cost=layout.staging_bytes(prompt_blocks, kv_slice),
+                tokens=[item.first_token],
+            )
+            self.scheduler.add(seq)
+
+    def _drain_completions(self) -> None:
+        while True:
+            try:
+                result = self._completions.get_nowait()
+            except queue.Empty:
+                return
+            seq = self._receiving.pop(result.request_id, None)
+            if seq is None:  # cannot happen: one result per job, one job per receiving request
+                log.error("result_for_unknown_request", request_id=result.request_id)
+                continue
+            if seq.abort_requested:
+                self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted")
+            elif result.ok:
+                log.debug("receive_done", request_id=seq.request_id, bytes=result.bytes_moved,
+                          ms=round(result.elapsed_s * 1e3, 3))
+                self._run(seq)
+            else:
+                state = RequestState.ABORTED if result.failure is FailureReason.ABORTED else RequestState.FAILED
+                self._end(seq, state, result.failure, result.message)
+
+    def _start_receive(self, admission: Admission) -> float:
+        """Start one admitted request's receive; returns the time this thread spent blocked."""
+        seq = admission.seq
+        mode = self.config.mode
+        assert seq.block_ids is not None
+        if mode is Mode.IDEAL:
+            if seq.request.local_kv is not None:
+                slice_ = seq.request.kv_slice or self.layout.full_slice()
+                scatter(self.pool.kv, seq.block_ids[: seq.num_prompt_blocks], seq.request.local_kv, slice_)
+            self._run(seq)
+            return 0.0
+        assert self.receiver is not None and seq.request.peer is not None
+        kv_slice = seq.request.kv_slice or self.layout.full_slice()
+        prompt_ids = seq.block_ids[: seq.num_prompt_blocks]
+        chunks = plan_chunks(self.layout, seq.num_prompt_blocks, kv_slice, self.budget.capacity)
+        self._receiving[seq.request_id] = seq
+        if mode is Mode.ORCHESTRATED:
+            self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, admission.grant))
+            return 0.0
+        # INLINE: the original path, on this thread, kept as the benchmark's baseline.
+        t0 = self._clock()
+        grant = None
+        staging = None
+        try:
+            grant = self.budget.acquire_blocking(seq.cost, self.config.inline_reserve_timeout_s)
+        except WouldBlock:
+            # Slow fallback: a dedicated, unpooled buffer, allocated and touched on this thread.
+            self._inline_fallbacks += 1
+            staging = torch.zeros(
+                self.layout.staging_shape(seq.num_prompt_blocks, kv_slice), dtype=self.layout.dtype,
+                device=self.pool.kv.device,
+            )
+            chunks = (kv_slice,)
+        self.receiver.connect_blocking(seq.request.peer, self.config.kv_transfer_timeout_ms / 1e3)
+        self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, grant, staging))
+        return self._clock() - t0
+
+    def _decode(self) -> None:
+        seqs = list(self._running.values())
+        batch = DecodeBatch(
+            request_ids=[s.request_id for s in seqs],
+            tokens=torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.int64),
+            positions=torch.tensor([s.position for s in seqs], dtype=torch.int64),
+            block_tables=[s.block_ids for s in seqs],  # type: ignore[misc]
+            kv=self.pool.kv,
+        )
+        new = self._step_fn(batch)
+        new_tokens = new.tolist() if isinstance(new, torch.Tensor) else list(new)
+        if len(new_tokens) != len(seqs):
+            raise RuntimeError(f"step function returned {len(new_tokens)} tokens for a batch of {len(seqs)}")
+        for seq, token in zip(seqs, new_tokens):
+            seq.tokens.append(int(token))
+            if self._done(seq):
+                self._end(seq, RequestState.FINISHED, None, "", new_tokens=(int(token),))
+            else:
+                self._emit(RequestOutput(seq.request_id, (int(token),), RequestState.RUNNING))
+
+    def _done(self, seq: Sequence) -> bool:
+        eos = seq.request.eos_token
+        return len(seq.tokens) >= seq.request.max_tokens or (eos is not None and seq.tokens[-1] == eos)
+
+    def _run(self, seq: Sequence) -> None:
+        seq.state = RequestState.RUNNING
+        self._receiving.pop(seq.request_id, None)
+        if self._done(seq):  # max_tokens == 1: the CTX token was the whole answer
+            self._end(seq, RequestState.FINISHED, None, "")
+            return
+        self._running[seq.request_id] = seq
+
+    def _abort(self, request_id: str) -> None:
+        seq = self.scheduler.remove(request_id)
+        if seq is not None:
+            self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted while waiting")
+            return
+        seq = self._receiving.get(request_id)
+        if seq is not None:  # blocks are freed when the receive task reports it has stopped
+            seq.abort_requested = True
+            assert self.receiver is not None
+            self.receiver.cancel(request_id)
+            return
+        seq = self._running.pop(request_id, None)
+        if seq is not None:
+            self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted while decoding")
+
+    def _end(
+        self,
+        seq: Sequence,
+        state: RequestState,
+        failure: FailureReason | None,
+        message: str,
+        new_tokens: tuple[int, ...] = (),
+    ) -> None:
+        self._running.pop(seq.request_id, None)
+        self._receiving.pop(seq.request_id, None)
+        if seq.block_ids is not None:
+            self.pool.free(seq.block_ids)
+            seq.block_ids = None
+        seq.state = state
+        if state is RequestState.FINISHED:
+            self._finished += 1
+        elif state is RequestState.ABORTED:
+            self._aborted += 1
+        else:
+            assert failure is not None
+            self._failed[failure] += 1
+            log.warning("request_failed", request_id=seq.request_id, peer=seq.request.peer,
+                        reason=failure.value, message=message)
+        with self._live_lock:
+            self._live.discard(seq.request_id)
+        self._emit(RequestOutput(seq.request_id, new_tokens, state, failure, message))
+
+    def _emit(self, output: RequestOutput) -> None:
+        if self._on_output is not None:
+            self._on_output(output)
+        else:
+            self._outputs.put(output)
+
+    # -- event-loop thread -----------------------------------------------------------------------
+    def _on_result(self, result: ReceiveResult) -> None:
+        self._completions.put(result)
+        self.wakeup.set()
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _validate(self, r: GenRequest) -> None:
+        cfg, layout = self.config, self.layout
+        if not isinstance(r.request_id, str) or not 0 < len(r.request_id) <= MAX_REQUEST_ID_LEN:
+            raise InvalidRequest(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} chars")
+        if r.prompt_len < 1 or r.max_tokens < 1:
+            raise InvalidRequest(f"{r.request_id}: prompt_len and max_tokens must be >= 1")
+        if r.prompt_len + r.max_tokens > cfg.max_model_len:
+            raise InvalidRequest(f"{r.request_id}: prompt_len + max_tokens exceeds max_model_len {cfg.max_model_len}")
+        need = layout.blocks_for(r.prompt_len + r.max_tokens)
+        if need > cfg.num_blocks:
+            raise InvalidRequest(f"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}")
+        kv_slice = r.kv_slice or layout.full_slice()
+        try:
+            layout.check_slice(kv_slice)
+            plan_chunks(layout, layout.blocks_for(r.prompt_len), kv_slice, cfg.staging_bytes)
+        except ValueError as exc:
+            raise InvalidRequest(f"{r.request_id}: {exc}") from None
+        if cfg.mode is not Mode.IDEAL and not r.peer:
+            raise InvalidRequest(f"{r.request_id}: a peer (the CTX node's address) is required")
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            waiting=len(self.scheduler.waiting),
+            receiving=len(self._receiving),
+            running=len(self._running),
+            finished=self._finished,
+            failed=dict(self._failed),
+            aborted=self._aborted,
+            deferral_episodes=dict(self.scheduler.deferral_episodes),
+            receives_in_flight=self.receiver.in_flight if self.receiver else 0,
+            staging_bytes=self.receiver.staging_bytes if self.receiver else 0,
+            peak_staging_bytes=self.receiver.peak_staging_bytes if self.receiver else 0,
+            inline_fallbacks=self._inline_fallbacks,
+            budget=self.budget.statistics(),
+            pool=self.pool.statistics(),
+        )
+
+    def rest_problems(self) -> list[str]:
+        """Why the engine is not at rest (empty when it is): budget full, nothing in flight, no
+        request live, every KV block free."""
+        s = self.statistics()
+        problems = []
+        if s.budget.in_use or s.budget.holders or s.budget.waiters:
+            problems.append(f"budget not full: {s.budget}")
+        if s.receives_in_flight:
+            problems.append(f"{s.receives_in_flight} receives in flight")
+        if s.waiting or s.receiving or s.running or self.live_requests:
+            problems.append(f"requests live: {s.waiting} waiting, {s.receiving} receiving, {s.running} running")
+        if s.pool.used_blocks:
+            problems.append(f"{s.pool.used_blocks} KV blocks not freed")
+        if s.staging_bytes:
+            problems.append(f"{s.staging_bytes} staging bytes still allocated")
+        return problems
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<GenEngine {self.config.mode.value} [Requests: {s.waiting} waiting, {s.receiving} receiving, "
+            f"{s.running} running] {self.budget!r} {self.pool!r}>"
+        )

@@ -1,0 +1,23 @@
+"""The orchestrator's exceptions, in one flat hierarchy."""
+
+from __future__ import annotations
+
+
+class OrchestratorError(Exception):
+    """Base class."""
+
+
+class WouldBlock(OrchestratorError):
+    """A non-blocking acquire could not be granted now (or a blocking one timed out)."""
+
+
+class KVExhausted(OrchestratorError):
+    """The KV block pool has too few free blocks for the allocation."""
+
+
+class InvalidRequest(OrchestratorError, ValueError):
+    """A submitted request is malformed or exceeds the configured limits."""
+
+
+class NotRunning(OrchestratorError, RuntimeError):
+    """The receive group is not running on an event loop (not started, or stopped)."""

@@ -1,0 +1,136 @@
+"""Requests, their states, and the outcomes that cross between threads.
+
+Life cycle of a GEN request (``Sequence`` is the engine's record of one)::
+
+    submit ─> WAITING ──admit (budget, then KV)──> RECEIVING ──Completed──> RUNNING ──> FINISHED
+                 │  deferred: BACKPRESSURE | KV_EXHAUSTED    │ Failed(reason)              │ abort
+                 │ abort                                     ▼                             ▼
+                 └──────────────────────────────────────> FAILED / ABORTED <────────────────┘
+
+``IDEAL`` mode skips RECEIVING (KV is present at admission).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from transports import KVSlice
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RECEIVING = "receiving"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RequestState.FINISHED, RequestState.FAILED, RequestState.ABORTED)
+
+    def __repr__(self) -> str:
+        return f"RequestState.{self.name}"
+
+
+class DeferReason(enum.Enum):
+    """Why an admissible-looking request stayed WAITING this step."""
+
+    BACKPRESSURE = "backpressure"  # the transfer budget is full (or an earlier request waits on it)
+    KV_EXHAUSTED = "kv_exhausted"  # the KV pool has too few free blocks for it
+
+    def __repr__(self) -> str:
+        return f"DeferReason.{self.name}"
+
+
+class FailureReason(enum.Enum):
+    TIMEOUT = "timeout"  # kv_transfer_timeout_ms passed
+    PEER_ERROR = "peer_error"  # unreachable, connection closed, endpoint error
+    UNKNOWN_REQUEST = "unknown_request"  # the peer holds no KV for this id (released, lease expired)
+    PROTOCOL_ERROR = "protocol_error"  # the peer broke the wire protocol
+    AUTH_ERROR = "auth_error"  # authentication with the peer failed
+    ABORTED = "aborted"  # the request was aborted (client cancel) or the node is shutting down
+    INTERNAL = "internal"  # a bug; logged with its traceback
+
+    def __repr__(self) -> str:
+        return f"FailureReason.{self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GenRequest:
+    """A request whose prompt was prefilled on ``peer`` (a CTX node) and is to be decoded here.
+
+    ``first_token`` is the token the CTX prefill produced (at position ``prompt_len``);
+    ``max_tokens`` counts output tokens including that first one.
+    """
+
+    request_id: str
+    prompt_len: int
+    first_token: int
+    max_tokens: int
+    peer: str | None = None
+    kv_slice: KVSlice | None = None
+    eos_token: int | None = None
+    local_kv: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    """``IDEAL`` mode only: the prompt's KV in wire form, copied in at admission if given."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiveResult:
+    """The outcome of one receive, pushed by the event loop, drained by the execution thread."""
+
+    request_id: str
+    peer: str | None
+    bytes_moved: int
+    elapsed_s: float
+    failure: FailureReason | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What the engine emits: new tokens of a request, and its state once it ends."""
+
+    request_id: str
+    new_tokens: tuple[int, ...]
+    state: RequestState
+    failure: FailureReason | None = None
+    message: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.state.terminal
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """The engine's record of one request (owned by the execution thread)."""
+
+    request: GenRequest
+    arrival: float
+    num_blocks: int
+    """KV blocks reserved at admission: prompt plus every output token (no preemption later)."""
+    num_prompt_blocks: int
+    cost: int
+    """Bytes of its KV that pass through staging: the budget's one cost function."""
+    state: RequestState = RequestState.WAITING
+    block_ids: torch.Tensor | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    last_defer: DeferReason | None = None
+    abort_requested: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def position(self) -> int:
+        """Position of the newest token (the next decode step's input)."""
+        return self.request.prompt_len + len(self.tokens) - 1
