@@ -206,7 +206,7 @@ def _reason_bytes(reason: str) -> bytes:
 def encode(msg: Message) -> bytes:
     """The exact bytes of ``msg`` (header and body). Raises ``ValueError`` for unencodable fields."""
     flags = 0
-    txid = msg.txid
+    txid = getattr(msg, "txid", None)
     match msg:
         case AuthChallenge(nonce=nonce, auth_required=req):
             mtype, body = MsgType.AUTH_CHALLENGE, bytes(nonce)

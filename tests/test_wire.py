@@ -1,0 +1,155 @@
+"""The wire codec: every message round-trips, every malformed field is a ProtocolViolation."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from transports import KVSlice, ProtocolViolation
+from transports import wire
+from transports.wire import HEADER_BYTES, WireLimits
+
+LIMITS = WireLimits(max_request_id_len=64, max_transfer_bytes=1 << 30, max_layers=32, max_heads=16)
+SHAPE = (3, 2, 2, 4, 16, 64)
+NBYTES = 3 * 2 * 2 * 4 * 16 * 64 * 2
+
+
+def _pull(**kw: object) -> wire.Pull:
+    base = dict(txid=7, request_id="req-1", kv_slice=KVSlice(0, 2, 0, 4), dtype="float16", shape=SHAPE, nbytes=NBYTES, tag=15)
+    base.update(kw)
+    return wire.Pull(**base)  # type: ignore[arg-type]
+
+
+MESSAGES = [
+    wire.AuthChallenge(b"n" * 32, True),
+    wire.AuthChallenge(b"n" * 32, False),
+    wire.AuthResponse(b"c" * 32, b"m" * 32),
+    wire.AuthOk(b"m" * 32),
+    wire.AuthFail(wire.Status.AUTH_FAILED, "bad credentials"),
+    _pull(),
+    _pull(kv_slice=KVSlice(31, 32, 15, 16), shape=(1, 1, 2, 1, 16, 64), nbytes=1 * 1 * 2 * 16 * 64 * 2),
+    wire.PullOk(7, 15, "bfloat16", SHAPE, NBYTES),
+    wire.PullErr(7, wire.Status.UNKNOWN_REQUEST, "no KV held"),
+    wire.Ready(7),
+    wire.Abort(8),
+    wire.Release(9, "a.b:c-d_e"),
+    wire.ReleaseOk(9, True),
+    wire.ReleaseOk(9, False),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: wire.Message) -> None:
+    raw = wire.encode(msg)
+    assert wire.decode(raw, LIMITS) == msg
+    frame = wire.encode_frame(msg)
+    assert len(frame) == wire.FRAME_BYTES
+    assert wire.decode_frame(frame, LIMITS) == msg
+
+
+def _with_header(raw: bytes, **fields: int) -> bytes:
+    magic, version, mtype, flags, body_len, txid = struct.unpack_from("!4sBBHIQ", raw)
+    vals = dict(version=version, mtype=mtype, flags=flags, body_len=body_len, txid=txid)
+    vals.update(fields)
+    head = struct.pack("!4sBBHIQ", magic, vals["version"], vals["mtype"], vals["flags"], vals["body_len"], vals["txid"])
+    return head + raw[HEADER_BYTES:]
+
+
+def _reject(raw: bytes | bytearray, match: str) -> None:
+    with pytest.raises(ProtocolViolation, match=match):
+        wire.decode(raw, LIMITS)
+
+
+def test_header_fields_rejected() -> None:
+    raw = wire.encode(_pull())
+    _reject(b"", "truncated header")
+    _reject(raw[:10], "truncated header")
+    _reject(b"XXXX" + raw[4:], "bad magic")
+    _reject(_with_header(raw, version=2), "unsupported protocol version 2")
+    _reject(_with_header(raw, mtype=99), "unknown message type 99")
+    _reject(_with_header(raw, flags=1), "unknown flags")
+    _reject(_with_header(raw, body_len=len(raw)), "declared length")
+    _reject(_with_header(raw, body_len=1 << 31), "exceeds the frame")
+    _reject(raw + b"\0", "declared length")
+    _reject(raw[:-1], "declared length")
+
+
+def test_frame_checks() -> None:
+    frame = wire.encode_frame(wire.Ready(1))
+    frame[-1] = 1
+    with pytest.raises(ProtocolViolation, match="non-zero bytes"):
+        wire.decode_frame(frame, LIMITS)
+    with pytest.raises(ProtocolViolation, match="frame of"):
+        wire.decode_frame(bytes(10), LIMITS)
+
+
+def test_truncated_body_rejected() -> None:
+    raw = wire.encode(_pull())
+    for cut in range(HEADER_BYTES, len(raw)):
+        body = raw[HEADER_BYTES:cut]
+        _reject(_with_header(raw[:HEADER_BYTES], body_len=len(body)) + body, "PULL")
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(request_id="x" * 65), "request id length 65"),
+        (dict(request_id="bad id"), "characters outside"),
+        (dict(request_id="a/b"), "characters outside"),
+        (dict(dtype="int8", nbytes=NBYTES // 2), "unknown dtype 'int8'"),
+        (dict(dtype="float32"), "nbytes .* != prod"),
+        (dict(nbytes=NBYTES + 2), "nbytes .* != prod"),
+        (dict(shape=(3, 2, 2, 4, 16, 0), nbytes=0), "dim 5 = 0"),
+        (dict(shape=(1,) * 9, nbytes=2), "rank 9"),
+        (dict(kv_slice=KVSlice(0, 33, 0, 4)), "layer range 0:33"),
+        (dict(kv_slice=KVSlice(2, 2, 0, 4)), "layer range 2:2"),
+        (dict(kv_slice=KVSlice(0, 2, 3, 17)), "head range 3:17"),
+        (dict(shape=(1 << 20, 1024, 1), nbytes=(1 << 31)), "exceeds max_transfer_bytes"),
+    ],
+)
+def test_pull_fields_rejected(kw: dict[str, object], match: str) -> None:
+    _reject(wire.encode(_pull(**kw)), match)
+
+
+def test_huge_dims_rejected_before_allocation() -> None:
+    # dims whose product is astronomically large: rejected by arithmetic, nothing is allocated
+    msg = _pull(shape=(1 << 32,) * 8, nbytes=2)
+    _reject(wire.encode(msg), "nbytes 2 != prod")
+    _reject(wire.encode(_pull(shape=(1 << 33,), nbytes=2)), "dim 0")
+
+
+def test_other_fields_rejected() -> None:
+    err = bytearray(wire.encode(wire.PullErr(1, wire.Status.BUSY, "busy")))
+    err[HEADER_BYTES + 1] = 99  # status 99
+    _reject(err, "unknown status 99")
+    err = bytearray(wire.encode(wire.PullErr(1, wire.Status.BUSY, "busy")))
+    err[HEADER_BYTES + 4] = 0x07  # a control character in the reason
+    _reject(err, "printable")
+    long_reason = struct.pack("!HH", 1, 300) + b"a" * 300
+    _reject(_with_header(wire.encode(wire.Ready(1)), mtype=int(wire.MsgType.PULL_ERR), body_len=len(long_reason)) + long_reason, "300 bytes exceeds")
+    ok = bytearray(wire.encode(wire.ReleaseOk(1, True)))
+    ok[-1] = 2
+    _reject(ok, "released flag 2")
+    ready_with_body = _with_header(wire.encode(wire.Ready(1)), body_len=1) + b"\0"
+    _reject(ready_with_body, "trailing bytes")
+    pull_ok = wire.encode(wire.PullOk(1, 3, "float16", (2, 2), 8))
+    _reject(_with_header(pull_ok, mtype=int(wire.MsgType.PULL_OK)).replace(b"float16", b"float17"), "unknown dtype")
+    rel = wire.encode(wire.Release(1, "abc")).replace(b"abc", b"a\xffc")
+    _reject(rel, "characters outside")
+
+
+def test_encode_refuses_bad_fields() -> None:
+    with pytest.raises(ValueError):
+        wire.encode(wire.AuthOk(b"short"))
+    with pytest.raises(ValueError):
+        wire.encode(_pull(txid=-1))
+    with pytest.raises(ValueError):
+        wire.encode("not a message")  # type: ignore[arg-type]
+
+
+def test_limits_must_fit_a_frame() -> None:
+    with pytest.raises(ValueError):
+        WireLimits(max_request_id_len=4096)
+    with pytest.raises(ValueError):
+        WireLimits(max_transfer_bytes=0)
