@@ -92,5 +92,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+
+
+async def _client(args: argparse.Namespace) -> None:
+    """``python -m tests._ucx_peer client --peer HOST:PORT --request req-0``: one pull, one JSON line."""
+    from transports._auth import load_secret
+    from transports.ucx import UCXConfig, UCXTransport
+
+    total = args.requests * args.blocks + 8
+    expected = make_pool(LAYOUT, total)[block_ids(args.index, args.blocks, total)]
+    into = torch.empty(LAYOUT.staging_shape(args.blocks), dtype=LAYOUT.dtype)
+    async with UCXTransport(UCXConfig(secret=load_secret(), connect_timeout_s=args.timeout)) as t:
+        try:
+            n = await t.pull(args.peer, f"req-{args.index}", LAYOUT.full_slice(), into)
+            out = {"ok": True, "bytes": n, "equal": bool(torch.equal(into, expected))}
+        except Exception as exc:
+            out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(out), flush=True)
+
+
+def client_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--peer", required=True)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=10.0)
+    args = p.parse_args(argv)
+    import anyio
+    import structlog
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    anyio.run(_client, args, backend="asyncio")
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["client"]:
+        sys.exit(client_main(sys.argv[2:]))
     sys.exit(main())

@@ -61,6 +61,7 @@ UCX_DEFAULTS: dict[str, str] = {
     "UCX_MM_ERROR_HANDLING": "y",
     "UCX_CMA_MEMORY_INVALIDATE": "y",
     "UCX_CMA_SEG_SIZE": "4M",
+    "UCX_TCP_CM_REUSEADDR": "y",  # a restarted CTX can listen on its old port at once
     "UCX_WARN_UNUSED_ENV_VARS": "n",  # ucxx sets UCX_MEMTYPE_CACHE, which UCX >= 1.19 warns about
 }
 

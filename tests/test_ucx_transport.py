@@ -1,0 +1,394 @@
+"""UCXTransport (in this process) against a UCXKVServer in another process (tests/_ucx_peer.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from tests._ucx_peer import LAYOUT, block_ids, make_pool
+from transports import (
+    AuthenticationFailed,
+    KVSlice,
+    PeerClosed,
+    ProtocolViolation,
+    Transport,
+    TransportError,
+    UnknownRequest,
+)
+from transports import wire
+
+ucxx = pytest.importorskip("ucxx")
+
+from transports.ucx import UCXConfig, UCXTransport, _ucx_buffer, apply_ucx_defaults  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = b"test-secret-0123456789abcdef"
+REQUESTS, BLOCKS = 40, 8
+TOTAL = REQUESTS * BLOCKS + 8
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # ucxx is asyncio-only
+
+
+class Peer:
+    """A CTX process; ``stats()`` asks it what its store still holds."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, secret: bytes | None = SECRET, prefix: list[str] | None = None) -> None:
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop("KVO_SHARED_SECRET", None)
+        if secret is not None:
+            full_env["KVO_SHARED_SECRET"] = secret.decode()
+        cmd = [*(prefix or []), sys.executable, "-m", "tests._ucx_peer", "--requests", str(REQUESTS), "--blocks", str(BLOCKS), *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.port = int(self._reply()["port"])
+
+    def _reply(self) -> dict:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"peer exited with {self.proc.poll()}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stats(self) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    async def astats(self) -> dict:
+        return await anyio.to_thread.run_sync(self.stats)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f:
+                f.close()
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    p = Peer()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_peer() -> Iterator[Peer]:
+    p = Peer("--gather-delay", "0.6")
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+async def transport():
+    t = UCXTransport(UCXConfig(secret=SECRET, connect_timeout_s=5))
+    yield t
+    await t.aclose()
+
+
+POOL = make_pool(LAYOUT, TOTAL)
+
+
+def expected(index: int, kv_slice: KVSlice | None = None) -> torch.Tensor:
+    s = kv_slice or LAYOUT.full_slice()
+    picked = POOL[block_ids(index, BLOCKS, TOTAL)]
+    return picked[:, s.layer_start : s.layer_end, :, s.head_start : s.head_end].contiguous()
+
+
+def empty(kv_slice: KVSlice | None = None, blocks: int = BLOCKS) -> torch.Tensor:
+    return torch.full(LAYOUT.staging_shape(blocks, kv_slice), float("nan"), dtype=LAYOUT.dtype)
+
+
+async def wait_released(peer: Peer, *ids: str) -> dict:
+    while True:
+        stats = await peer.astats()
+        if not set(ids) & set(stats["held"]):
+            return stats
+        await anyio.sleep(0.05)
+
+
+def test_defaults_do_not_override_user_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_RNDV_SCHEME", "get_zcopy")
+    monkeypatch.delenv("UCX_CMA_SEG_SIZE", raising=False)
+    applied = apply_ucx_defaults()
+    assert applied["UCX_RNDV_SCHEME"] == "get_zcopy"
+    assert applied["UCX_CMA_SEG_SIZE"] == "4M"
+
+
+def test_config_requires_secret_or_explicit_insecure() -> None:
+    with pytest.raises(ValueError, match="shared secret"):
+        UCXConfig()
+    with structlog_capture() as logs:
+        UCXTransport(UCXConfig(allow_insecure=True))
+    assert any(e["event"] == "ucx_auth_disabled" for e in logs)
+
+
+def structlog_capture():
+    import structlog.testing
+
+    return structlog.testing.capture_logs()
+
+
+@pytest.mark.anyio
+async def test_pull_is_bit_identical_and_released(peer: Peer, transport: UCXTransport) -> None:
+    assert isinstance(transport, Transport)
+    with anyio.fail_after(20):
+        into = empty()
+        n = await transport.pull(peer.address, "req-0", LAYOUT.full_slice(), into)
+        assert n == into.nbytes == LAYOUT.staging_bytes(BLOCKS)
+        assert torch.equal(into, expected(0))
+        part = KVSlice(1, 3, 1, 4)
+        into = empty(part)
+        await transport.pull(peer.address, "req-1", part, into)
+        assert torch.equal(into, expected(1, part))
+        stats = await wait_released(peer, "req-0", "req-1")
+        assert stats["pulls_served"] >= 2
+        assert transport.statistics().endpoints == 1
+        with pytest.raises(UnknownRequest):  # released after a successful pull
+            await transport.pull(peer.address, "req-0", LAYOUT.full_slice(), empty())
+
+
+@pytest.mark.anyio
+async def test_concurrent_pulls_on_one_endpoint_do_not_mix(peer: Peer, transport: UCXTransport) -> None:
+    ids = range(2, 26)
+    out = {i: empty() for i in ids}
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for i in ids:
+                tg.start_soon(transport.pull, peer.address, f"req-{i}", LAYOUT.full_slice(), out[i])
+    for i in ids:
+        assert torch.equal(out[i], expected(i)), i
+    assert transport.statistics().endpoints == 1
+    assert transport.statistics().pulls_ok == len(ids)
+
+
+@pytest.mark.anyio
+async def test_unknown_request_and_bad_into(peer: Peer, transport: UCXTransport) -> None:
+    with anyio.fail_after(20):
+        with pytest.raises(UnknownRequest):
+            await transport.pull(peer.address, "no-such-request", LAYOUT.full_slice(), empty())
+        # wrong number of blocks: the server refuses before sending a byte, the entry stays held
+        wrong = empty(blocks=BLOCKS - 1)
+        with pytest.raises(ProtocolViolation, match="SHAPE_MISMATCH"):
+            await transport.pull(peer.address, "req-26", LAYOUT.full_slice(), wrong)
+        assert torch.isnan(wrong).all()
+        # `into` that cannot hold the slice, a bad dtype, a bad id: refused before any message
+        for bad_into, rid in [
+            (empty(KVSlice(0, 2, 0, 4)), "req-26"),
+            (empty().float(), "req-26"),
+            (empty().transpose(0, 1), "req-26"),
+            (empty(), "bad id with spaces"),
+        ]:
+            with pytest.raises(ProtocolViolation):
+                await transport.pull(peer.address, rid, LAYOUT.full_slice(), bad_into)
+        assert "req-26" in (await peer.astats())["held"]
+        # the endpoint is still fine
+        into = empty()
+        await transport.pull(peer.address, "req-26", LAYOUT.full_slice(), into)
+        assert torch.equal(into, expected(26))
+
+
+@pytest.mark.anyio
+async def test_release(peer: Peer, transport: UCXTransport) -> None:
+    with anyio.fail_after(20):
+        await transport.release(peer.address, "req-27")
+        assert "req-27" not in (await peer.astats())["held"]
+        await transport.release(peer.address, "req-27")  # already released: fine
+        with pytest.raises(UnknownRequest):
+            await transport.pull(peer.address, "req-27", LAYOUT.full_slice(), empty())
+
+
+@pytest.mark.anyio
+async def test_duplicate_concurrent_pull_and_cancel(slow_peer: Peer, transport: UCXTransport) -> None:
+    a, b = empty(), empty()
+    results: dict[str, object] = {}
+
+    async def pull(name: str, into: torch.Tensor) -> None:
+        try:
+            results[name] = await transport.pull(slow_peer.address, "req-0", LAYOUT.full_slice(), into)
+        except TransportError as exc:
+            results[name] = exc
+
+    with anyio.fail_after(20):
+        await transport.connect(slow_peer.address)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pull, "a", a)
+            await anyio.sleep(0.2)
+            tg.start_soon(pull, "b", b)
+        assert results["a"] == a.nbytes and torch.equal(a, expected(0))
+        assert isinstance(results["b"], TransportError) and "BUSY" in str(results["b"])
+
+        # cancel a pull while the server prepares it: ABORT is sent, nothing lands, the entry stays
+        c = empty()
+        with anyio.move_on_after(0.2):
+            await transport.pull(slow_peer.address, "req-1", LAYOUT.full_slice(), c)
+        await anyio.sleep(1.0)
+        assert torch.isnan(c).all()
+        assert "req-1" in (await slow_peer.astats())["held"]
+        d = empty()
+        await transport.pull(slow_peer.address, "req-1", LAYOUT.full_slice(), d)  # same endpoint
+        assert torch.equal(d, expected(1))
+        assert transport.statistics().endpoints == 1
+
+
+@pytest.mark.anyio
+async def test_peer_killed_mid_pull_then_restarted(transport: UCXTransport) -> None:
+    victim = Peer("--gather-delay", "3")
+    port = victim.port
+    try:
+        with anyio.fail_after(30):
+            await transport.connect(victim.address)
+            failures: list[BaseException] = []
+
+            async def doomed(i: int) -> None:
+                try:
+                    await transport.pull(victim.address, f"req-{i}", LAYOUT.full_slice(), empty())
+                except PeerClosed as exc:
+                    failures.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(doomed, i)
+                await anyio.sleep(0.5)
+                killed_at = anyio.current_time()
+                await anyio.to_thread.run_sync(victim.kill)
+            assert len(failures) == 3
+            assert anyio.current_time() - killed_at < 5
+            assert transport.statistics().endpoints == 0  # the stale endpoint is gone
+
+            again = Peer("--port", str(port))
+            try:
+                into = empty()
+                await transport.pull(again.address, "req-2", LAYOUT.full_slice(), into)
+                assert torch.equal(into, expected(2))
+            finally:
+                again.stop()
+    finally:
+        victim.stop()
+
+
+@pytest.mark.anyio
+async def test_wrong_or_missing_secret_moves_zero_bytes(peer: Peer) -> None:
+    rid = "req-39"
+    with anyio.fail_after(30):
+        for config in (UCXConfig(secret=b"wrong-secret-wrong-secret"), UCXConfig(allow_insecure=True)):
+            async with UCXTransport(config) as t:
+                into = empty()
+                with pytest.raises(AuthenticationFailed):
+                    await t.pull(peer.address, rid, LAYOUT.full_slice(), into)
+                assert torch.isnan(into).all()
+                assert t.statistics().endpoints == 0
+        # a raw client that skips the handshake and asks for KV straight away
+        apply_ucx_defaults()
+        ep = await ucxx.create_endpoint("127.0.0.1", peer.port)
+        try:
+            pull = wire.Pull(1, rid, LAYOUT.full_slice(), "float16", LAYOUT.staging_shape(BLOCKS), LAYOUT.staging_bytes(BLOCKS), 3)
+            await ep.send(wire.encode_frame(pull), tag=0)
+            into = empty()
+            with anyio.move_on_after(1.5):
+                await ep.recv(_ucx_buffer(into), tag=3)
+            assert torch.isnan(into).all()
+        except Exception:
+            pass  # the server closing the endpoint is the expected outcome
+        finally:
+            ep.abort()
+            ucxx.reset()
+        stats = await peer.astats()
+        assert rid in stats["held"]
+        assert stats["auth_failures"] >= 2  # wrong secret, raw PULL (the secretless client gives up itself)
+
+
+@pytest.mark.anyio
+async def test_secure_client_refuses_insecure_server() -> None:
+    open_peer = Peer("--insecure", secret=None)
+    try:
+        with anyio.fail_after(20):
+            async with UCXTransport(UCXConfig(secret=SECRET)) as t:
+                with pytest.raises(AuthenticationFailed, match="does not authenticate"):
+                    await t.connect(open_peer.address)
+            async with UCXTransport(UCXConfig(allow_insecure=True)) as t:
+                into = empty()
+                await t.pull(open_peer.address, "req-3", LAYOUT.full_slice(), into)
+                assert torch.equal(into, expected(3))
+    finally:
+        open_peer.stop()
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "the `ip` tool (iproute2) is missing"
+    return None
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_netns_unavailable() is not None, reason=_netns_unavailable() or "")
+def test_pull_across_network_namespaces() -> None:
+    """CTX in one namespace, GEN in another, joined by a veth pair; UCX over tcp only on the veth."""
+    tag = uuid.uuid4().hex[:6]
+    ns_ctx, ns_gen = f"kvo-ctx-{tag}", f"kvo-gen-{tag}"
+    veth_ctx, veth_gen = f"kvc{tag}", f"kvg{tag}"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    peer: Peer | None = None
+    try:
+        try:
+            ip("netns", "add", ns_ctx)
+            ip("netns", "add", ns_gen)
+            ip("link", "add", veth_ctx, "type", "veth", "peer", "name", veth_gen)
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"cannot create namespaces here: {exc.stderr.decode().strip()}")
+        ip("link", "set", veth_ctx, "netns", ns_ctx)
+        ip("link", "set", veth_gen, "netns", ns_gen)
+        for ns, dev, addr in ((ns_ctx, veth_ctx, "10.213.0.1/24"), (ns_gen, veth_gen, "10.213.0.2/24")):
+            ip("-n", ns, "addr", "add", addr, "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": veth_ctx}
+        peer = Peer(env=env, prefix=["ip", "netns", "exec", ns_ctx])
+        client_env = {**os.environ, "KVO_SHARED_SECRET": SECRET.decode(), "UCX_TLS": "tcp", "UCX_NET_DEVICES": veth_gen}
+        cmd = ["ip", "netns", "exec", ns_gen, sys.executable, "-m", "tests._ucx_peer", "client",
+               "--peer", f"10.213.0.1:{peer.port}", "--index", "5", "--requests", str(REQUESTS), "--blocks", str(BLOCKS)]
+        done = subprocess.run(cmd, cwd=ROOT, env=client_env, capture_output=True, text=True, timeout=40)
+        result = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])
+        assert result == {"ok": True, "bytes": LAYOUT.staging_bytes(BLOCKS), "equal": True}, done.stderr[-2000:]
+        assert "req-5" not in peer.stats()["held"]
+    finally:
+        if peer is not None:
+            peer.stop()
+        for ns in (ns_ctx, ns_gen):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
