@@ -21,9 +21,17 @@ def loop_caller() -> Callable[[Callable[[], object]], None]:
 
         loop = asyncio.get_running_loop()
 
+        def in_asyncio(fn: Callable[[], object]) -> None:
+            # a bare loop callback has no current task, so anyio cannot tell which backend runs it
+            token = sniffio.current_async_library_cvar.set("asyncio")
+            try:
+                fn()
+            finally:
+                sniffio.current_async_library_cvar.reset(token)
+
         def schedule(fn: Callable[[], object]) -> None:
             try:
-                loop.call_soon_threadsafe(fn)
+                loop.call_soon_threadsafe(in_asyncio, fn)
             except RuntimeError:  # loop closed: nobody is left to wake
                 pass
 

@@ -18,7 +18,7 @@ from anyio.lowlevel import checkpoint
 from anyio import wait_all_tasks_blocked
 
 from orchestrator import DecodeBatch, GenEngine, GenRequest, Mode, OrchestratorConfig, RequestOutput
-from transports import KVLayout, KVStore
+from transports import KVLayout, KVSlice, KVStore
 from transports.inproc import InProcTransport
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
@@ -59,6 +59,7 @@ class CheckingStep:
         self.peers = peers
         self.layout = layout
         self.decoded: list[list[str]] = []
+        self.slices: dict[str, KVSlice] = {}
 
     def __call__(self, batch: DecodeBatch) -> list[int]:
         self.decoded.append(list(batch.request_ids))
@@ -67,6 +68,10 @@ class CheckingStep:
                 expected = peer.expected.get(rid)
                 if expected is not None:
                     got = batch.kv[blocks[: expected.shape[0]]]
+                    s = self.slices.get(rid)
+                    if s is not None:  # only this layer/head range was pulled
+                        got = got[:, s.layer_start : s.layer_end, :, s.head_start : s.head_end]
+                        expected = expected[:, s.layer_start : s.layer_end, :, s.head_start : s.head_end]
                     assert torch.equal(got, expected), f"{rid}: decode reads KV that is not what CTX computed"
         return [(int(t) + 1) % 256 for t in batch.tokens]
 
@@ -87,6 +92,8 @@ class Harness:
                 prefill: bool = True, **kw: object) -> GenRequest:
         if prefill:
             self.peers[peer].prefill(rid, prompt_len)
+        if kw.get("kv_slice") is not None:
+            self.step_fn.slices[rid] = kw["kv_slice"]  # type: ignore[assignment]
         return GenRequest(rid, prompt_len=prompt_len, first_token=7, max_tokens=max_tokens, peer=peer, **kw)
 
     def submit(self, rid: str, prompt_len: int = 8, max_tokens: int = 4, **kw: object) -> GenRequest:

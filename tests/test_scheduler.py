@@ -1,0 +1,118 @@
+"""Admission decisions, without an event loop: the scheduler is sync and does no I/O."""
+
+from __future__ import annotations
+
+from orchestrator import DeferReason, KVBlockPool, Mode, RequestState, TransferBudget
+from orchestrator._requests import GenRequest, Sequence
+from orchestrator._scheduler import Scheduler
+from tests.harness import BLOCK, LAYOUT, make_config
+
+
+def seq(rid: str, prompt_blocks: int, total_blocks: int | None = None) -> Sequence:
+    prompt_len = prompt_blocks * LAYOUT.block_size
+    return Sequence(
+        request=GenRequest(rid, prompt_len=prompt_len, first_token=1, max_tokens=1, peer="p"),
+        arrival=0.0,
+        num_blocks=total_blocks or prompt_blocks,
+        num_prompt_blocks=prompt_blocks,
+        cost=prompt_blocks * BLOCK,
+    )
+
+
+def make(num_blocks: int = 64, staging_blocks: int = 8, **kw: object):
+    config = make_config(num_blocks=num_blocks, staging_bytes=staging_blocks * BLOCK, **kw)
+    budget = TransferBudget(config.staging_bytes)
+    pool = KVBlockPool(LAYOUT, num_blocks)
+    return Scheduler(config, budget, pool), budget, pool
+
+
+def ids(result) -> list[str]:
+    return [a.seq.request_id for a in result.admitted]
+
+
+def test_budget_is_checked_before_kv_allocation_no_rollback() -> None:
+    sched, budget, pool = make(staging_blocks=8)
+    for rid, n in [("a", 6), ("b", 6)]:
+        sched.add(seq(rid, n))
+    result = sched.schedule(active=0)
+    assert ids(result) == ["a"]
+    assert result.deferred[DeferReason.BACKPRESSURE] == 1
+    # "b" was denied by the budget: it was never allocated (one allocation only, for "a").
+    assert pool.statistics().allocations == 1
+    assert pool.statistics().used_blocks == 6
+    assert [s.request_id for s in sched.waiting] == ["b"]
+    assert sched.waiting[0].block_ids is None and sched.waiting[0].state is RequestState.WAITING
+
+
+def test_fcfs_among_kv_fitting_requests_no_overtaking() -> None:
+    sched, budget, pool = make(staging_blocks=8)
+    hold = budget.acquire_nowait(4 * BLOCK)  # 4 blocks of budget free
+    sched.add(seq("big", 6))
+    sched.add(seq("small", 1))  # would fit in the budget, but must not overtake "big"
+    result = sched.schedule(active=0)
+    assert ids(result) == []
+    assert result.deferred[DeferReason.BACKPRESSURE] == 2
+    hold.release()
+    result = sched.schedule(active=0)
+    assert ids(result) == ["big", "small"]
+
+
+def test_request_that_does_not_fit_in_kv_neither_takes_nor_blocks_the_budget() -> None:
+    sched, budget, pool = make(num_blocks=10, staging_blocks=8)
+    held = pool.allocate(6)  # 4 KV blocks free
+    sched.add(seq("huge-kv", 2, total_blocks=8))  # small transfer, but needs 8 KV blocks
+    sched.add(seq("fits", 2, total_blocks=3))
+    result = sched.schedule(active=0)
+    assert ids(result) == ["fits"]
+    assert result.deferred == {DeferReason.KV_EXHAUSTED: 1, DeferReason.BACKPRESSURE: 0}
+    assert budget.statistics().in_use == 2 * BLOCK  # only "fits" holds tokens
+    pool.free(held)
+
+
+def test_backpressure_and_kv_exhaustion_are_counted_apart() -> None:
+    sched, budget, pool = make(num_blocks=8, staging_blocks=2)
+    sched.add(seq("a", 2))
+    sched.add(seq("b", 2))  # budget full after "a"
+    sched.add(seq("c", 1, total_blocks=20))  # can never fit this pool in KV right now
+    result = sched.schedule(active=0)
+    assert ids(result) == ["a"]
+    assert result.deferred == {DeferReason.BACKPRESSURE: 1, DeferReason.KV_EXHAUSTED: 1}
+    sched.schedule(active=1)  # same reasons again: one episode each
+    assert sched.deferral_episodes == {DeferReason.BACKPRESSURE: 1, DeferReason.KV_EXHAUSTED: 1}
+
+
+def test_oversized_request_is_admitted_alone_when_the_window_is_empty() -> None:
+    sched, budget, pool = make(staging_blocks=4)
+    sched.add(seq("small", 1))
+    sched.add(seq("oversized", 10))
+    sched.add(seq("after", 1))
+    result = sched.schedule(active=0)
+    assert ids(result) == ["small"]
+    result.admitted[0].grant.release()
+    result = sched.schedule(active=1)
+    assert ids(result) == ["oversized"]
+    grant = result.admitted[0].grant
+    assert grant.oversized and budget.statistics().available == 0
+    assert ids(sched.schedule(active=2)) == []  # "after" waits: the window is held
+    grant.release()
+    assert ids(sched.schedule(active=2)) == ["after"]
+
+
+def test_max_num_seqs_caps_admission_without_counting_a_deferral() -> None:
+    sched, budget, pool = make(max_num_seqs=2)
+    for rid in "abc":
+        sched.add(seq(rid, 1))
+    result = sched.schedule(active=1)
+    assert ids(result) == ["a"]
+    assert sum(result.deferred.values()) == 0
+    assert [s.request_id for s in sched.waiting] == ["b", "c"]
+
+
+def test_inline_mode_has_no_early_window() -> None:
+    sched, budget, pool = make(staging_blocks=1, mode=Mode.INLINE)
+    for rid in "ab":
+        sched.add(seq(rid, 4))
+    result = sched.schedule(active=0)
+    assert ids(result) == ["a", "b"]  # allocated first; staging is reserved later, blocking
+    assert all(a.grant is None for a in result.admitted)
+    assert budget.statistics().grants == 0

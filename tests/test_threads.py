@@ -1,0 +1,58 @@
+"""The real two-thread arrangement: an event-loop thread and an execution thread."""
+
+from __future__ import annotations
+
+import time
+
+from examples import embed
+from orchestrator import EngineThreads, GenEngine, Mode, RequestState
+from tests.harness import BLOCK, CheckingStep, CtxPeer, make_config
+from transports.inproc import InProcTransport
+
+
+def test_readme_embedding_example_runs() -> None:
+    tokens = embed.main()
+    assert tokens == {f"req-{i}": [101, 102, 103, 104] for i in range(4)}
+
+
+def run_load(mode: Mode, n: int = 60) -> tuple[GenEngine, dict[str, RequestState], EngineThreads]:
+    ctx = CtxPeer(num_blocks=512)
+    transport = InProcTransport({"ctx": ctx.store}, bandwidth_bytes_per_s=5e6, latency_s=0.001)
+    config = make_config(mode=mode, num_blocks=64, staging_bytes=6 * BLOCK, inline_reserve_timeout_s=0.02)
+    engine = GenEngine(config, transport, CheckingStep({"ctx": ctx}))
+    states: dict[str, RequestState] = {}
+    threads = EngineThreads(engine)
+    with threads:
+        for i in range(n):
+            rid = f"r{i}"
+            ctx.prefill(rid, 1 + (i * 5) % 17)
+            engine.submit(threads_request(rid, 1 + (i * 5) % 17, 2 + i % 7))
+        deadline = time.monotonic() + 60
+        while len(states) < n and time.monotonic() < deadline:
+            for out in engine.poll():
+                if out.finished:
+                    states[out.request_id] = out.state
+            time.sleep(0.005)
+    return engine, states, threads
+
+
+def threads_request(rid: str, prompt_len: int, max_tokens: int):
+    from orchestrator import GenRequest
+
+    return GenRequest(rid, prompt_len=prompt_len, first_token=1, max_tokens=max_tokens, peer="ctx")
+
+
+def test_engine_threads_finish_a_load_and_come_to_rest() -> None:
+    engine, states, threads = run_load(Mode.ORCHESTRATED)
+    assert len(states) == 60 and set(states.values()) == {RequestState.FINISHED}
+    assert engine.rest_problems() == []
+    stats = threads.loop.statistics()
+    assert stats.decode_iterations > 0
+    assert stats.blocked_ms.max == 0.0  # orchestrated: no explicit blocking wait on the execution thread
+
+
+def test_inline_mode_under_the_same_load_blocks_the_execution_thread() -> None:
+    engine, states, threads = run_load(Mode.INLINE)
+    assert len(states) == 60 and set(states.values()) == {RequestState.FINISHED}
+    assert engine.rest_problems() == []
+    assert threads.loop.statistics().blocked_ms.max > 0.0
