@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import sys
+import time
 import threading
 
 import anyio
@@ -170,16 +172,24 @@ def test_blocking_acquire_times_out_then_is_granted_from_another_thread() -> Non
     assert b.statistics().in_use == 0
 
 
-def test_two_threads_hammering_never_exceed_capacity_and_end_full() -> None:
+class _YieldingBudget(TransferBudget):
+    """Yields the GIL inside the grant step: harmless under the lock, a sure race without it."""
+
+    def _grant_locked(self, cost: int, charged: int):
+        time.sleep(0)
+        return super()._grant_locked(cost, charged)
+
+
+def test_threads_hammering_never_exceed_capacity_and_end_full() -> None:
     capacity = 1000
-    b = TransferBudget(capacity)
+    b = _YieldingBudget(capacity)
     errors: list[BaseException] = []
 
     def hammer(seed: int) -> None:
         rng = random.Random(seed)
         held = []
         try:
-            for _ in range(20_000):
+            for _ in range(10_000):
                 if held and rng.random() < 0.5:
                     held.pop(rng.randrange(len(held))).release()
                 else:
@@ -195,11 +205,16 @@ def test_two_threads_hammering_never_exceed_capacity_and_end_full() -> None:
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, to open every race window
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert not errors
     s = b.statistics()
     assert s.peak_in_use <= capacity
