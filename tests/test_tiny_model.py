@@ -276,8 +276,8 @@ def test_decode_b64_and_garbage_in_unread_slots(model: TinyModel) -> None:
     # Poison every slot that no sequence has written (unused blocks, tails of last blocks).
     used = torch.zeros(batch.pool.shape[0], BLOCK, dtype=torch.bool)
     for b, n in zip(batch.blocks, lengths, strict=True):
-        for t in range(n):
-            used[b[t // BLOCK], t % BLOCK] = True
+        t = torch.arange(n)
+        used[b[t // BLOCK], t % BLOCK] = True
     poisoned = batch.pool.permute(0, 4, 1, 2, 3, 5)  # [N, slot, ...] view
     garbage = torch.full(poisoned[~used].shape, float("nan"))
     garbage[::2] = float("inf")
@@ -309,3 +309,16 @@ def test_deterministic_exp_is_accurate_and_position_independent() -> None:
         for n in (1, 5, 17, 33):
             assert torch.equal(_exp_(x[start : start + n].clone()), e[start : start + n])
             assert torch.equal(_silu(x[start : start + n].clone()), _silu(x)[start : start + n])
+
+
+def test_prefill_equals_token_by_token_decode(model: TinyModel) -> None:
+    """A 150-token prefill (chunked attention, M=150 linears) == feeding the prompt one token at a time."""
+    prompt = _prompt(150, 8)
+    layout = model.kv_layout(BLOCK)
+    blocks = torch.randperm(12, generator=torch.Generator().manual_seed(8))[: layout.blocks_for(150)]
+    pool_a, pool_b = layout.new_pool(12), layout.new_pool(12)
+    expected = model.prefill_logits(prompt, pool_a, blocks)
+    for t, token in enumerate(prompt):
+        last = model.decode_logits(torch.tensor([token]), torch.tensor([t]), [blocks], pool_b)[0]
+    assert torch.equal(last, expected)
+    assert torch.equal(pool_a, pool_b)
