@@ -50,6 +50,7 @@ from ._store import KVStore
 log = structlog.get_logger("transports.ucx")
 
 CONTROL_TAG = 0
+_INLINE_GATHER_BYTES = 1 << 20  # CTX: gathers up to this size run on the event loop
 
 # Chosen from measurements on one host (docs/transport.md): put_zcopy rendezvous instead of the
 # tcp default; shared memory and cma zero-copy stay enabled with peer-failure detection on; the
@@ -659,7 +660,10 @@ class UCXKVServer:
             await self._refuse(ep, msg, wire.Status.SHAPE_MISMATCH, reason, transfers)
             return
         try:
-            staged = await anyio.to_thread.run_sync(self.store.gather, msg.request_id, msg.kv_slice)
+            if msg.nbytes <= _INLINE_GATHER_BYTES:  # cheaper than a hop to a worker thread
+                staged = self.store.gather(msg.request_id, msg.kv_slice)
+            else:
+                staged = await anyio.to_thread.run_sync(self.store.gather, msg.request_id, msg.kv_slice)
         except UnknownRequest:
             await self._refuse(ep, msg, wire.Status.UNKNOWN_REQUEST, "released while preparing", transfers)
             return
