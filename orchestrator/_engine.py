@@ -78,6 +78,9 @@ class StepReport:
     """Wall time of steps 1-4 (everything but the model step)."""
     blocked_s: float
     """Of that, time spent in explicit blocking waits (staging reserve, peer handshake)."""
+    stalled_s: float
+    """Of that, wall time minus this thread's CPU time: off the CPU (waiting for the GIL, a lock,
+    a blocking wait, or preempted)."""
     model_s: float
 
 
@@ -106,6 +109,7 @@ class GenEngine:
         step_fn: StepFn,
         *,
         on_output: Callable[[RequestOutput], None] | None = None,
+        on_received: Callable[[str, torch.Tensor], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if transport is None and config.mode is not Mode.IDEAL:
@@ -138,6 +142,7 @@ class GenEngine:
                 config.layout,
                 timeout_s=config.kv_transfer_timeout_ms / 1e3,
                 on_result=self._on_result,
+                on_received=on_received,
             )
             if transport is not None
             else None
@@ -194,6 +199,7 @@ class GenEngine:
 
     def step(self) -> StepReport:
         t0 = self._clock()
+        c0 = time.thread_time()
         self._drain_inbox()
         self._drain_completions()
         sched = self.scheduler.schedule(active=len(self._receiving) + len(self._running))
@@ -201,11 +207,12 @@ class GenEngine:
         for admission in sched.admitted:
             blocked += self._start_receive(admission)
         t1 = self._clock()
+        stalled = max(0.0, (t1 - t0) - (time.thread_time() - c0))
         batch_size = len(self._running)
         if batch_size:
             self._decode()
         t2 = self._clock()
-        return StepReport(batch_size, len(sched.admitted), sched.deferred, t1 - t0, blocked, t2 - t1)
+        return StepReport(batch_size, len(sched.admitted), sched.deferred, t1 - t0, blocked, stalled, t2 - t1)
 
     def _drain_inbox(self) -> None:
         while True:

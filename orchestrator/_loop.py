@@ -46,6 +46,7 @@ class LoopStatistics:
     decode_iterations: int
     orchestration_ms: Percentiles
     blocked_ms: Percentiles
+    stalled_ms: Percentiles
     model_ms: Percentiles
     mean_batch: float
 
@@ -80,12 +81,14 @@ class DecodeLoop:
         decode = [r for r in reports if r.batch_size]
         orch = np.array([r.orchestration_s * 1e3 for r in reports])
         blocked = np.array([r.blocked_s * 1e3 for r in reports])
+        stalled = np.array([r.stalled_s * 1e3 for r in reports])
         model = np.array([r.model_s * 1e3 for r in decode])
         return LoopStatistics(
             iterations=len(reports),
             decode_iterations=len(decode),
             orchestration_ms=Percentiles.of(orch),
             blocked_ms=Percentiles.of(blocked),
+            stalled_ms=Percentiles.of(stalled),
             model_ms=Percentiles.of(model),
             mean_batch=float(np.mean([r.batch_size for r in decode])) if decode else 0.0,
         )

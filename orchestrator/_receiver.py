@@ -112,6 +112,7 @@ class ReceiveGroup:
         *,
         timeout_s: float,
         on_result: Callable[[ReceiveResult], None],
+        on_received: Callable[[str, torch.Tensor], None] | None = None,
         release_timeout_s: float = 1.0,
     ) -> None:
         self._transport = transport
@@ -120,6 +121,7 @@ class ReceiveGroup:
         self._timeout_s = timeout_s
         self._release_timeout_s = release_timeout_s
         self._on_result = on_result
+        self._on_received = on_received
         self._call: Callable[[Callable[[], object]], None] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._stop: anyio.Event | None = None
@@ -247,6 +249,8 @@ class ReceiveGroup:
                             moved += await self._pull_chunk(job, chunk, last=i == len(job.chunks) - 1)
                         if self._pool.is_cuda:
                             await anyio.to_thread.run_sync(torch.cuda.synchronize)
+                        if self._on_received is not None:  # e.g. checksums, before decode writes
+                            self._on_received(rid, job.block_ids)
                     result = ReceiveResult(rid, peer, moved, time.perf_counter() - started)
                 except TimeoutError:
                     result = self._failed(job, moved, started, FailureReason.TIMEOUT, f"no KV within {self._timeout_s:.3f} s")
@@ -280,7 +284,10 @@ class ReceiveGroup:
             self._staging_bytes += nbytes
             self._peak_staging_bytes = max(self._peak_staging_bytes, self._staging_bytes)
         try:
-            moved = await self._transport.pull(job.peer, job.request_id, chunk, staging, release=last)
+            if last:  # the default: the peer frees its copy once this pull succeeded
+                moved = await self._transport.pull(job.peer, job.request_id, chunk, staging)
+            else:
+                moved = await self._transport.pull(job.peer, job.request_id, chunk, staging, release=False)
             scatter(self._pool, job.block_ids, staging, chunk)
             return moved
         finally:

@@ -1,0 +1,53 @@
+"""``python -m examples.two_node {ctx,gen,client,demo} ...`` — see README.md."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import structlog
+
+
+def _configure_logging(level: str) -> None:
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.JSONRenderer(),
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["client"]:
+        from examples.two_node import client
+
+        return client.main(argv[1:])
+    if argv[:1] == ["demo"]:
+        from examples.two_node import demo
+
+        return demo.main(argv[1:])
+    from examples.two_node import common, ctx, gen
+
+    parser = argparse.ArgumentParser(prog="python -m examples.two_node")
+    parser.add_argument("--log-level", default="info")
+    sub = parser.add_subparsers(dest="role", required=True)
+    for name, module, help_ in [("ctx", ctx, "run a CTX (prefill) node"), ("gen", gen, "run a GEN (decode) node")]:
+        p = sub.add_parser(name, help=help_)
+        module.add_args(p)
+        common.add_model_args(p)
+        common.add_security_args(p)
+    sub.add_parser("client", help="drive a load (see: client --help)")
+    sub.add_parser("demo", help="start CTX and GEN, drive a load, check parity (see: demo --help)")
+    args = parser.parse_args(argv)
+    _configure_logging(args.log_level)
+    return {"ctx": ctx.main, "gen": gen.main}[args.role](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""The GEN node: receive KV from CTX nodes off the execution thread, decode, stream tokens back.
+
+    event-loop thread (asyncio): control server, UCX transport, the engine's receive task group,
+                                 the output pump (engine outputs -> each request's connection)
+    execution thread:            DecodeLoop: engine.step() -> model decode step (or device step)
+
+A "generate" connection submits one request and streams its tokens; closing it early aborts the
+request (blocks and budget come back; CTX is told to free its copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import anyio
+import structlog
+import torch
+
+from examples.two_node import control
+from examples.two_node.common import announce_ready, block_checksums, build_model, ucx_config
+from orchestrator import (
+    DecodeBatch,
+    DecodeLoop,
+    GenEngine,
+    GenRequest,
+    InvalidRequest,
+    Mode,
+    OrchestratorConfig,
+    RequestOutput,
+)
+from orchestrator._threads import loop_caller
+from transports.ucx import UCXTransport
+
+log = structlog.get_logger("examples.gen")
+
+
+class DeviceStep:
+    """A decode step that costs device time, as on an accelerator: ``base_ms + per_seq_us * B`` of
+    wall time with the CPU and the GIL free (``time.sleep``), like waiting for a GPU kernel."""
+
+    def __init__(self, base_ms: float, per_seq_us: float, vocab_size: int) -> None:
+        self.base_s = base_ms / 1e3
+        self.per_seq_s = per_seq_us / 1e6
+        self.vocab_size = vocab_size
+
+    def __call__(self, batch: DecodeBatch) -> torch.Tensor:
+        time.sleep(self.base_s + self.per_seq_s * len(batch))
+        return (batch.tokens * 31 + batch.positions) % self.vocab_size
+
+
+class GenNode:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.model = build_model(args)
+        layout = self.model.kv_layout(args.block_size)
+        self.config = OrchestratorConfig(
+            layout=layout,
+            num_blocks=args.num_blocks,
+            staging_bytes=args.staging_bytes or OrchestratorConfig.staging_bytes_for_tokens(layout, args.max_tokens_in_buffer),
+            mode=Mode(args.mode),
+            kv_transfer_timeout_ms=args.kv_transfer_timeout_ms,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.model.config.max_seq_len,
+        )
+        if args.step == "device":
+            self.step_fn: Any = DeviceStep(args.device_step_ms, args.device_step_us_per_seq, self.model.config.vocab_size)
+        else:
+            m = self.model
+            self.step_fn = lambda b: m.decode(b.tokens, b.positions, b.block_tables, b.kv)
+        self.checksums: dict[str, list[int]] = {}
+        self._streams: dict[str, Any] = {}
+        self._pending: collections.deque[RequestOutput] = collections.deque()
+        self._pump_flag = threading.Event()
+        self._call: Any = None
+        self.engine: GenEngine | None = None
+        self.loop: DecodeLoop | None = None
+
+    # -- output routing: execution thread -> event loop, one wake-up per burst ---------------------
+    def _on_output(self, out: RequestOutput) -> None:
+        self._pending.append(out)
+        if not self._pump_flag.is_set():
+            self._pump_flag.set()
+            self._call(self._pump)
+
+    def _pump(self) -> None:
+        self._pump_flag.clear()
+        while self._pending:
+            out = self._pending.popleft()
+            send = self._streams.get(out.request_id)
+            if send is not None:
+                send.send_nowait(out)
+
+    def _on_received(self, request_id: str, block_ids: torch.Tensor) -> None:
+        if self.args.kv_checksums:
+            self.checksums[request_id] = block_checksums(self.engine.pool.kv, block_ids)  # type: ignore[union-attr]
+
+    # -- control ---------------------------------------------------------------------------------
+    async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
+        op = msg.get("op")
+        if op == "generate":
+            await self._generate(msg, stream)
+        elif op == "stats":
+            await stream.send(self.stats())
+        elif op == "reset_stats":
+            assert self.loop is not None
+            self.loop.reset_statistics()
+            await stream.send({"ok": True})
+        elif op == "ping":
+            await stream.send({"ok": True, "role": "gen", "mode": self.config.mode.value})
+        else:
+            raise control.ControlError(f"unknown op {op!r}")
+
+    async def _generate(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
+        assert self.engine is not None
+        limit = self.config.max_model_len
+        rid = control.field(msg, "request_id", str)
+        request = GenRequest(
+            request_id=rid,
+            prompt_len=control.field(msg, "prompt_len", int, lo=1, hi=limit),
+            first_token=control.field(msg, "first_token", int, lo=0, hi=self.model.config.vocab_size - 1),
+            max_tokens=control.field(msg, "max_tokens", int, lo=1, hi=limit),
+            peer=None if self.config.mode is Mode.IDEAL else control.field(msg, "kv_peer", str),
+        )
+        send, receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
+        self._streams[rid] = send
+        try:
+            try:
+                self.engine.submit(request)
+            except InvalidRequest as exc:
+                raise control.ControlError(str(exc)) from None
+            async with anyio.create_task_group() as tg:
+
+                async def watch_client() -> None:  # EOF before "done": the client gave up
+                    try:
+                        while True:
+                            await stream.receive()
+                    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                            control.ControlError, ConnectionError):
+                        pass
+                    log.info("client_gone", request_id=rid)
+                    self.engine.abort(rid)  # type: ignore[union-attr]
+
+                tg.start_soon(watch_client)
+                await self._stream_tokens(rid, receive, stream)
+                tg.cancel_scope.cancel()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+            self.engine.abort(rid)
+        finally:
+            self._streams.pop(rid, None)
+            self.checksums.pop(rid, None)
+            send.close()
+
+    async def _stream_tokens(self, rid: str, receive: Any, stream: control.JsonStream) -> None:
+        async with receive:
+            async for out in receive:
+                tokens = list(out.new_tokens)
+                while True:  # coalesce what is already there into one message
+                    try:
+                        more = receive.receive_nowait()
+                    except anyio.WouldBlock:
+                        break
+                    tokens.extend(more.new_tokens)
+                    out = more
+                if out.finished:
+                    if tokens:
+                        await stream.send({"tokens": tokens})
+                    await stream.send({"done": True, "state": out.state.value,
+                                       "failure": out.failure.value if out.failure else None,
+                                       "message": out.message, "kv_checksums": self.checksums.get(rid, [])})
+                    return
+                await stream.send({"tokens": tokens})
+
+    def stats(self) -> dict[str, Any]:
+        assert self.engine is not None and self.loop is not None
+        s = self.engine.statistics()
+        ls = self.loop.statistics()
+        return {
+            "ok": True,
+            "role": "gen",
+            "mode": self.config.mode.value,
+            "engine": {
+                "waiting": s.waiting, "receiving": s.receiving, "running": s.running,
+                "finished": s.finished, "aborted": s.aborted,
+                "failed": {r.value: n for r, n in s.failed.items()},
+                "deferrals": {r.value: n for r, n in s.deferral_episodes.items()},
+                "peak_staging_bytes": s.peak_staging_bytes,
+                "staging_budget_bytes": self.config.staging_bytes,
+                "inline_fallbacks": s.inline_fallbacks,
+                "budget": dataclasses.asdict(s.budget),
+                "pool": dataclasses.asdict(s.pool),
+            },
+            "loop": {
+                "iterations": ls.iterations, "decode_iterations": ls.decode_iterations, "mean_batch": ls.mean_batch,
+                **{name: dataclasses.asdict(getattr(ls, name))
+                   for name in ("orchestration_ms", "blocked_ms", "stalled_ms", "model_ms")},
+            },
+            "rest_problems": self.engine.rest_problems(),
+        }
+
+    # -- life cycle ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        args = self.args
+        self._call = loop_caller()
+        transport = UCXTransport(ucx_config(args)) if self.config.mode is not Mode.IDEAL else None
+        try:
+            self.engine = GenEngine(self.config, transport, self.step_fn, on_output=self._on_output,
+                                    on_received=self._on_received)
+            self.loop = DecodeLoop(self.engine)
+            stop = threading.Event()
+            async with anyio.create_task_group() as tg:
+                await self.engine.start(tg)
+                exec_thread = threading.Thread(target=self.loop.run, args=(stop,), name="execution", daemon=True)
+                exec_thread.start()
+                try:
+                    port = await tg.start(control.serve, args.host, args.port, self.handle)
+                    announce_ready(role="gen", ctrl=f"{args.host}:{port}", mode=self.config.mode.value)
+                    log.info("gen_ready", ctrl_port=port, mode=self.config.mode.value,
+                             staging_bytes=self.config.staging_bytes, num_blocks=self.config.num_blocks)
+                    await anyio.sleep_forever()
+                finally:
+                    stop.set()
+                    self.engine.wakeup.set()
+                    await anyio.to_thread.run_sync(exec_thread.join)
+                    self.engine.close()
+        finally:
+            if transport is not None:
+                with anyio.CancelScope(shield=True):
+                    await transport.aclose()
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="control-plane bind address")
+    p.add_argument("--port", type=int, default=0, help="control-plane port (0: pick one)")
+    p.add_argument("--ctx", action="append", default=[], help="a CTX node's control address HOST:PORT (repeatable; informational: each request names its KV peer)")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.ORCHESTRATED.value)
+    p.add_argument("--step", choices=["model", "device"], default="model")
+    p.add_argument("--device-step-ms", type=float, default=4.0, help="--step device: fixed cost of one decode iteration")
+    p.add_argument("--device-step-us-per-seq", type=float, default=5.0, help="--step device: added cost per sequence")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the GEN pool")
+    p.add_argument("--staging-bytes", type=int, default=0, help="transfer budget in bytes (overrides --max-tokens-in-buffer)")
+    p.add_argument("--max-tokens-in-buffer", type=int, default=8192, help="transfer budget in tokens of KV")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
+    p.add_argument("--no-kv-checksums", dest="kv_checksums", action="store_false",
+                   help="skip the per-block CRC of received KV (saves event-loop CPU in benchmarks)")
+
+
+def main(args: argparse.Namespace) -> int:
+    anyio.run(GenNode(args).run, backend="asyncio")
+    return 0
