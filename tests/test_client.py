@@ -1,0 +1,138 @@
+"""The load client: summary math, prompts, run_load against fake nodes; and (integration) a real
+CTX + GEN pair with the tiny model, whose tokens must equal the single-process reference."""
+
+from __future__ import annotations
+
+import array
+import math
+
+import anyio
+import numpy as np
+import pytest
+
+from examples.two_node import control
+from examples.two_node.client import LoadResult, RequestRecord, make_prompts, prompts_from_text, run_load, summarize
+
+
+def _rec(i: int, times: list[float], *, state: str = "finished", failure: str | None = None, ttft: float = 0.1,
+         ctx_sums: list[int] | None = None, gen_sums: list[int] | None = None) -> RequestRecord:
+    r = RequestRecord(f"r-{i}", i, "c", 8, len(times))
+    r.tokens = list(range(len(times)))
+    r.token_times = array.array("d", times)
+    r.t_start = times[0] - ttft if times else 0.0
+    r.t_end = times[-1] if times else 0.0
+    r.ttft_s = ttft
+    r.state, r.failure = state, failure
+    r.ctx_checksums, r.gen_checksums = ctx_sums, gen_sums
+    return r
+
+
+def test_summarize_math() -> None:
+    recs = [
+        _rec(0, [1.0, 1.1, 1.2, 1.3], ttft=0.1, ctx_sums=[1, 2], gen_sums=[1, 2]),  # tpot 100 ms
+        _rec(1, [2.0, 2.5], ttft=0.3, ctx_sums=[1], gen_sums=[9]),  # tpot 500 ms, checksum mismatch
+        _rec(2, [3.0], ttft=0.2, ctx_sums=[1], gen_sums=[]),  # one token: no TPOT; not compared
+        _rec(3, [4.0, 4.2], state="error", failure="timeout"),  # failure: excluded
+        _rec(4, [5.0, 5.1], state="failed", failure="peer_error"),
+    ]
+    s = summarize(LoadResult(recs, duration_s=2.0, concurrency=4))
+    assert s["requests"] == 5 and s["succeeded"] == 3 and s["failures"] == 2
+    assert s["failure_reasons"] == {"timeout": 1, "peer_error": 1}
+    assert s["output_tokens"] == 4 + 2 + 1
+    assert s["output_tok_s"] == pytest.approx(7 / 2.0)
+    # TPOT: per request (t_last - t_first) / (n - 1), then over requests
+    assert s["tpot_ms"]["n"] == 2
+    assert s["tpot_ms"]["mean"] == pytest.approx(300.0)
+    assert s["tpot_ms"]["p50"] == pytest.approx(300.0)
+    assert s["tpot_ms"]["p99"] == pytest.approx(100 + 0.99 * 400)
+    assert s["ttft_ms"]["mean"] == pytest.approx(200.0)
+    assert s["ttft_ms"]["p95"] == pytest.approx(float(np.percentile([100, 300, 200], 95)))
+    # ITL: gaps between streamed tokens after the first streamed one (request 0 only: 2 gaps)
+    assert s["itl_ms"]["n"] == 2 and s["itl_ms"]["mean"] == pytest.approx(100.0)
+    assert s["kv_checksum_compared"] == 2 and s["kv_checksum_mismatches"] == 1
+
+
+def test_summarize_empty() -> None:
+    s = summarize(LoadResult([], duration_s=0.0, concurrency=1))
+    assert s["requests"] == 0 and s["output_tok_s"] == 0.0 and s["tpot_ms"]["mean"] == 0.0
+
+
+def test_make_prompts_deterministic() -> None:
+    a = make_prompts(5, 33, seed=7)
+    assert a == make_prompts(5, 33, seed=7)
+    assert a[:3] == make_prompts(3, 33, seed=7)  # prompt i does not depend on n
+    assert a != make_prompts(5, 33, seed=8)
+    assert all(len(p) == 33 and p[0] == 256 and all(32 <= t < 127 for t in p[1:]) for p in a)
+    assert len({tuple(p) for p in a}) == 5
+    small = make_prompts(2, 10, seed=1, vocab_size=20, bos=False)
+    assert all(0 <= t < 20 for p in small for t in p)
+    assert prompts_from_text(["hi"]) == [[256, 104, 105]]
+    with pytest.raises(ValueError):
+        make_prompts(1, 0)
+
+
+# -- run_load against fake nodes (in this process) ----------------------------------------------
+
+async def _fake_ctx(msg: dict, stream: control.JsonStream) -> None:
+    ids = msg["prompt_ids"]
+    if ids[1] == 33:  # a prompt the fake CTX refuses
+        raise control.ControlError("refused")
+    await stream.send({"ok": True, "request_id": msg["request_id"], "first_token": sum(ids) % 256,
+                       "prompt_len": len(ids), "kv_peer": "127.0.0.1:9", "block_checksums": [len(ids), ids[1]]})
+
+
+async def _fake_gen(msg: dict, stream: control.JsonStream) -> None:
+    n, first = msg["max_tokens"], msg["first_token"]
+    if first % 7 == 0:  # a request the fake GEN fails
+        await stream.send({"done": True, "state": "failed", "failure": "timeout", "message": "x", "kv_checksums": []})
+        return
+    for k in range(1, n):
+        await anyio.sleep(0.001)
+        await stream.send({"tokens": [(first + k) % 256]})
+    await stream.send({"done": True, "state": "finished", "failure": None, "message": "",
+                       "kv_checksums": [msg["prompt_len"], 0]})
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_run_load_fake_nodes(anyio_backend: str) -> None:
+    prompts = make_prompts(40, 12, seed=3)
+    async with anyio.create_task_group() as tg:
+        ctx_port = await tg.start(control.serve, "127.0.0.1", 0, _fake_ctx)
+        gen_port = await tg.start(control.serve, "127.0.0.1", 0, _fake_gen)
+        res = await run_load(ctx=[f"127.0.0.1:{ctx_port}"], gen=f"127.0.0.1:{gen_port}", prompts=prompts,
+                             max_tokens=5, concurrency=8, progress=False, timeout_s=10)
+        tg.cancel_scope.cancel()
+    assert len(res.records) == 40 and [r.index for r in res.records] == list(range(40))
+    for r, p in zip(res.records, prompts):
+        if p[1] == 33:
+            assert r.failure == "prefill_rejected" and r.state == "error"
+        elif sum(p) % 256 % 7 == 0:
+            assert r.state == "failed" and r.failure == "timeout"
+        else:
+            assert r.ok
+            first = sum(p) % 256
+            assert r.tokens == [(first + k) % 256 for k in range(5)]
+            assert len(r.token_times) == 5 and list(r.token_times) == sorted(r.token_times)
+            assert r.checksum_ok is (p[1] == 0)  # fake GEN's checksums differ unless ids[1] == 0
+    s = summarize(res)
+    assert s["succeeded"] + s["failures"] == 40 and s["succeeded"] > 20
+    assert s["tpot_ms"]["mean"] > 0 and math.isfinite(s["ttft_ms"]["p99"])
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_run_load_unreachable_gen_and_timeout(anyio_backend: str) -> None:
+    async def slow_ctx(msg: dict, stream: control.JsonStream) -> None:
+        if msg["prompt_ids"][1] % 2:
+            await anyio.sleep(5)
+        await _fake_ctx(msg, stream)
+
+    prompts = [p for p in make_prompts(30, 6, seed=5) if p[1] != 33][:6]
+    async with anyio.create_task_group() as tg:
+        ctx_port = await tg.start(control.serve, "127.0.0.1", 0, slow_ctx)
+        res = await run_load(ctx=[f"127.0.0.1:{ctx_port}"], gen="127.0.0.1:1", prompts=prompts,
+                             max_tokens=3, concurrency=6, progress=False, timeout_s=0.5)
+        tg.cancel_scope.cancel()
+    for r, p in zip(res.records, prompts):
+        assert not r.ok
+        assert r.failure == ("timeout" if p[1] % 2 else "generate_error"), (r.failure, r.message)
+    assert summarize(res)["failures"] == len(prompts)
