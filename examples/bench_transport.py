@@ -64,6 +64,10 @@ VARIANTS: dict[str, dict[str, str]] = {  # --variants: what the defaults were ch
     "tcp-blocking": {**CONFIGS["tcp"], "UCXPY_PROGRESS_MODE": "blocking", "UCXPY_ENABLE_PYTHON_FUTURE": "0"},
     "shm-blocking": {**CONFIGS["shm"], "UCXPY_PROGRESS_MODE": "blocking", "UCXPY_ENABLE_PYTHON_FUTURE": "0"},
     "shm-thread-nofuture": {**CONFIGS["shm"], "UCXPY_ENABLE_PYTHON_FUTURE": "0"},
+    "tcp-rndv-auto": {**CONFIGS["tcp"], "UCX_RNDV_SCHEME": "auto"},
+    "no-mm-error-handling": {**CONFIGS["shm"], "UCX_MM_ERROR_HANDLING": "n", "UCX_CMA_MEMORY_INVALIDATE": "n",
+                             "UCX_CMA_SEG_SIZE": "512K"},
+    "shm-cma-seg-512k": {**CONFIGS["shm"], "UCX_CMA_SEG_SIZE": "512K"},
 }
 
 
