@@ -1,0 +1,193 @@
+"""Starting nodes as child processes (optionally inside a network namespace) and stopping them.
+
+    with NodeProcess.start(["ctx", ...], env=...) as ctx:    # waits for its READY line
+        ctx.info["ctrl"], ctx.info["ucx"]
+    # on exit: SIGTERM, then SIGKILL after a grace period; never leaves a stray process
+
+``Netns`` builds two network namespaces joined by a veth pair (root only), each with its own
+address and loopback: real separate network stacks on one machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from transports._auth import SECRET_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def node_env(secret: str | None = None, **extra: str) -> dict[str, str]:
+    """The environment for child nodes: this one, plus a shared secret (fresh unless given)."""
+    env = dict(os.environ)
+    env[SECRET_ENV] = secret or secrets.token_hex(32)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra)
+    return env
+
+
+class NodeProcess:
+    def __init__(self, proc: subprocess.Popen[str], info: dict[str, Any], log_path: Path) -> None:
+        self.proc = proc
+        self.info = info
+        self.log_path = log_path
+
+    @classmethod
+    def start(
+        cls,
+        args: list[str],
+        *,
+        env: dict[str, str],
+        netns: str | None = None,
+        timeout: float = 60.0,
+        log_dir: Path | None = None,
+    ) -> NodeProcess:
+        cmd = [sys.executable, "-m", "examples.two_node", *args]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvo-"))
+        log_path = log_dir / f"{args[0]}-{secrets.token_hex(3)}.log"
+        stderr: IO[str] = open(log_path, "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                start_new_session=True)
+        stderr.close()
+        try:
+            info = _wait_ready(proc, timeout)
+        except BaseException:
+            _stop(proc)
+            raise RuntimeError(f"{args[0]} node did not start; its log {log_path}:\n{_tail(log_path)}") from None
+        return cls(proc, info, log_path)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+    def __enter__(self) -> NodeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, lines: int = 20) -> str:
+        return _tail(self.log_path, lines)
+
+
+def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    while time.monotonic() < deadline:
+        if not sel.select(timeout=min(0.5, max(0.0, deadline - time.monotonic()))):
+            if proc.poll() is not None:
+                raise RuntimeError("exited before READY")
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("exited before READY")
+        if line.startswith("READY "):
+            return json.loads(line[6:])
+    raise TimeoutError("no READY line")
+
+
+def _stop(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class Netns:
+    """Two network namespaces joined by a veth pair: ``a`` at ``addr_a``, ``b`` at ``addr_b``."""
+
+    def __init__(self, tag: str | None = None) -> None:
+        tag = tag or secrets.token_hex(2)
+        self.a, self.b = f"kvo-a-{tag}", f"kvo-b-{tag}"
+        self._veth_a, self._veth_b = f"kva{tag}", f"kvb{tag}"
+        self.addr_a, self.addr_b = "10.231.0.1", "10.231.0.2"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why namespaces cannot be made here (None when they can)."""
+        if os.geteuid() != 0:
+            return "creating network namespaces needs root"
+        if shutil.which("ip") is None:
+            return "iproute2 ('ip') is not installed"
+        return None
+
+    def __enter__(self) -> Netns:
+        try:
+            for cmd in (
+                f"ip netns add {self.a}",
+                f"ip netns add {self.b}",
+                f"ip link add {self._veth_a} type veth peer name {self._veth_b}",
+                f"ip link set {self._veth_a} netns {self.a}",
+                f"ip link set {self._veth_b} netns {self.b}",
+                f"ip -n {self.a} addr add {self.addr_a}/24 dev {self._veth_a}",
+                f"ip -n {self.b} addr add {self.addr_b}/24 dev {self._veth_b}",
+                f"ip -n {self.a} link set {self._veth_a} up",
+                f"ip -n {self.b} link set {self._veth_b} up",
+                f"ip -n {self.a} link set lo up",
+                f"ip -n {self.b} link set lo up",
+            ):
+                subprocess.run(cmd.split(), check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as exc:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"{' '.join(exc.cmd)} failed: {exc.stderr.strip()}") from None
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for ns in (self.a, self.b):  # deleting a namespace deletes its end of the veth pair
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+
+    @contextlib.contextmanager
+    def entered(self, ns: str) -> Iterator[None]:
+        """Run this process's own sockets inside ``ns`` for the duration (setns), then come back."""
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        home = os.open("/proc/self/ns/net", os.O_RDONLY)
+        target = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+        try:
+            if libc.setns(target, 0x40000000) != 0:  # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), f"setns into {ns} failed")
+            yield
+        finally:
+            libc.setns(home, 0x40000000)
+            os.close(target)
+            os.close(home)
