@@ -5,7 +5,8 @@ It fills a deterministic KV pool (``make_pool``), holds ``--requests`` requests 
 ``UCXKVServer``. Once listening it prints one JSON line ``{"port": ..., "pid": ...}``. Then it
 answers stdin commands, one JSON line each: ``stats`` (store statistics and held ids),
 ``put <id>`` (hold one more request). The secret comes from ``KVO_SHARED_SECRET``; ``--insecure``
-serves without one. ``--gather-delay S`` makes every gather sleep S seconds (to kill it mid-pull).
+serves without one. ``--gather-delay S`` makes every gather sleep S seconds (to kill it mid-pull),
+``--send-delay S`` sleeps after READY (to cancel a pull whose receive is posted).
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ async def _main(args: argparse.Namespace) -> None:
         store.put(f"req-{i}", block_ids(i, args.blocks, total), num_tokens=args.blocks * LAYOUT.block_size, lease_s=args.lease)
     secret = None if args.insecure else load_secret()
     config = UCXConfig(secret=secret, allow_insecure=args.insecure, expire_interval_s=0.2)
-    async with UCXKVServer(store, config, port=args.port) as server:
+
+    class Server(UCXKVServer):
+        async def _before_send(self, msg: object) -> None:
+            await anyio.sleep(args.send_delay)
+
+    async with Server(store, config, port=args.port) as server:
         print(json.dumps({"port": server.port, "pid": __import__("os").getpid()}), flush=True)
         while True:
             line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
@@ -81,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--lease", type=float, default=600.0)
     p.add_argument("--gather-delay", type=float, default=0.0)
+    p.add_argument("--send-delay", type=float, default=0.0, help="sleep after READY, before sending the KV")
     p.add_argument("--insecure", action="store_true")
     args = p.parse_args(argv)
     import anyio

@@ -203,6 +203,7 @@ async def test_unknown_request_and_bad_into(peer: Peer, transport: UCXTransport)
         with pytest.raises(ProtocolViolation, match="SHAPE_MISMATCH"):
             await transport.pull(peer.address, "req-26", LAYOUT.full_slice(), wrong)
         assert torch.isnan(wrong).all()
+        assert transport.statistics().endpoints == 1  # a refusal does not cost the endpoint
         # `into` that cannot hold the slice, a bad dtype, a bad id: refused before any message
         for bad_into, rid in [
             (empty(KVSlice(0, 2, 0, 4)), "req-26"),
@@ -260,6 +261,39 @@ async def test_duplicate_concurrent_pull_and_cancel(slow_peer: Peer, transport: 
         await transport.pull(slow_peer.address, "req-1", LAYOUT.full_slice(), d)  # same endpoint
         assert torch.equal(d, expected(1))
         assert transport.statistics().endpoints == 1
+
+
+@pytest.mark.anyio
+async def test_cancel_after_ready_drops_the_endpoint_only(transport: UCXTransport) -> None:
+    """A pull cancelled while its receive is posted: the endpoint goes (with the pulls on it), nothing
+    is written into the cancelled buffer later, the CTX keeps the entries, and a new pull works."""
+    lazy = Peer("--send-delay", "0.8")
+    try:
+        with anyio.fail_after(20):
+            await transport.connect(lazy.address)
+            a, b = empty(), empty()
+            other: list[BaseException] = []
+
+            async def bystander() -> None:
+                try:
+                    await transport.pull(lazy.address, "req-1", LAYOUT.full_slice(), b)
+                except PeerClosed as exc:
+                    other.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bystander)
+                with anyio.move_on_after(0.4) as scope:
+                    await transport.pull(lazy.address, "req-0", LAYOUT.full_slice(), a)
+            assert scope.cancelled_caught
+            assert len(other) == 1 and transport.statistics().endpoints == 0
+            await anyio.sleep(1.0)  # past the CTX's send delay
+            assert torch.isnan(a).all() and torch.isnan(b).all()
+            held = (await lazy.astats())["held"]
+            assert {"req-0", "req-1"} <= set(held)
+            await transport.pull(lazy.address, "req-0", LAYOUT.full_slice(), a)
+            assert torch.equal(a, expected(0))
+    finally:
+        lazy.stop()
 
 
 @pytest.mark.anyio

@@ -117,6 +117,7 @@ class UCXConfig:
     ready_timeout_s: float = 30.0  # CTX: how long a PULL_OK waits for READY/ABORT
     release_timeout_s: float = 2.0
     expire_interval_s: float = 1.0  # CTX: lease expiry period
+    max_pulls_per_endpoint: int = 256  # CTX: more in flight on one endpoint are refused (BUSY)
     limits: wire.WireLimits = dataclasses.field(default_factory=wire.WireLimits)
     ucx_env: tuple[tuple[str, str], ...] = ()  # extra UCX defaults, e.g. (("UCX_TLS", "tcp"),)
 
@@ -354,6 +355,7 @@ class UCXTransport:
             await conn.send(msg)
             reply = await conn.recv(2 * txid)
             if isinstance(reply, wire.PullErr):
+                phase = "refused"  # a refusal, not a broken peer: the endpoint stays
                 raise _pull_error(reply, peer, msg.request_id)
             if not isinstance(reply, wire.PullOk) or reply.txid != txid:
                 raise ProtocolViolation(f"unexpected reply to PULL {txid}: {reply!r}", peer=peer)
@@ -374,7 +376,8 @@ class UCXTransport:
                 await self._after_cancel(conn, txid, phase)
             raise
         except ProtocolViolation as exc:
-            conn.fail(exc)  # the peer broke the protocol: do not trust this endpoint again
+            if phase != "refused":
+                conn.fail(exc)  # the peer broke the protocol: do not trust this endpoint again
             raise
         finally:
             if conn.error is not None and self._eps.get(peer) is conn:
@@ -521,6 +524,9 @@ class UCXKVServer:
     async def serve_forever(self) -> None:
         await anyio.sleep_forever()
 
+    async def _before_send(self, msg: wire.Pull) -> None:
+        """Test seam: runs after READY, before the KV is sent."""
+
     async def _expire_loop(self) -> None:
         while True:
             await anyio.sleep(self.config.expire_interval_s)
@@ -595,6 +601,9 @@ class UCXKVServer:
                     if msg.txid in transfers or msg.tag != 2 * msg.txid + 1:
                         raise ProtocolViolation(f"PULL {msg.txid}: reused txid or foreign tag {msg.tag}")
                     transfers[msg.txid] = _Go()
+                    if len(transfers) > self.config.max_pulls_per_endpoint:
+                        tg.start_soon(self._refuse, ep, msg, wire.Status.BUSY, "too many pulls in flight", transfers)
+                        continue
                     tg.start_soon(self._serve_pull, ep, msg, transfers)
                 elif isinstance(msg, (wire.Ready, wire.Abort)):
                     go = transfers.get(msg.txid)
@@ -674,6 +683,7 @@ class UCXKVServer:
         if not go.ready:
             log.info("kv_pull_aborted", request_id=msg.request_id, reason="abort" if go.event.is_set() else "ready_timeout")
             return
+        await self._before_send(msg)
         await ep.send(_ucx_buffer(staged), tag=msg.tag)
         self._served += 1
         self._bytes += msg.nbytes
