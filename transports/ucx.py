@@ -519,6 +519,7 @@ class UCXKVServer:
                 ep.abort(period=10**8)
             self._eps.clear()
             self._listener = None
+            self._tg = None
             _ucx_release()
 
     async def serve_forever(self) -> None:

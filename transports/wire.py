@@ -333,7 +333,7 @@ def decode_frame(frame: bytes | bytearray | memoryview, limits: WireLimits) -> M
     kind, flags, body_len, txid = decode_header(frame)
     end = HEADER_BYTES + body_len
     view = memoryview(frame)
-    if any(view[end:]):
+    if bytes(view[end:]).lstrip(b"\0"):
         raise _bad(f"{kind.name}: non-zero bytes after the declared length")
     return _decode_body(kind, flags, txid, view[HEADER_BYTES:end], limits)
 
