@@ -36,6 +36,8 @@ class OrchestratorConfig:
     inline_reserve_timeout_s: float = 0.2
     """``inline`` mode only: how long the execution thread waits for staging before the slow fallback."""
     device: str = "cpu"
+    debug_poison_freed_blocks: bool = False
+    """Fill every freed KV block with NaN, so that a read of a freed block cannot go unnoticed."""
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.staging_bytes <= 0 or self.max_num_seqs <= 0:

@@ -117,7 +117,7 @@ class GenEngine:
         self.config = config
         self.layout = config.layout
         self.budget = TransferBudget(config.staging_bytes)
-        self.pool = KVBlockPool(config.layout, config.num_blocks, config.device)
+        self.pool = KVBlockPool(config.layout, config.num_blocks, config.device, poison_freed=config.debug_poison_freed_blocks)
         self.scheduler = Scheduler(config, self.budget, self.pool)
         self._step_fn = step_fn
         self._clock = clock
@@ -328,6 +328,8 @@ class GenEngine:
     def _abort(self, request_id: str) -> None:
         seq = self.scheduler.remove(request_id)
         if seq is not None:
+            if self.receiver is not None and seq.request.peer:  # the CTX may free its copy now
+                self.receiver.release_soon(seq.request.peer, request_id)
             self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted while waiting")
             return
         seq = self._receiving.get(request_id)
@@ -361,8 +363,8 @@ class GenEngine:
         else:
             assert failure is not None
             self._failed[failure] += 1
-            log.warning("request_failed", request_id=seq.request_id, peer=seq.request.peer,
-                        reason=failure.value, message=message)
+            # the receive task logged the one warning event (request id, peer, reason, bytes moved)
+            log.debug("request_failed", request_id=seq.request_id, peer=seq.request.peer, reason=failure.value)
         with self._live_lock:
             self._live.discard(seq.request_id)
         self._emit(RequestOutput(seq.request_id, new_tokens, state, failure, message))

@@ -5,6 +5,7 @@ every block is one contiguous region, so a request's KV can be scattered with on
 
     allocate(n) -> block ids (int64 tensor)   raises KVExhausted (its own outcome) when n > free
     free(block_ids)                            a block freed twice, or never allocated, is an error
+                                               (``poison_freed``: freed blocks are filled with NaN)
 
 The pool is owned by the execution thread; a lock keeps ``statistics()`` consistent from others.
 """
@@ -32,7 +33,9 @@ class PoolStatistics:
 
 
 class KVBlockPool:
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", *, poison_freed: bool = False
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.layout = layout
@@ -44,6 +47,7 @@ class KVBlockPool:
         self._peak = 0
         self._allocations = 0
         self._exhaustions = 0
+        self._poison = poison_freed
 
     @property
     def num_blocks(self) -> int:
@@ -78,6 +82,8 @@ class KVBlockPool:
                 raise ValueError(f"freeing blocks that are not allocated: {bad or ids}")
             for i in ids:
                 self._owned[i] = 0
+            if self._poison:
+                self.kv.index_fill_(0, block_ids.to(self.kv.device), float("nan"))
             self._free.extend(reversed(ids))
 
     def statistics(self) -> PoolStatistics:

@@ -149,6 +149,17 @@ class ReceiveGroup:
     def cancel(self, request_id: str) -> None:
         self._require_call()(lambda: self._cancel(request_id))
 
+    def release_soon(self, peer: str, request_id: str) -> None:
+        """Tell ``peer`` to free its copy of ``request_id`` (best effort, bounded, never blocks)."""
+        self.call_soon(lambda: self._tg.start_soon(self._release, peer, request_id) if self._tg else None)  # type: ignore[func-returns-value]
+
+    async def _release(self, peer: str, request_id: str) -> None:
+        with anyio.move_on_after(self._release_timeout_s, shield=True):
+            try:
+                await self._transport.release(peer, request_id)
+            except TransportError as exc:
+                log.info("release_not_delivered", request_id=request_id, peer=peer, error=str(exc))
+
     def call_soon(self, fn: Callable[[], object]) -> None:
         self._require_call()(fn)
 
@@ -262,11 +273,7 @@ class ReceiveGroup:
             if result is None:
                 result = self._failed(job, moved, started, FailureReason.ABORTED, "aborted")
             if result.failure in (FailureReason.ABORTED, FailureReason.TIMEOUT):
-                with anyio.move_on_after(self._release_timeout_s, shield=True):
-                    try:
-                        await self._transport.release(peer, rid)
-                    except TransportError as exc:
-                        log.info("release_not_delivered", request_id=rid, peer=peer, error=str(exc))
+                await self._release(peer, rid)
         finally:
             self._scopes.pop(rid, None)
             if result is None:  # cancelled from outside (shutdown) before a result was formed

@@ -1,0 +1,229 @@
+"""Faults with real processes: a GEN engine in this process, CTX peers in others, UCX between them.
+
+Each scenario is a failure reported in the field (see issue 5): CTX killed mid-transfer, GEN killed
+while CTX holds KV, client aborts in flight and while waiting, a completion that never arrives.
+Every test ends with the engine at rest (budget full, nothing in flight, every block free) and the
+CTX holding nothing it should not.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import anyio
+import pytest
+import torch
+
+from examples.two_node import control
+from examples.two_node.launch import NodeProcess, node_env
+from orchestrator import DecodeBatch, FailureReason, GenEngine, GenRequest, OrchestratorConfig, RequestState
+from tests._ucx_peer import LAYOUT
+from tests.test_ucx_transport import SECRET, Peer, expected, wait_released
+from transports.ucx import UCXConfig, UCXTransport
+
+pytestmark = pytest.mark.integration
+
+BLOCKS = 8  # per request on the test peer
+TOKENS = BLOCKS * LAYOUT.block_size
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class ExactStep:
+    """Decode step that checks every decoded request's prompt blocks hold exactly the CTX's KV."""
+
+    def __init__(self) -> None:
+        self.decoded: set[str] = set()
+
+    def __call__(self, batch: DecodeBatch) -> torch.Tensor:
+        for rid, blocks in zip(batch.request_ids, batch.block_tables):
+            index = int(rid.rsplit("-", 1)[1])
+            assert torch.equal(batch.kv[blocks[:BLOCKS]], expected(index)), f"{rid}: KV differs from CTX's"
+            self.decoded.add(rid)
+        return batch.tokens + 1
+
+
+class Gen:
+    """A GEN engine stepped from the test's event loop (its receive group runs there too)."""
+
+    def __init__(self, engine: GenEngine) -> None:
+        self.engine = engine
+        self.final: dict[str, object] = {}
+        self.ended_at: dict[str, float] = {}
+
+    def submit(self, rid: str, peer: Peer, max_tokens: int = 3) -> None:
+        self.engine.submit(GenRequest(rid, prompt_len=TOKENS, first_token=1, max_tokens=max_tokens, peer=peer.address))
+
+    async def step_until(self, done, timeout: float = 20.0) -> None:
+        with anyio.fail_after(timeout):
+            while True:
+                self.engine.step()
+                for out in self.engine.poll():
+                    if out.finished:
+                        self.final[out.request_id] = out
+                        self.ended_at[out.request_id] = time.monotonic()
+                if done():
+                    return
+                await anyio.sleep(0.005)
+
+    async def rest(self) -> None:
+        await self.step_until(lambda: not self.engine.rest_problems(), timeout=10)
+
+
+@pytest.fixture
+async def gen():
+    transport = UCXTransport(UCXConfig(secret=SECRET, connect_timeout_s=5))
+    made: list[Gen] = []
+
+    async with anyio.create_task_group() as tg:
+
+        async def make(**overrides: object) -> Gen:
+            cfg = dict(layout=LAYOUT, num_blocks=256, staging_bytes=64 * LAYOUT.block_bytes, kv_transfer_timeout_ms=20_000)
+            cfg.update(overrides)
+            engine = GenEngine(OrchestratorConfig(**cfg), transport, ExactStep())  # type: ignore[arg-type]
+            await engine.start(tg)
+            made.append(Gen(engine))
+            return made[-1]
+
+        try:
+            yield make
+            for g in made:
+                await g.rest()
+                assert g.engine.rest_problems() == []
+        finally:
+            for g in made:
+                g.engine.close()
+            with anyio.CancelScope(shield=True):
+                await transport.aclose()
+
+
+def state(g: Gen, rid: str):
+    return g.final[rid].state  # type: ignore[attr-defined]
+
+
+def failure(g: Gen, rid: str):
+    return g.final[rid].failure  # type: ignore[attr-defined]
+
+
+@pytest.mark.anyio
+async def test_ctx_killed_mid_transfer_fails_its_requests_only_then_restart_works(gen) -> None:
+    slow = Peer("--gather-delay", "3")  # its pulls are in flight for 3 s
+    fast = Peer()
+    try:
+        g = await gen()
+        doomed = [f"req-{i}" for i in range(4)]
+        fine = [f"req-{i}" for i in range(10, 14)]
+        for rid in doomed:
+            g.submit(rid, slow)
+        for rid in fine:
+            g.submit(rid, fast)
+        await g.step_until(lambda: all(r in g.final for r in fine))
+        assert g.engine.statistics().receiving == 4  # the slow ones are mid-transfer
+        killed_at = time.monotonic()
+        slow.kill()
+        await g.step_until(lambda: all(r in g.final for r in doomed))
+        for rid in doomed:
+            assert state(g, rid) is RequestState.FAILED and failure(g, rid) is FailureReason.PEER_ERROR
+            assert g.ended_at[rid] - killed_at < 5.0  # the endpoint error, well before the 20 s timeout
+        for rid in fine:
+            assert state(g, rid) is RequestState.FINISHED
+        await g.rest()  # budget full and every block free after the failures
+
+        restarted = Peer("--port", str(slow.port))  # same address: no stale endpoint may be reused
+        try:
+            g.submit("req-5", restarted)
+            await g.step_until(lambda: "req-5" in g.final)
+            assert state(g, "req-5") is RequestState.FINISHED
+            assert "req-5" in g.engine._step_fn.decoded  # type: ignore[attr-defined]
+        finally:
+            restarted.stop()
+    finally:
+        slow.stop()
+        fast.stop()
+
+
+@pytest.mark.anyio
+async def test_abort_in_flight_and_while_waiting_returns_everything_and_tells_ctx(gen) -> None:
+    peer = Peer("--gather-delay", "1.5")
+    try:
+        g = await gen(staging_bytes=BLOCKS * LAYOUT.block_bytes)  # the budget holds one request
+        g.submit("req-20", peer)  # in flight (slow gather)
+        g.submit("req-21", peer)  # waits for the budget
+        await g.step_until(lambda: g.engine.statistics().receiving == 1)
+        assert g.engine.statistics().waiting == 1
+        g.engine.abort("req-20")
+        g.engine.abort("req-21")
+        await g.step_until(lambda: {"req-20", "req-21"} <= set(g.final))
+        assert state(g, "req-20") is state(g, "req-21") is RequestState.ABORTED
+        await g.rest()
+        with anyio.fail_after(10):
+            stats = await wait_released(peer, "req-20", "req-21")  # CTX was told and freed both copies
+        assert "req-22" in stats["held"]  # and nothing else
+        assert not {"req-20", "req-21"} & g.engine._step_fn.decoded  # type: ignore[attr-defined]
+    finally:
+        peer.stop()
+
+
+@pytest.mark.anyio
+async def test_completion_that_never_arrives_times_out_instead_of_hanging(gen) -> None:
+    peer = Peer("--send-delay", "60")  # agrees to send, then never does
+    try:
+        g = await gen(kv_transfer_timeout_ms=1_000)
+        start = time.monotonic()
+        g.submit("req-30", peer)
+        await g.step_until(lambda: "req-30" in g.final, timeout=10)
+        assert failure(g, "req-30") is FailureReason.TIMEOUT
+        assert 0.9 < g.ended_at["req-30"] - start < 4.0
+        await g.rest()
+    finally:
+        peer.stop()
+
+
+def test_gen_killed_while_ctx_holds_kv_ctx_frees_it_when_the_lease_expires() -> None:
+    env = node_env()
+    with NodeProcess.start(["ctx", "--lease-s", "1.5", "--num-blocks", "256"], env=env) as ctx, \
+            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"]], env=env) as gen_node:
+
+        async def scenario() -> dict:
+            for i in range(3):
+                await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": f"held-{i}",
+                                                      "prompt_ids": list(range(40, 90)), "max_tokens": 4})
+            held = await control.call(ctx.info["ctrl"], {"op": "stats"})
+            assert held["store"]["held_requests"] == 3 and held["pool"]["used_blocks"] > 0
+            gen_node.kill(signal.SIGKILL)  # the GEN dies before pulling anything
+            with anyio.fail_after(10):
+                while (s := await control.call(ctx.info["ctrl"], {"op": "stats"}))["store"]["held_requests"]:
+                    await anyio.sleep(0.1)
+            return s
+
+        stats = anyio.run(scenario, backend="asyncio")
+        assert stats["store"]["expired"] == 3
+        assert stats["pool"]["used_blocks"] == 0  # the blocks went back to the CTX pool
+
+
+def test_client_cancel_mid_generation_releases_everything() -> None:
+    env = node_env()
+    with NodeProcess.start(["ctx", "--num-blocks", "256"], env=env) as ctx, \
+            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "256"], env=env) as gen_node:
+
+        async def scenario() -> dict:
+            r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": "cancel-me",
+                                                      "prompt_ids": list(range(40, 120)), "max_tokens": 1500})
+            stream = await control.connect(gen_node.info["ctrl"])
+            await stream.send({"op": "generate", "request_id": "cancel-me", "prompt_len": r["prompt_len"],
+                               "first_token": r["first_token"], "max_tokens": 1500, "kv_peer": r["kv_peer"]})
+            assert "tokens" in await stream.receive()
+            await stream.aclose()  # the client goes away mid-generation
+            with anyio.fail_after(10):
+                while True:
+                    s = await control.call(gen_node.info["ctrl"], {"op": "stats"})
+                    if s["engine"]["aborted"] == 1 and not s["rest_problems"]:
+                        return s
+                    await anyio.sleep(0.05)
+
+        stats = anyio.run(scenario, backend="asyncio")
+        assert stats["engine"]["pool"]["used_blocks"] == 0 and stats["engine"]["budget"]["in_use"] == 0
