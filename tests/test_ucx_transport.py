@@ -264,34 +264,43 @@ async def test_duplicate_concurrent_pull_and_cancel(slow_peer: Peer, transport: 
 
 
 @pytest.mark.anyio
-async def test_cancel_after_ready_drops_the_endpoint_only(transport: UCXTransport) -> None:
-    """A pull cancelled while its receive is posted: the endpoint goes (with the pulls on it), nothing
-    is written into the cancelled buffer later, the CTX keeps the entries, and a new pull works."""
-    lazy = Peer("--send-delay", "0.8")
+async def test_cancel_after_ready(transport: UCXTransport) -> None:
+    """A pull cancelled while its receive is posted waits for the transfer (within the grace), so
+    nothing lands in its buffer afterwards and the endpoint survives; past the grace the endpoint
+    (and the pulls on it) go, the CTX keeps the entries, and a new pull works."""
+    lazy = Peer("--send-delay", "1.2")
     try:
-        with anyio.fail_after(20):
-            await transport.connect(lazy.address)
-            a, b = empty(), empty()
-            other: list[BaseException] = []
-
-            async def bystander() -> None:
-                try:
-                    await transport.pull(lazy.address, "req-1", LAYOUT.full_slice(), b)
-                except PeerClosed as exc:
-                    other.append(exc)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(bystander)
-                with anyio.move_on_after(0.4) as scope:
-                    await transport.pull(lazy.address, "req-0", LAYOUT.full_slice(), a)
+        with anyio.fail_after(25):
+            # within the grace: the cancelled pull returns once its KV has landed
+            a = empty()
+            with anyio.move_on_after(0.3) as scope:
+                await transport.pull(lazy.address, "req-0", LAYOUT.full_slice(), a)
             assert scope.cancelled_caught
-            assert len(other) == 1 and transport.statistics().endpoints == 0
-            await anyio.sleep(1.0)  # past the CTX's send delay
-            assert torch.isnan(a).all() and torch.isnan(b).all()
-            held = (await lazy.astats())["held"]
-            assert {"req-0", "req-1"} <= set(held)
-            await transport.pull(lazy.address, "req-0", LAYOUT.full_slice(), a)
             assert torch.equal(a, expected(0))
+            assert transport.statistics().endpoints == 1
+
+            # past the grace: the endpoint is dropped, a bystander on it fails
+            async with UCXTransport(UCXConfig(secret=SECRET, cancel_grace_s=0.2)) as hasty:
+                await hasty.connect(lazy.address)
+                b, c = empty(), empty()
+                other: list[BaseException] = []
+
+                async def bystander() -> None:
+                    try:
+                        await hasty.pull(lazy.address, "req-2", LAYOUT.full_slice(), c)
+                    except PeerClosed as exc:
+                        other.append(exc)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(bystander)
+                    with anyio.move_on_after(0.3):
+                        await hasty.pull(lazy.address, "req-1", LAYOUT.full_slice(), b)
+                assert len(other) == 1 and hasty.statistics().endpoints == 0
+                await anyio.sleep(1.2)  # past the CTX's send delay
+                assert torch.isnan(b).all() and torch.isnan(c).all()
+                assert {"req-1", "req-2"} <= set((await lazy.astats())["held"])
+                await hasty.pull(lazy.address, "req-1", LAYOUT.full_slice(), b)
+                assert torch.equal(b, expected(1))
     finally:
         lazy.stop()
 

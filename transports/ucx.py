@@ -15,7 +15,8 @@ Life cycle of a GEN endpoint::
     usable  --ucxx error / peer killed / bad reply--> failed: the pulls on it fail with PeerClosed
             and it is dropped, so the next connect to that address makes a new one
     a pull cancelled before READY sends ABORT (endpoint stays usable); a pull cancelled after
-    READY (its receive into ``into`` is posted and cannot be withdrawn) fails the endpoint.
+    READY (its receive into ``into`` is posted and cannot be withdrawn) waits up to
+    ``cancel_grace_s`` for the transfer to end, and fails the endpoint only if it does not.
 
 ucxx reads its settings from the environment when its context is created, so ``apply_ucx_defaults``
 (called by both constructors) sets measured defaults with ``os.environ.setdefault``; a user's
@@ -24,6 +25,7 @@ environment wins. See docs/transport.md for the measurements.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import math
@@ -116,6 +118,7 @@ class UCXConfig:
     handshake_timeout_s: float = 5.0
     ready_timeout_s: float = 30.0  # CTX: how long a PULL_OK waits for READY/ABORT
     release_timeout_s: float = 2.0
+    cancel_grace_s: float = 2.0  # GEN: a pull cancelled mid-transfer waits this long for it to end
     expire_interval_s: float = 1.0  # CTX: lease expiry period
     max_pulls_per_endpoint: int = 256  # CTX: more in flight on one endpoint are refused (BUSY)
     limits: wire.WireLimits = dataclasses.field(default_factory=wire.WireLimits)
@@ -153,6 +156,12 @@ def _cancelled() -> type[BaseException]:
 
 
 # -- GEN side -------------------------------------------------------------------------------------
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieve a finished task's outcome so that asyncio does not report it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 class _Endpoint:
@@ -193,9 +202,31 @@ class _Endpoint:
             raise
         return wire.decode_frame(frame, self.limits)
 
-    async def recv_into(self, buf: Any, tag: int) -> None:
+    async def receive_data(self, ready: wire.Ready, buf: Any, tag: int, grace_s: float) -> None:
+        """Post the receive of the KV into ``buf``, send READY, wait for the KV.
+
+        Once READY may have left, the receive cannot be withdrawn, and with a put-based transport
+        (cma, RDMA) the CTX writes straight into ``buf``. So a cancelled caller waits, shielded,
+        up to ``grace_s`` for the transfer to end (the endpoint stays usable); only a transfer
+        that does not end in time costs the endpoint. ``buf`` is never written after this returns,
+        except by a peer that stalls past ``grace_s`` and then resumes (documented limitation).
+        """
         self._check()
-        await self._io(self.ep.recv(buf, tag=tag))
+        task = asyncio.ensure_future(self._io(self.ep.recv(buf, tag=tag)))
+        try:
+            await self.send(ready)
+            await asyncio.shield(task)
+        except BaseException as exc:
+            if not task.done():
+                with anyio.CancelScope(shield=True), anyio.move_on_after(grace_s):
+                    await asyncio.wait([task])
+            if not task.done():
+                task.add_done_callback(_consume)
+                self.fail(PeerClosed(f"receive on {self.peer} still busy {grace_s}s after {type(exc).__name__}; "
+                                     "endpoint dropped", peer=self.peer))
+            else:
+                _consume(task)
+            raise
 
     def fail(self, err: TransportError) -> None:
         if self.error is None:
@@ -368,8 +399,7 @@ class UCXTransport:
                     peer=peer,
                 )
             phase = "data"
-            await conn.send(wire.Ready(txid))
-            await conn.recv_into(_ucx_buffer(into), msg.tag)
+            await conn.receive_data(wire.Ready(txid), _ucx_buffer(into), msg.tag, self.config.cancel_grace_s)
             phase = "done"
         except _cancelled():
             with anyio.CancelScope(shield=True):
@@ -386,15 +416,13 @@ class UCXTransport:
         return msg.nbytes
 
     async def _after_cancel(self, conn: _Endpoint, txid: int, phase: str) -> None:
+        """A pull cancelled after PULL left and before READY: tell the CTX not to send (best effort)."""
         if phase == "request" and conn.error is None:
             with anyio.move_on_after(self.config.release_timeout_s):
                 try:
                     await conn.send(wire.Abort(txid))
-                    return
                 except TransportError:
-                    return
-        if phase == "data":
-            conn.fail(PeerClosed(f"pull {txid} cancelled while receiving; endpoint dropped", peer=conn.peer))
+                    pass
 
     async def release(self, peer: str, request_id: str) -> None:
         """Best effort: tell ``peer`` to free ``request_id``; failures are logged, not raised."""
