@@ -153,3 +153,30 @@ def test_limits_must_fit_a_frame() -> None:
         WireLimits(max_request_id_len=4096)
     with pytest.raises(ValueError):
         WireLimits(max_transfer_bytes=0)
+
+
+def test_load_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transports import _auth
+
+    monkeypatch.delenv(_auth.SECRET_ENV, raising=False)
+    assert _auth.load_secret() is None
+    monkeypatch.setenv(_auth.SECRET_ENV, "  from-the-environment-123  ")
+    assert _auth.load_secret() == b"from-the-environment-123"
+    f = tmp_path / "secret"
+    f.write_bytes(b"from-a-file-0123456789\n")
+    assert _auth.load_secret(path=f) == b"from-a-file-0123456789"  # a file wins over the env
+    monkeypatch.setenv(_auth.SECRET_ENV, "short")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        _auth.load_secret()
+
+
+def test_macs_are_mutual_and_role_bound() -> None:
+    from transports import _auth
+
+    k, ns, nc = b"k" * 32, _auth.new_nonce(), _auth.new_nonce()
+    c, s = _auth.client_mac(k, ns, nc), _auth.server_mac(k, ns, nc)
+    assert c != s  # a client MAC cannot be replayed as the server's proof
+    assert _auth.verify(c, _auth.client_mac(k, ns, nc))
+    assert not _auth.verify(c, _auth.client_mac(b"x" * 32, ns, nc))
+    assert not _auth.verify(c, _auth.client_mac(k, nc, ns))
+    assert not _auth.verify(c, c[:-1])
