@@ -68,6 +68,7 @@ VARIANTS: dict[str, dict[str, str]] = {  # --variants: what the defaults were ch
     "no-mm-error-handling": {**CONFIGS["shm"], "UCX_MM_ERROR_HANDLING": "n", "UCX_CMA_MEMORY_INVALIDATE": "n",
                              "UCX_CMA_SEG_SIZE": "512K"},
     "shm-cma-seg-512k": {**CONFIGS["shm"], "UCX_CMA_SEG_SIZE": "512K"},
+    "shm-no-delayed-submission": {**CONFIGS["shm"], "UCXPY_ENABLE_DELAYED_SUBMISSION": "0"},
 }
 
 

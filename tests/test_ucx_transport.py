@@ -307,7 +307,7 @@ async def test_cancel_after_ready(transport: UCXTransport) -> None:
 
 @pytest.mark.anyio
 async def test_peer_killed_mid_pull_then_restarted(transport: UCXTransport) -> None:
-    victim = Peer("--gather-delay", "3")
+    victim = Peer("--send-delay", "5")  # the pulls wait in the data phase, receive posted
     port = victim.port
     try:
         with anyio.fail_after(30):
@@ -323,7 +323,7 @@ async def test_peer_killed_mid_pull_then_restarted(transport: UCXTransport) -> N
             async with anyio.create_task_group() as tg:
                 for i in range(3):
                     tg.start_soon(doomed, i)
-                await anyio.sleep(0.5)
+                await anyio.sleep(0.8)
                 killed_at = anyio.current_time()
                 await anyio.to_thread.run_sync(victim.kill)
             assert len(failures) == 3
