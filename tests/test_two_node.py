@@ -45,6 +45,12 @@ def test_many_concurrent_requests_with_a_small_budget_really_backpressure() -> N
     assert report["gen"]["peak_staging_bytes"] <= report["gen"]["staging_budget_bytes"]
 
 
+def test_gen_pulls_from_two_ctx_nodes() -> None:
+    _, report = run_demo("--ctx-nodes", "2", "--requests", "16", "--concurrency", "8", "--isl", "60", "--osl", "6")
+    check(report, 16)
+    assert report["ctx"]["prefills"] == [8, 8]  # both CTX nodes served half the requests
+
+
 @pytest.mark.netns
 @pytest.mark.skipif(Netns.unavailable() is not None, reason=f"{Netns.unavailable()}")
 def test_disaggregated_parity_across_two_network_namespaces() -> None:

@@ -42,6 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="GEN transfer budget in tokens of KV (small enough that backpressure happens)")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per node")
     p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
+    p.add_argument("--ctx-nodes", type=int, default=1, help="CTX processes; the client spreads requests over them")
     p.add_argument("--netns", action="store_true", help="run CTX and GEN in two network namespaces (root)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--no-progress", action="store_true")
@@ -65,11 +66,14 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         ns = stack.enter_context(Netns()) if args.netns else None
         ctx_host = ns.addr_a if ns else "127.0.0.1"
         gen_host = ns.addr_b if ns else "127.0.0.1"
-        ctx = stack.enter_context(NodeProcess.start(
-            ["ctx", "--host", ctx_host, "--num-blocks", str(args.num_blocks)],
-            env=env, netns=ns.a if ns else None))
+        ctxs = [
+            stack.enter_context(NodeProcess.start(
+                ["ctx", "--host", ctx_host, "--num-blocks", str(args.num_blocks)], env=env, netns=ns.a if ns else None))
+            for _ in range(args.ctx_nodes)
+        ]
+        ctx_addrs = [c.info["ctrl"] for c in ctxs]
         gen = stack.enter_context(NodeProcess.start(
-            ["gen", "--host", gen_host, "--ctx", ctx.info["ctrl"], "--mode", args.mode,
+            ["gen", "--host", gen_host, *[a for addr in ctx_addrs for a in ("--ctx", addr)], "--mode", args.mode,
              "--num-blocks", str(args.num_blocks), "--max-tokens-in-buffer", str(args.max_tokens_in_buffer),
              "--kv-transfer-timeout-ms", str(args.kv_transfer_timeout_ms)],
             env=env, netns=ns.b if ns else None))
@@ -78,7 +82,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         prompts = client.make_prompts(args.requests, args.isl, seed=args.seed)
 
         async def drive() -> tuple[client.LoadResult, dict[str, Any]]:
-            result = await client.run_load(ctx=[ctx.info["ctrl"]], gen=gen.info["ctrl"], prompts=prompts,
+            result = await client.run_load(ctx=ctx_addrs, gen=gen.info["ctrl"], prompts=prompts,
                                            max_tokens=args.osl, concurrency=args.concurrency,
                                            progress=not args.no_progress, label="demo")
             with anyio.fail_after(30):  # the last completions reach GEN's engine asynchronously
@@ -88,7 +92,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 
         t0 = time.perf_counter()
         result, gen_stats = anyio.run(drive, backend="asyncio")
-        ctx_stats = anyio.run(control.call, ctx.info["ctrl"], {"op": "stats"}, backend="asyncio")
+        ctx_stats = [anyio.run(control.call, a, {"op": "stats"}, backend="asyncio") for a in ctx_addrs]
         load_s = time.perf_counter() - t0
     summary = client.summarize(result)
     reference = reference_tokens(prompts, args.osl)
@@ -127,7 +131,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
             "exec_stalled_ms": gen_stats["loop"]["stalled_ms"],
             "rest_problems": gen_stats["rest_problems"],
         },
-        "ctx": {"held_requests_after": ctx_stats["store"]["held_requests"]},
+        "ctx": {"nodes": len(ctx_stats), "prefills": [c["prefills"] for c in ctx_stats],
+                "held_requests_after": sum(c["store"]["held_requests"] for c in ctx_stats)},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "wall_s": load_s,
     }
