@@ -152,6 +152,21 @@ def test_config_requires_secret_or_explicit_insecure() -> None:
     with structlog_capture() as logs:
         UCXTransport(UCXConfig(allow_insecure=True))
     assert any(e["event"] == "ucx_auth_disabled" for e in logs)
+    assert SECRET.decode() not in repr(UCXConfig(secret=SECRET))
+
+
+@pytest.mark.anyio
+async def test_bad_or_dead_address_is_unreachable() -> None:
+    from transports import PeerUnreachable
+
+    with anyio.fail_after(15):
+        async with UCXTransport(UCXConfig(secret=SECRET, connect_timeout_s=1.0)) as transport:
+            with pytest.raises(PeerUnreachable, match="host:port"):
+                await transport.connect("no-port-here")
+            t0 = anyio.current_time()
+            with pytest.raises(PeerUnreachable):  # nothing listens there
+                await transport.pull("127.0.0.1:1", "req-0", LAYOUT.full_slice(), empty())
+            assert anyio.current_time() - t0 < 3
 
 
 def structlog_capture():

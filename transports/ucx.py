@@ -112,7 +112,7 @@ def _ucx_release() -> None:
 class UCXConfig:
     """Settings of both ends. ``secret`` is required unless ``allow_insecure`` is set."""
 
-    secret: bytes | None = None
+    secret: bytes | None = dataclasses.field(default=None, repr=False)
     allow_insecure: bool = False
     connect_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
@@ -298,7 +298,10 @@ class UCXTransport:
             return conn
 
     async def _open(self, peer: str) -> _Endpoint:
-        host, port = parse_peer(peer)
+        try:
+            host, port = parse_peer(peer)
+        except ValueError as exc:
+            raise PeerUnreachable(str(exc), peer=peer) from None
         if self._ucxx is None:
             self._ucxx = _ucx_acquire()
         timeout = self.config.connect_timeout_s
