@@ -525,6 +525,12 @@ class UCXKVServer:
     def statistics(self) -> UCXKVServerStatistics:
         return UCXKVServerStatistics(len(self._eps), self._served, self._refused, self._bytes, self._auth_failures)
 
+    def __repr__(self) -> str:
+        s = self.statistics()
+        where = f"port {self.port}" if self._listener is not None else "not listening"
+        return (f"<UCXKVServer [{where}, {s.connections} connections, {s.pulls_served} served, "
+                f"{s.pulls_refused} refused, {s.bytes_sent} bytes, {s.auth_failures} auth failures]>")
+
     async def __aenter__(self) -> UCXKVServer:
         ucxx = _ucx_acquire()
         try:
