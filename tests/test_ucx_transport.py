@@ -195,6 +195,18 @@ async def test_pull_is_bit_identical_and_released(peer: Peer, transport: UCXTran
 
 
 @pytest.mark.anyio
+async def test_chunked_pull_keeps_the_entry_until_the_last_chunk(peer: Peer, transport: UCXTransport) -> None:
+    with anyio.fail_after(20):
+        first, last = KVSlice(0, 2, 0, 4), KVSlice(2, 4, 0, 4)
+        a, b = empty(first), empty(last)
+        await transport.pull(peer.address, "req-28", first, a, release=False)
+        assert "req-28" in (await peer.astats())["held"]
+        await transport.pull(peer.address, "req-28", last, b)
+        assert torch.equal(a, expected(28, first)) and torch.equal(b, expected(28, last))
+        await wait_released(peer, "req-28")
+
+
+@pytest.mark.anyio
 async def test_concurrent_pulls_on_one_endpoint_do_not_mix(peer: Peer, transport: UCXTransport) -> None:
     ids = range(2, 26)
     out = {i: empty() for i in ids}

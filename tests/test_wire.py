@@ -28,6 +28,7 @@ MESSAGES = [
     wire.AuthOk(b"m" * 32),
     wire.AuthFail(wire.Status.AUTH_FAILED, "bad credentials"),
     _pull(),
+    _pull(release=False),
     _pull(kv_slice=KVSlice(31, 32, 15, 16), shape=(1, 1, 2, 1, 16, 64), nbytes=1 * 1 * 2 * 16 * 64 * 2),
     wire.PullOk(7, 15, "bfloat16", SHAPE, NBYTES),
     wire.PullErr(7, wire.Status.UNKNOWN_REQUEST, "no KV held"),
@@ -69,6 +70,7 @@ def test_header_fields_rejected() -> None:
     _reject(_with_header(raw, version=2), "unsupported protocol version 2")
     _reject(_with_header(raw, mtype=99), "unknown message type 99")
     _reject(_with_header(raw, flags=1), "unknown flags")
+    _reject(_with_header(wire.encode(wire.Ready(1)), flags=2), "unknown flags")  # KEEP is for PULL only
     _reject(_with_header(raw, body_len=len(raw)), "declared length")
     _reject(_with_header(raw, body_len=1 << 31), "exceeds the frame")
     _reject(raw + b"\0", "declared length")

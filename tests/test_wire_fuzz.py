@@ -19,6 +19,9 @@ LIMITS = wire.WireLimits(max_request_id_len=64, max_transfer_bytes=1 << 28, max_
 FUZZ = settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=False)
 
 SEEDS = [
+    wire.encode(wire.Pull(3, "r", KVSlice(1, 2, 1, 2), "bfloat16", (1, 1, 2, 1, 4, 8), 128, 7, False)),
+]
+SEEDS += [
     wire.encode(m)
     for m in (
         wire.AuthChallenge(b"n" * 32, True),

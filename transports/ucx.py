@@ -369,8 +369,12 @@ class UCXTransport:
             raise ProtocolViolation(f"PULL would break the protocol: {exc}", peer=peer) from None
         return msg
 
-    async def pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor) -> int:
-        template = self._pull_message(peer, request_id, kv_slice, into)
+    async def pull(
+        self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *, release: bool = True
+    ) -> int:
+        """Pull into ``into``; with ``release`` (the default) the CTX frees the entry once it is sent,
+        without it (every chunk of a chunked receive but the last) the CTX keeps it."""
+        template = dataclasses.replace(self._pull_message(peer, request_id, kv_slice, into), release=release)
         try:
             n = await self._pull(peer, template, into)
         except BaseException:
@@ -725,5 +729,6 @@ class UCXKVServer:
         await ep.send(_ucx_buffer(staged), tag=msg.tag)
         self._served += 1
         self._bytes += msg.nbytes
-        self.store.release(msg.request_id)
-        log.info("kv_pull_served", request_id=msg.request_id, bytes=msg.nbytes)
+        if msg.release:
+            self.store.release(msg.request_id)
+        log.info("kv_pull_served", request_id=msg.request_id, bytes=msg.nbytes, released=msg.release)

@@ -12,11 +12,12 @@ peer declared.
 Life cycle of one pull (after the handshake)::
 
     GEN                                      CTX
-    PULL(txid, id, slice, dtype, shape, nbytes, tag) ->
+    PULL(txid, id, slice, dtype, shape, nbytes, tag[, KEEP]) ->
                                           <- PULL_OK(txid, tag, dtype, shape, nbytes) | PULL_ERR
     (checks the reply against ``into``, posts the receive on ``tag``)
     READY(txid) ->                        (or ABORT(txid): nothing is sent, the entry is kept)
-                                          <- KV bytes on the data tag, then CTX releases the entry
+                                          <- KV bytes on the data tag, then CTX releases the
+                                             entry (unless the PULL had FLAG_KEEP: a chunk)
     RELEASE(txid, id) ->                  <- RELEASE_OK(txid, released)
 
 Handshake (mutual HMAC, see ``_auth``): CTX sends AUTH_CHALLENGE(nonce), GEN answers AUTH_RESPONSE
@@ -57,7 +58,9 @@ _REASON_RE = re.compile(rb"[\x20-\x7e]*")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 assert set(_ITEMSIZE) == set(_DTYPES)
 
-FLAG_AUTH_REQUIRED = 0x0001
+FLAG_AUTH_REQUIRED = 0x0001  # AUTH_CHALLENGE: the server wants a MAC
+FLAG_KEEP = 0x0002  # PULL: do not release the entry after a successful send (a chunk, not the last)
+_ALLOWED_FLAGS = {"AUTH_CHALLENGE": FLAG_AUTH_REQUIRED, "PULL": FLAG_KEEP}
 
 
 class MsgType(enum.IntEnum):
@@ -148,6 +151,7 @@ class Pull:
     shape: tuple[int, ...]
     nbytes: int
     tag: int
+    release: bool = True  # False: the CTX keeps the entry after this pull (FLAG_KEEP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +227,9 @@ def encode(msg: Message) -> bytes:
             mtype = MsgType.AUTH_FAIL if isinstance(msg, AuthFail) else MsgType.PULL_ERR
             r = _reason_bytes(reason)
             body = _ERR_FIXED.pack(int(status), len(r)) + r
-        case Pull(request_id=rid, kv_slice=s, dtype=dtype, shape=shape, nbytes=nbytes, tag=tag):
+        case Pull(request_id=rid, kv_slice=s, dtype=dtype, shape=shape, nbytes=nbytes, tag=tag, release=release):
             r = rid.encode("ascii")
+            flags = 0 if release else FLAG_KEEP
             body = (
                 _PULL_FIXED.pack(len(r), len(dtype), len(shape), s.layer_start, s.layer_end,
                                  s.head_start, s.head_end, nbytes, tag)
@@ -310,7 +315,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> tuple[MsgType, int, in
         kind = MsgType(mtype)
     except ValueError:
         raise _bad(f"unknown message type {mtype}") from None
-    allowed = FLAG_AUTH_REQUIRED if kind is MsgType.AUTH_CHALLENGE else 0
+    allowed = _ALLOWED_FLAGS.get(kind.name, 0)
     if flags & ~allowed:
         raise _bad(f"{kind.name}: unknown flags 0x{flags:04x}")
     if body_len > FRAME_BYTES - HEADER_BYTES:
@@ -409,7 +414,7 @@ def _decode_body(kind: MsgType, flags: int, txid: int, body: memoryview, limits:
             raise _bad(f"PULL: request id length {id_len} outside 1..{limits.max_request_id_len}")
         rid = _request_id(r.take(id_len), limits, "PULL")
         dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
-        msg = Pull(txid, rid, KVSlice(l0, l1, h0, h1), dtype, shape, nbytes, tag)
+        msg = Pull(txid, rid, KVSlice(l0, l1, h0, h1), dtype, shape, nbytes, tag, not flags & FLAG_KEEP)
     elif kind is MsgType.PULL_OK:
         dtype_len, rank, nbytes, tag = r.unpack(_PULL_OK_FIXED)
         dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
