@@ -1,0 +1,477 @@
+"""End-to-end benchmark of the three GEN modes: ``python -m examples.bench``.
+
+For each mode in ``ideal``, ``inline``, ``orchestrated`` it starts a fresh CTX node and a fresh GEN
+node (child processes on loopback, one shared secret), runs a short warm-up, clears GEN's loop
+statistics, runs the same measured workload (same prompts, same seed) with the load client, reads
+GEN's statistics and stops both processes (SIGTERM, SIGKILL after a grace period). Then it prints a
+table, the ratios to ``ideal``, writes ``--json`` and a ``--png`` figure.
+
+``python -m examples.bench transport [...]`` runs the transport micro-benchmark instead
+(``examples.bench_transport``).
+
+Scaling from the public case (ISL 8192 / OSL 1024 / concurrency 1024 / 10,240 requests on
+GB200s, ~4.3-4.6 ms GEN device time per decode iteration at batch 72-80) to a 2-core CPU box is
+described in docs/bench.md; the defaults below are that scaling, ``--quick`` a smaller one.
+
+JSON shape (``--step device`` or ``model``)::
+
+    {"modes": {"ideal"|"inline"|"orchestrated": {output_tok_s, tpot_ms{mean,p50,p95,p99}, ttft_ms{...},
+               itl_ms{...}, exec_blocked_ms{p50,p99,max}, exec_stalled_ms{...}, exec_orchestration_ms{...},
+               deferrals{backpressure,kv_exhausted}, peak_staging_bytes, inline_fallbacks, failures,
+               requests, ...}},
+     "ratios": {"inline"|"orchestrated": {"throughput", "tpot_mean", "tpot_p99"}},
+     "config": {...}}
+
+With ``--step both`` the file is ``{"device": <the shape above>, "model": <the shape above>}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from examples import _report
+from examples.two_node import control
+from examples.two_node.client import LoadResult, make_prompts, run_load, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("ideal", "inline", "orchestrated")
+SECRET_ENV = "KVO_SHARED_SECRET"
+
+# Scaled defaults (see docs/bench.md). Model: the tiny model's KV layout (2 layers, 2 KV heads,
+# head_dim 32, float32, 16-token blocks: 16 KiB per block, 1 KiB per token).
+FULL = dict(isl=128, osl=256, concurrency=64, requests=1280, max_num_seqs=32, staging_tokens=128, rounds=3,
+            warmup=32, device_step_ms=4.0, device_step_us_per_seq=5.0)
+QUICK = dict(isl=128, osl=128, concurrency=32, requests=384, max_num_seqs=16, staging_tokens=128, rounds=1,
+             warmup=32, device_step_ms=4.0, device_step_us_per_seq=5.0)
+BLOCK_SIZE = 16
+BLOCK_BYTES = 16 * 1024  # tiny model defaults; checked against the layout at start
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+class Node:
+    """One ``python -m examples.two_node ROLE ...`` child, in its own process group."""
+
+    def __init__(self, role: str, args: list[str], env: dict[str, str], log_dir: Path, timeout: float = 90.0):
+        self.role = role
+        self.log_path = log_dir / f"{role}-{secrets.token_hex(3)}.log"
+        with open(self.log_path, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "examples.two_node", "--log-level", "warning", role, *args],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+            )
+        try:
+            self.info = self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if sel.select(timeout=0.5):
+                    line = self.proc.stdout.readline()
+                    if line.startswith("READY "):
+                        return json.loads(line[6:])
+                    if not line:
+                        break
+                elif self.proc.poll() is not None:
+                    break
+        raise RuntimeError(f"{self.role} node did not become ready; log {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def node_env() -> dict[str, str]:
+    """This environment plus a fresh shared secret, one CPU thread per torch op, this checkout on the path."""
+    env = dict(os.environ)
+    env[SECRET_ENV] = secrets.token_hex(32)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@contextlib.contextmanager
+def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: list[int] | None = None) -> Iterator[tuple[Node, Node]]:
+    """A CTX and a GEN node for ``mode``; both stopped on exit, whatever happens."""
+    env = node_env()
+    with contextlib.ExitStack() as stack:
+        ctx = Node("ctx", ["--host", "127.0.0.1", "--port", "0", "--ucx-port", "0",
+                           "--num-blocks", str(cfg["ctx_num_blocks"]), "--lease-s", str(cfg["ctx_lease_s"]),
+                           "--max-seq-len", str(cfg["max_seq_len"])], env, log_dir)
+        stack.callback(ctx.stop)
+        if pids is not None:
+            pids.append(ctx.pid)
+        gen_args = ["--ctx", ctx.info["ctrl"], "--host", "127.0.0.1", "--port", "0", "--mode", mode, "--step", step,
+                    "--device-step-ms", str(cfg["device_step_ms"]),
+                    "--device-step-us-per-seq", str(cfg["device_step_us_per_seq"]),
+                    "--num-blocks", str(cfg["gen_num_blocks"]), "--staging-bytes", str(cfg["staging_bytes"]),
+                    "--max-num-seqs", str(cfg["max_num_seqs"]),
+                    "--kv-transfer-timeout-ms", str(cfg["kv_transfer_timeout_ms"]),
+                    "--block-size", str(BLOCK_SIZE), "--max-seq-len", str(cfg["max_seq_len"])]
+        if not cfg["kv_checksums"]:
+            gen_args.append("--no-kv-checksums")
+        gen = Node("gen", gen_args, env, log_dir)
+        stack.callback(gen.stop)
+        if pids is not None:
+            pids.append(gen.pid)
+        yield ctx, gen
+
+
+# -- one mode -------------------------------------------------------------------------------------
+
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _run_round(mode: str, ctx: Node, gen: Node, cfg: dict[str, Any], prompts: list[list[int]], tag: str,
+                     progress: bool) -> tuple[Any, dict[str, Any], dict[str, float]]:
+    """Warm up a fresh pair, clear GEN's loop statistics, run ``prompts``; (LoadResult, GEN stats, CPU s)."""
+    ctx_addr, gen_addr = ctx.info["ctrl"], gen.info["ctrl"]
+    release = mode == "ideal"  # an ideal GEN never pulls: the client frees CTX's copy at the end
+    if cfg["warmup"]:
+        warm = make_prompts(cfg["warmup"], cfg["isl"], seed=cfg["seed"] + 1_000_003)
+        await run_load(ctx=[ctx_addr], gen=gen_addr, prompts=warm, max_tokens=cfg["osl"],
+                       concurrency=min(cfg["concurrency"], cfg["warmup"]), progress=progress,
+                       timeout_s=cfg["request_timeout_s"], release=release, id_prefix=f"warm-{tag}",
+                       label=f"{mode} warm-up")
+    await control.call(gen_addr, {"op": "reset_stats"})
+    cpu0 = {"ctx": _proc_cpu_s(ctx.pid), "gen": _proc_cpu_s(gen.pid), "client": time.process_time()}
+    result = await run_load(ctx=[ctx_addr], gen=gen_addr, prompts=prompts, max_tokens=cfg["osl"],
+                            concurrency=cfg["concurrency"], progress=progress, timeout_s=cfg["request_timeout_s"],
+                            release=release, id_prefix=f"run-{tag}", label=f"{mode} ({tag})")
+    cpu = {"ctx": _proc_cpu_s(ctx.pid) - cpu0["ctx"], "gen": _proc_cpu_s(gen.pid) - cpu0["gen"],
+           "client": time.process_time() - cpu0["client"]}
+    stats = await control.call(gen_addr, {"op": "stats"})
+    return result, stats, cpu
+
+
+def _aggregate(rounds: list[tuple[Any, dict[str, Any], dict[str, float]]], cfg: dict[str, Any]) -> dict[str, Any]:
+    """One mode's figures over its rounds: the client's records merged (durations added), GEN's
+    per-iteration percentiles as the median of the rounds' p50 and the worst of their p99/max."""
+    records = [rec for res, _, _ in rounds for rec in res.records]
+    duration = sum(res.duration_s for res, _, _ in rounds)
+    s = summarize(LoadResult(records, duration, cfg["concurrency"]))
+    engines = [st["engine"] for _, st, _ in rounds]
+    loops = [st["loop"] for _, st, _ in rounds]
+
+    def exec_pct(name: str) -> dict[str, float]:
+        vals = [lp[name] for lp in loops]
+        return {"p50": float(np.median([v["p50"] for v in vals])), "p99": max(v["p99"] for v in vals),
+                "max": max(v["max"] for v in vals)}
+
+    def total(key: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in engines:
+            for k, v in (e.get(key) or {}).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    defer = total("deferrals")
+    iters = sum(lp["decode_iterations"] for lp in loops)
+    tpots = sorted(t * 1e3 for r in records if r.ok and (t := r.tpot_s()) is not None)
+    cpu = {k: sum(c[k] for _, _, c in rounds) for k in ("ctx", "gen", "client")}
+    return {
+        "output_tok_s": s["output_tok_s"],
+        "request_s": s["request_s"],
+        "tpot_ms": _pct(s["tpot_ms"], ("mean", "p50", "p95", "p99", "max")),
+        "ttft_ms": _pct(s["ttft_ms"], ("mean", "p50", "p99")),
+        "itl_ms": _pct(s["itl_ms"], ("mean", "p50", "p99")),
+        "e2e_ms": _pct(s["e2e_ms"], ("mean", "p50", "p99")),
+        "exec_blocked_ms": exec_pct("blocked_ms"),
+        "exec_stalled_ms": exec_pct("stalled_ms"),
+        "exec_orchestration_ms": exec_pct("orchestration_ms"),
+        "exec_model_ms": exec_pct("model_ms"),
+        "decode_iterations": iters,
+        "mean_batch": sum(lp["mean_batch"] * lp["decode_iterations"] for lp in loops) / iters if iters else 0.0,
+        "deferrals": {"backpressure": defer.get("backpressure", 0), "kv_exhausted": defer.get("kv_exhausted", 0)},
+        "peak_staging_bytes": max(e.get("peak_staging_bytes", 0) for e in engines),
+        "staging_budget_bytes": engines[0].get("staging_budget_bytes", cfg["staging_bytes"]),
+        "inline_fallbacks": sum(e.get("inline_fallbacks", 0) for e in engines),
+        "gen_failed": {k: v for k, v in total("failed").items() if v},
+        "failures": s["failures"],
+        "failure_reasons": s["failure_reasons"],
+        "requests": s["requests"],
+        "output_tokens": s["output_tokens"],
+        "duration_s": s["duration_s"],
+        "kv_checksum_compared": s["kv_checksum_compared"],
+        "kv_checksum_mismatches": s["kv_checksum_mismatches"],
+        "gen_rest_problems": [p for _, st, _ in rounds for p in st.get("rest_problems", [])],
+        "cpu_s": cpu,
+        "per_round": [{"output_tok_s": summarize(res)["output_tok_s"], "duration_s": res.duration_s,
+                       "tpot_mean_ms": summarize(res)["tpot_ms"]["mean"], "cpu_s": c} for res, _, c in rounds],
+        "tpot_samples_ms": tpots,
+    }
+
+
+def _pct(d: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]:
+    return {k: d.get(k, 0.0) for k in keys}
+
+
+def _ratios(modes: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    ideal = modes.get("ideal")
+    out = {}
+    for m in ("inline", "orchestrated"):
+        if ideal is None or m not in modes:
+            continue
+        r = modes[m]
+        out[m] = {
+            "throughput": _report.ratio(r["output_tok_s"], ideal["output_tok_s"]),
+            "tpot_mean": _report.ratio(r["tpot_ms"]["mean"], ideal["tpot_ms"]["mean"]),
+            "tpot_p99": _report.ratio(r["tpot_ms"]["p99"], ideal["tpot_ms"]["p99"]),
+        }
+        rounds_i, rounds_m = ideal.get("per_round", []), r.get("per_round", [])
+        if len(rounds_i) == len(rounds_m) > 1:  # same round index = adjacent in time: less drift
+            out[m]["throughput_per_round"] = [_report.ratio(b["output_tok_s"], a["output_tok_s"])
+                                              for a, b in zip(rounds_i, rounds_m)]
+    return out
+
+
+def run_bench(cfg: dict[str, Any], step: str, *, modes: tuple[str, ...] = MODES, progress: bool = True,
+              pids: list[int] | None = None) -> dict[str, Any]:
+    """Run every mode in ``modes`` with ``step``; returns the JSON shape in the module docstring.
+
+    The measured requests are split into ``cfg["rounds"]`` rounds; each round runs every mode on
+    a fresh pair of nodes, the order rotating from round to round, so that a drift in the
+    machine's background load spreads over all modes instead of landing on one.
+    """
+    log_dir = Path(cfg.get("log_dir") or tempfile.mkdtemp(prefix="kvo-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    n_rounds = max(1, int(cfg.get("rounds", 1)))
+    prompts = make_prompts(cfg["requests"], cfg["isl"], seed=cfg["seed"])
+    per_mode: dict[str, list[Any]] = {m: [] for m in modes}
+    walls: dict[str, float] = {m: 0.0 for m in modes}
+    loads: dict[str, list[float]] = {m: [] for m in modes}
+    for rnd in range(n_rounds):
+        chunk = prompts[rnd * len(prompts) // n_rounds:(rnd + 1) * len(prompts) // n_rounds]
+        order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
+        for mode in order:
+            t0 = time.perf_counter()
+            tag = f"{mode}-r{rnd}"
+            with node_pair(mode, cfg, step, log_dir, pids) as (ctx, gen):
+                try:
+                    out = anyio.run(lambda: _run_round(mode, ctx, gen, cfg, chunk, tag, progress), backend="asyncio")
+                except BaseException:
+                    sys.stderr.write(f"--- {tag}: ctx log tail ---\n{ctx.log_tail()}\n--- gen log tail ---\n{gen.log_tail()}\n")
+                    raise
+            per_mode[mode].append(out)
+            walls[mode] += time.perf_counter() - t0
+            loads[mode].append(os.getloadavg()[0])
+            if progress:
+                s = summarize(out[0])
+                print(f"{tag:>18} [{step}]: {s['output_tok_s']:,.0f} tok/s, TPOT mean {s['tpot_ms']['mean']:.2f} ms, "
+                      f"failures {s['failures']}, {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}",
+                      file=sys.stderr)
+    results: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        results[mode] = _aggregate(per_mode[mode], cfg)
+        results[mode]["wall_s"] = walls[mode]
+        results[mode]["loadavg_1m_after"] = loads[mode]
+    return {"modes": results, "ratios": _ratios(results), "config": {**cfg, "step": step, "log_dir": str(log_dir)}}
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+def print_report(res: dict[str, Any], title: str) -> None:
+    modes = res["modes"]
+    cols = ["mode", "tok/s", "TPOT mean", "p50", "p95", "p99", "TTFT mean", "TTFT p99", "blocked p50/p99/max",
+            "stalled p99", "batch", "defer bp/kv", "peak staging KiB", "fallbacks", "fail"]
+    rows = []
+    for m, r in modes.items():
+        b, st, d = r["exec_blocked_ms"], r["exec_stalled_ms"], r["deferrals"]
+        rows.append([m, r["output_tok_s"], r["tpot_ms"]["mean"], r["tpot_ms"]["p50"], r["tpot_ms"]["p95"],
+                     r["tpot_ms"]["p99"], r["ttft_ms"]["mean"], r["ttft_ms"]["p99"],
+                     f"{b['p50']:.2f}/{b['p99']:.2f}/{b['max']:.1f}", st["p99"], r["mean_batch"],
+                     f"{d['backpressure']}/{d['kv_exhausted']}", r["peak_staging_bytes"] / 1024,
+                     r["inline_fallbacks"], f"{r['failures']}/{r['requests']}"])
+    _report.print_table(title + " (times in ms)", cols, rows)
+    rat = res["ratios"]
+    if rat:
+        _report.print_table("vs ideal", ["mode", "throughput", "TPOT mean", "TPOT p99"],
+                            [[m, v["throughput"], v["tpot_mean"], v["tpot_p99"]] for m, v in rat.items()], digits=4)
+
+
+def plot(results: dict[str, dict[str, Any]], path: str) -> None:
+    """TPOT distributions (box plots) and throughput bars per mode; one row per step kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ideal": "#4c72b0", "inline": "#c44e52", "orchestrated": "#55a868"}
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 4.2 * len(results)), squeeze=False)
+    for row, (step, res) in enumerate(results.items()):
+        modes = list(res["modes"])
+        ax_t, ax_b = axes[row]
+        data = [res["modes"][m]["tpot_samples_ms"] or [0.0] for m in modes]
+        bp = ax_t.boxplot(data, showfliers=True, whis=(1, 99), patch_artist=True, flierprops={"markersize": 2})
+        ax_t.set_xticks(range(1, len(modes) + 1), modes)
+        for patch, m in zip(bp["boxes"], modes):
+            patch.set_facecolor(colors.get(m, "grey"))
+            patch.set_alpha(0.6)
+        for i, m in enumerate(modes, 1):
+            mean = res["modes"][m]["tpot_ms"]["mean"]
+            ax_t.scatter([i], [mean], marker="D", color="black", zorder=3, s=18)
+        ax_t.set_ylabel("TPOT per request, ms (whiskers p1-p99, ◆ mean)")
+        ax_t.set_title(f"TPOT distribution [{step} step]")
+        if max(max(d) for d in data) > 8 * max(min(d) for d in data):
+            ax_t.set_yscale("log")
+        tput = [res["modes"][m]["output_tok_s"] for m in modes]
+        bars = ax_b.bar(modes, tput, color=[colors.get(m, "grey") for m in modes], alpha=0.8)
+        ideal = res["modes"].get("ideal", {}).get("output_tok_s")
+        for bar_, m, v in zip(bars, modes, tput):
+            label = f"{v:,.0f}" + (f"\n{v / ideal:.3f}x" if ideal and m != "ideal" else "")
+            ax_b.annotate(label, (bar_.get_x() + bar_.get_width() / 2, v), ha="center", va="bottom", fontsize=9)
+        ax_b.set_ylabel("output tokens / s")
+        ax_b.set_title(f"throughput [{step} step]")
+        ax_b.set_ylim(0, max(tput) * 1.2 if tput and max(tput) > 0 else 1)
+    c = next(iter(results.values()))["config"]
+    fig.suptitle(f"ISL {c['isl']} / OSL {c['osl']} / concurrency {c['concurrency']} / {c['requests']} requests, "
+                 f"staging {c['staging_bytes'] // 1024} KiB, max_num_seqs {c['max_num_seqs']}", fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+def build_config(a: argparse.Namespace) -> dict[str, Any]:
+    base = dict(QUICK if a.quick else FULL)
+    for k in base:
+        v = getattr(a, k, None)
+        if v is not None:
+            base[k] = v
+    blocks_per_req = -(-(base["isl"] + base["osl"]) // BLOCK_SIZE)
+    prompt_blocks = -(-base["isl"] // BLOCK_SIZE)
+    staging = a.staging_bytes if a.staging_bytes is not None else -(-base["staging_tokens"] // BLOCK_SIZE) * BLOCK_BYTES
+    cfg = {
+        **base,
+        "seed": a.seed,
+        "staging_bytes": staging,
+        "staging_requests": staging / (prompt_blocks * BLOCK_BYTES),
+        "request_kv_bytes": prompt_blocks * BLOCK_BYTES,
+        # GEN pool: every sequence that can be live (max_num_seqs) fits, plus a margin, so KV
+        # exhaustion is not what limits the run (backpressure is what is being measured).
+        "gen_num_blocks": a.num_blocks or (base["max_num_seqs"] + 8) * blocks_per_req,
+        # CTX pool: every request in flight holds its KV on CTX until pulled (or released).
+        "ctx_num_blocks": a.ctx_num_blocks or (base["concurrency"] + 8) * prompt_blocks,
+        "ctx_lease_s": a.ctx_lease_s,
+        "kv_transfer_timeout_ms": a.kv_transfer_timeout_ms,
+        "request_timeout_s": a.request_timeout,
+        "max_seq_len": max(2048, base["isl"] + base["osl"]),
+        "kv_checksums": a.kv_checksums,
+        "log_dir": a.log_dir,
+        "quick": bool(a.quick),
+    }
+    cfg["loadavg_start"] = os.getloadavg()
+    return cfg
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m examples.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a smaller load (about 2 minutes for all three modes)")
+    p.add_argument("--step", choices=["device", "model", "both"], default="device",
+                   help="GEN decode step: simulated device time (default), the tiny model on the CPU, or both")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--png", metavar="PATH")
+    p.add_argument("--isl", type=int)
+    p.add_argument("--osl", type=int)
+    p.add_argument("--concurrency", type=int)
+    p.add_argument("--requests", type=int)
+    p.add_argument("--warmup", type=int, help="warm-up requests per mode and round (not measured)")
+    p.add_argument("--rounds", type=int, help="split the measured requests into this many rounds of all modes (rotating order)")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--staging-tokens", type=int, help="GEN transfer budget in tokens of KV (default: ISL, one request)")
+    p.add_argument("--staging-bytes", type=int, help="GEN transfer budget in bytes (overrides --staging-tokens)")
+    p.add_argument("--num-blocks", type=int, help="GEN KV blocks (default: max_num_seqs + 8 requests' worth)")
+    p.add_argument("--ctx-num-blocks", type=int, help="CTX KV blocks (default: concurrency + 8 prompts' worth)")
+    p.add_argument("--ctx-lease-s", type=float, default=120.0)
+    p.add_argument("--device-step-ms", type=float)
+    p.add_argument("--device-step-us-per-seq", type=float)
+    p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--kv-checksums", action="store_true", help="GEN checksums received KV (costs event-loop CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", help="where node logs go (default: a temporary directory)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["transport"]:
+        from examples import bench_transport
+
+        return bench_transport.main(argv[1:])
+    p = make_parser()
+    a = p.parse_args(argv)
+    modes = tuple(m for m in a.modes.split(",") if m)
+    if any(m not in MODES for m in modes):
+        p.error(f"--modes: choose from {','.join(MODES)}")
+    cfg = build_config(a)
+    steps = ["device", "model"] if a.step == "both" else [a.step]
+    results = {}
+    for step in steps:
+        res = run_bench(cfg, step, modes=modes, progress=not a.no_progress)
+        results[step] = res
+        print_report(res, f"{step} step: ISL {cfg['isl']} / OSL {cfg['osl']} / concurrency {cfg['concurrency']} / "
+                          f"{cfg['requests']} requests")
+    if a.json:
+        _report.write_json(a.json, results if a.step == "both" else results[steps[0]])
+    if a.png:
+        plot(results, a.png)
+    failures = sum(r["failures"] for res in results.values() for r in res["modes"].values())
+    return 0 if failures == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
