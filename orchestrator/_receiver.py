@@ -38,6 +38,7 @@ from transports import (
     TransportError,
     UnknownRequest,
     scatter,
+    whole_run_view,
 )
 
 from ._budget import Grant
@@ -281,6 +282,10 @@ class ReceiveGroup:
             self._finish(job, result)
 
     async def _pull_chunk(self, job: ReceiveJob, chunk: KVSlice, *, last: bool) -> int:
+        if job.staging is None:
+            direct = whole_run_view(self._pool, job.block_ids, chunk)
+            if direct is not None:  # the blocks are one run: land in them, no staging, no scatter
+                return await self._pull(job, chunk, direct, last=last)
         shape = self._layout.staging_shape(int(job.block_ids.numel()), chunk)
         if job.staging is not None and len(job.chunks) == 1:
             staging = job.staging
@@ -291,15 +296,16 @@ class ReceiveGroup:
             self._staging_bytes += nbytes
             self._peak_staging_bytes = max(self._peak_staging_bytes, self._staging_bytes)
         try:
-            if last:  # the default: the peer frees its copy once this pull succeeded
-                moved = await self._transport.pull(job.peer, job.request_id, chunk, staging)
-            else:
-                moved = await self._transport.pull(job.peer, job.request_id, chunk, staging, release=False)
+            moved = await self._pull(job, chunk, staging, last=last)
             scatter(self._pool, job.block_ids, staging, chunk)
             return moved
         finally:
             with self._lock:
                 self._staging_bytes -= nbytes
+
+    async def _pull(self, job: ReceiveJob, chunk: KVSlice, into: torch.Tensor, *, last: bool) -> int:
+        # with release (the last chunk), the peer frees its copy once this pull succeeded
+        return await self._transport.pull(job.peer, job.request_id, chunk, into, release=last)
 
     def _failed(
         self, job: ReceiveJob, moved: int, started: float, reason: FailureReason, message: str

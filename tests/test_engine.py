@@ -260,3 +260,17 @@ async def test_failed_receive_is_never_decoded_and_freed_blocks_are_never_read(h
     for rid in failing:
         assert h.final(rid).failure is FailureReason.PEER_ERROR
     assert h.engine.statistics().pool.allocations == 30  # blocks were recycled many times over
+
+
+async def test_blocks_in_one_run_receive_directly_others_through_staging(harness_factory) -> None:
+    h = await harness_factory(make_config(num_blocks=16))
+    h.submit("direct", prompt_len=8, max_tokens=1)  # blocks 0..2: one run
+    await h.run_until_idle()
+    assert h.engine.statistics().peak_staging_bytes == 0  # landed in the KV blocks themselves
+    held = h.engine.pool.allocate(16)
+    h.engine.pool.free(held[::2])  # fragment the pool: every free block is isolated
+    h.submit("scattered", prompt_len=8, max_tokens=2)  # decodes once: its KV is checked
+    await h.run_until_idle()
+    assert h.engine.statistics().peak_staging_bytes == LAYOUT.staging_bytes(2)  # staged, then scattered
+    assert h.final("scattered").state is RequestState.FINISHED
+    h.engine.pool.free(held[1::2])

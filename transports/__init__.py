@@ -16,12 +16,15 @@ from ._layout import dtype_from_name as dtype_from_name
 from ._layout import dtype_name as dtype_name
 from ._layout import gather as gather
 from ._layout import scatter as scatter
+from ._layout import whole_run_view as whole_run_view
 from ._protocol import Transport as Transport
+from ._store import Checkout as Checkout
 from ._store import KVStore as KVStore
 from ._store import KVStoreStatistics as KVStoreStatistics
 
 __all__ = [
     "AuthenticationFailed",
+    "Checkout",
     "KVLayout",
     "KVSlice",
     "KVStore",
@@ -36,4 +39,5 @@ __all__ = [
     "dtype_name",
     "gather",
     "scatter",
+    "whole_run_view",
 ]

@@ -107,6 +107,18 @@ class KVLayout:
         return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
 
 
+def whole_run_view(pool: torch.Tensor, block_ids: torch.Tensor, kv_slice: KVSlice) -> torch.Tensor | None:
+    """``pool[block_ids]`` as a zero-copy view when ``kv_slice`` covers whole blocks and the ids are
+    one ascending run (then the wire form *is* that region of the pool); None otherwise."""
+    n = int(block_ids.numel())
+    if n == 0 or kv_slice.num_layers != pool.shape[1] or kv_slice.num_heads != pool.shape[3]:
+        return None
+    if n > 1 and not bool((block_ids[1:] - block_ids[:-1] == 1).all()):
+        return None
+    first = int(block_ids[0])
+    return pool[first : first + n]
+
+
 def gather(pool: torch.Tensor, block_ids: torch.Tensor, kv_slice: KVSlice) -> torch.Tensor:
     """Copy a request's slice out of a pool into one contiguous tensor (the wire form)."""
     picked = pool.index_select(0, block_ids.to(pool.device))

@@ -6,6 +6,11 @@ Life cycle of one entry::
                                        \\-release()--> released
                                        \\-lease expires (expire())--> released
 
+``checkout`` pins an entry while a transport sends from it: release() of a pinned entry removes it
+at once (later pulls see UnknownRequest) but runs ``on_release`` only when the last checkout
+closes, and expiry skips pinned entries, so the blocks are never freed (and reused) under a send.
+A full-slice checkout of blocks that form one ascending run is a zero-copy view of the pool.
+
 The store is thread-safe: prefill (CTX execution) puts, the transport's event loop takes.
 """
 
@@ -19,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ._errors import UnknownRequest
-from ._layout import KVLayout, KVSlice, gather
+from ._layout import KVLayout, KVSlice, gather, whole_run_view
 
 
 @dataclasses.dataclass
@@ -28,6 +33,28 @@ class _Held:
     num_tokens: int
     expires_at: float
     on_release: Callable[[], None] | None
+    pins: int = 0
+    released: bool = False
+
+
+class Checkout:
+    """A pinned view (or copy) of one entry's wire form; ``close()`` unpins it (idempotent)."""
+
+    def __init__(self, store: KVStore, held: _Held, tensor: torch.Tensor) -> None:
+        self._store = store
+        self._held: _Held | None = held
+        self.tensor = tensor
+
+    def close(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._store._unpin(held)
+
+    def __enter__(self) -> Checkout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,24 +106,55 @@ class KVStore:
             block_ids = held.block_ids
         return gather(self.pool, block_ids, kv_slice)
 
+    def checkout(self, request_id: str, kv_slice: KVSlice) -> Checkout:
+        """The wire form of ``request_id``'s slice, pinned until the checkout is closed.
+
+        A zero-copy view of the pool when the slice is the whole layout and the blocks are one
+        ascending run; a gathered copy otherwise. Raises ``UnknownRequest`` if not held.
+        """
+        self.layout.check_slice(kv_slice)
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None:
+                raise UnknownRequest(f"no KV held for request {request_id!r}")
+            held.pins += 1
+        try:
+            view = whole_run_view(self.pool, held.block_ids, kv_slice)
+            tensor = view if view is not None else self.gather(request_id, kv_slice)
+        except BaseException:
+            self._unpin(held)
+            raise
+        return Checkout(self, held, tensor)
+
+    def _unpin(self, held: _Held) -> None:
+        with self._lock:
+            held.pins -= 1
+            free_now = held.pins == 0 and held.released
+        if free_now and held.on_release is not None:
+            held.on_release()
+
     def release(self, request_id: str) -> bool:
-        """Free ``request_id``'s KV; returns False when it was not held (already released)."""
+        """Free ``request_id``'s KV (after its last checkout closes); False when it was not held."""
         with self._lock:
             held = self._held.pop(request_id, None)
             if held is None:
                 return False
             self._released += 1
-        if held.on_release is not None:
+            held.released = True
+            free_now = held.pins == 0
+        if free_now and held.on_release is not None:
             held.on_release()
         return True
 
     def expire(self) -> list[str]:
-        """Release every entry whose lease has ended; returns their ids."""
+        """Release every entry whose lease has ended and that no transport is sending; their ids."""
         now = self._clock()
         with self._lock:
-            dead = [rid for rid, h in self._held.items() if h.expires_at <= now]
+            dead = [rid for rid, h in self._held.items() if h.expires_at <= now and h.pins == 0]
             held = [self._held.pop(rid) for rid in dead]
             self._expired += len(dead)
+            for h in held:
+                h.released = True
         for h in held:
             if h.on_release is not None:
                 h.on_release()

@@ -710,14 +710,18 @@ class UCXKVServer:
             reason = f"have {want[0]}{list(want[1])}, asked {msg.dtype}{list(msg.shape)}"
             await self._refuse(ep, msg, wire.Status.SHAPE_MISMATCH, reason, transfers)
             return
-        try:
+        try:  # pinned: neither a RELEASE nor the lease can free the blocks while they are sent
             if msg.nbytes <= _INLINE_GATHER_BYTES:  # cheaper than a hop to a worker thread
-                staged = self.store.gather(msg.request_id, msg.kv_slice)
+                checkout = self.store.checkout(msg.request_id, msg.kv_slice)
             else:
-                staged = await anyio.to_thread.run_sync(self.store.gather, msg.request_id, msg.kv_slice)
+                checkout = await anyio.to_thread.run_sync(self.store.checkout, msg.request_id, msg.kv_slice)
         except UnknownRequest:
             await self._refuse(ep, msg, wire.Status.UNKNOWN_REQUEST, "released while preparing", transfers)
             return
+        with checkout:
+            await self._send_checked_out(ep, msg, transfers, checkout.tensor)
+
+    async def _send_checked_out(self, ep: Any, msg: wire.Pull, transfers: dict[int, _Go], staged: torch.Tensor) -> None:
         await self._send(ep, wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes), 2 * msg.txid)
         go = transfers[msg.txid]
         with anyio.move_on_after(self.config.ready_timeout_s):

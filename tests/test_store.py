@@ -1,0 +1,73 @@
+"""CTX-side KVStore: leases, release, and pinned checkouts that keep blocks alive under a send."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import LAYOUT
+from transports import KVSlice, KVStore, UnknownRequest
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def store_with(ids: list[int], clock: Clock | None = None) -> tuple[KVStore, list[str]]:
+    pool = LAYOUT.new_pool(16).uniform_()
+    store = KVStore(LAYOUT, pool, clock=clock or Clock())
+    freed: list[str] = []
+    store.put("r", torch.tensor(ids), num_tokens=len(ids) * LAYOUT.block_size, lease_s=5.0,
+              on_release=lambda: freed.append("r"))
+    return store, freed
+
+
+def test_full_slice_of_one_run_is_a_zero_copy_view() -> None:
+    store, _ = store_with([3, 4, 5])
+    with store.checkout("r", LAYOUT.full_slice()) as c:
+        assert c.tensor.data_ptr() == store.pool[3].data_ptr()
+        assert torch.equal(c.tensor, store.pool[3:6])
+
+
+def test_scattered_blocks_or_a_slice_are_gathered_copies() -> None:
+    store, _ = store_with([5, 3, 4])
+    with store.checkout("r", LAYOUT.full_slice()) as c:
+        assert torch.equal(c.tensor, store.pool[torch.tensor([5, 3, 4])])
+        assert c.tensor.data_ptr() != store.pool[5].data_ptr()
+    part = KVSlice(1, 2, 0, 1)
+    with store.checkout("r", part) as c:
+        assert torch.equal(c.tensor, store.pool[torch.tensor([5, 3, 4])][:, 1:2, :, 0:1])
+
+
+def test_release_while_checked_out_frees_only_after_the_send() -> None:
+    store, freed = store_with([1, 2])
+    c = store.checkout("r", LAYOUT.full_slice())
+    assert store.release("r") is True
+    assert freed == []  # the blocks are still being sent
+    with pytest.raises(UnknownRequest):
+        store.checkout("r", LAYOUT.full_slice())  # but nobody can start a new pull of it
+    c.close()
+    c.close()  # idempotent
+    assert freed == ["r"]
+
+
+def test_lease_expiry_skips_an_entry_being_sent() -> None:
+    clock = Clock()
+    store, freed = store_with([1, 2], clock)
+    c = store.checkout("r", LAYOUT.full_slice())
+    clock.now = 100.0
+    assert store.expire() == []
+    c.close()
+    assert store.expire() == ["r"] and freed == ["r"]
+    assert store.statistics().expired == 1
+
+
+def test_duplicate_put_is_refused_and_release_is_once() -> None:
+    store, freed = store_with([1])
+    with pytest.raises(ValueError):
+        store.put("r", torch.tensor([2]), num_tokens=1, lease_s=1.0)
+    assert store.release("r") and not store.release("r")
+    assert freed == ["r"]
