@@ -12,7 +12,9 @@
 exactly one ``ReceiveResult``, whatever happens (success, failure, timeout, abort, shutdown), and
 its grant is released before the result is published, so a drained result means the budget is back.
 Staging is allocated per chunk and chunks never exceed the budget's capacity, so staging memory
-stays within the budget (an oversized request is pulled in layer/head chunks).
+stays within the budget (an oversized request is pulled in layer/head chunks). A full-slice chunk
+whose KV blocks form one run needs no staging at all: it lands in the blocks directly (the budget
+still counts its bytes, as the network window).
 """
 
 from __future__ import annotations
