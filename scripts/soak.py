@@ -222,6 +222,20 @@ def rss_figures(samples: list[dict[str, float]], *, t0: float, t_warm: float, t_
     }
 
 
+def git_state() -> dict[str, Any]:
+    """The commit the nodes ran, and the paths that differed from it (the tree others edit)."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    return {"commit": git("rev-parse", "HEAD").strip(), "modified": dirty}
+
+
 # -- the soak ----------------------------------------------------------------------------------------
 
 def blocks_for(tokens: int) -> int:
@@ -296,6 +310,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
                    "ctx_args": ctx_args, "gen_args": gen_args},
         "nofile": nofile,
+        "git": git_state(),
         "requests": summary["requests"],
         "failures": summary["failures"],
         "failure_reasons": summary["failure_reasons"],
@@ -390,7 +405,8 @@ def report_rows(report: dict[str, Any]) -> list[list[Any]]:
         ["TTFT ms mean / p50 / p99", d(r["ttft_ms"])],
         ["TPOT ms mean / p50 / p99", d(r["tpot_ms"])],
         ["GEN deferrals (episodes)", ", ".join(f"{k} {v:,}" for k, v in g["deferrals"].items()) or "none"],
-        ["GEN peak staging / budget bytes", f"{g['peak_staging_bytes']:,} / {g['staging_budget_bytes']:,}"],
+        ["GEN budget peak in use / capacity bytes", f"{g['budget_peak_in_use']:,} / {g['staging_budget_bytes']:,}"],
+        ["GEN peak staging-buffer bytes (0: KV landed in the pool directly)", f"{g['peak_staging_bytes']:,}"],
         ["GEN mean decode batch", g["mean_batch"]],
         ["GEN loop statistics ring: reports (~MiB)", f"{g['loop_reports']:,} (~{g['loop_reports_est_mib']:.1f})"],
         ["GEN rest_problems", "none" if not lk["gen_rest_problems"] else "; ".join(lk["gen_rest_problems"])],
