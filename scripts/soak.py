@@ -1,6 +1,6 @@
 """Soak the two-node example: many requests at high concurrency, then look for failures and leaks.
 
-    .venv/bin/python scripts/soak.py [--requests 10240] [--concurrency 1024] [--isl 256] [--osl 32]
+    .venv/bin/python scripts/soak.py [--requests 10240] [--concurrency 1024] [--isl 128] [--osl 16]
                                      [--json PATH] [--png PATH] [--sample-s 1.0]
 
 Starts a CTX and a GEN node (``examples.two_node.launch.NodeProcess``, one shared secret), drives
@@ -53,11 +53,11 @@ STEP_REPORT_BYTES = 384
 class SoakConfig:
     requests: int = 10_240
     concurrency: int = 1024
-    isl: int = 256
-    osl: int = 32
+    isl: int = 128
+    osl: int = 16
     sample_s: float = 1.0
     max_tokens_in_buffer: int = 2048
-    """GEN staging budget in tokens of KV: 8 prompts of 256 tokens, far below the concurrency, so
+    """GEN staging budget in tokens of KV: 16 prompts of 128 tokens, far below the concurrency, so
     admission backpressures during the whole soak."""
     max_num_seqs: int = 256
     """GEN requests receiving or decoding at once (the node's default)."""
@@ -492,8 +492,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     d = SoakConfig()
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--concurrency", type=int, default=d.concurrency)
-    p.add_argument("--isl", type=int, default=d.isl, help="input tokens per request (public case 8192; docs/soak.md)")
-    p.add_argument("--osl", type=int, default=d.osl, help="output tokens per request (public case 1024)")
+    p.add_argument("--isl", type=int, default=d.isl, help="input tokens per request (public case 8192, scaled / 64; docs/soak.md)")
+    p.add_argument("--osl", type=int, default=d.osl, help="output tokens per request (public case 1024, scaled / 64)")
     p.add_argument("--sample-s", type=float, default=d.sample_s, help="RSS sampling period, seconds")
     p.add_argument("--max-tokens-in-buffer", type=int, default=d.max_tokens_in_buffer, help="GEN staging budget, tokens")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="GEN requests receiving or decoding at once")
