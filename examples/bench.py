@@ -56,9 +56,9 @@ SECRET_ENV = "KVO_SHARED_SECRET"
 
 # Scaled defaults (see docs/bench.md). Model: the tiny model's KV layout (2 layers, 2 KV heads,
 # head_dim 32, float32, 16-token blocks: 16 KiB per block, 1 KiB per token).
-FULL = dict(isl=128, osl=256, concurrency=64, requests=1280, max_num_seqs=32, staging_tokens=128, rounds=3,
-            warmup=32, device_step_ms=4.0, device_step_us_per_seq=5.0)
-QUICK = dict(isl=128, osl=128, concurrency=32, requests=384, max_num_seqs=16, staging_tokens=128, rounds=1,
+FULL = dict(isl=128, osl=256, concurrency=64, requests=1280, max_num_seqs=32, staging_tokens=128, rounds=4,
+            warmup=64, device_step_ms=4.0, device_step_us_per_seq=5.0)
+QUICK = dict(isl=128, osl=128, concurrency=32, requests=384, max_num_seqs=16, staging_tokens=128, rounds=3,
              warmup=32, device_step_ms=4.0, device_step_us_per_seq=5.0)
 BLOCK_SIZE = 16
 BLOCK_BYTES = 16 * 1024  # tiny model defaults; checked against the layout at start
@@ -171,25 +171,37 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _run_round(mode: str, ctx: Node, gen: Node, cfg: dict[str, Any], prompts: list[list[int]], tag: str,
-                     progress: bool) -> tuple[Any, dict[str, Any], dict[str, float]]:
-    """Warm up a fresh pair, clear GEN's loop statistics, run ``prompts``; (LoadResult, GEN stats, CPU s)."""
-    ctx_addr, gen_addr = ctx.info["ctrl"], gen.info["ctrl"]
-    release = mode == "ideal"  # an ideal GEN never pulls: the client frees CTX's copy at the end
+async def _warmup(mode: str, ctx: Node, gen: Node, cfg: dict[str, Any], progress: bool) -> None:
     if cfg["warmup"]:
         warm = make_prompts(cfg["warmup"], cfg["isl"], seed=cfg["seed"] + 1_000_003)
-        await run_load(ctx=[ctx_addr], gen=gen_addr, prompts=warm, max_tokens=cfg["osl"],
+        await run_load(ctx=[ctx.info["ctrl"]], gen=gen.info["ctrl"], prompts=warm, max_tokens=cfg["osl"],
                        concurrency=min(cfg["concurrency"], cfg["warmup"]), progress=progress,
-                       timeout_s=cfg["request_timeout_s"], release=release, id_prefix=f"warm-{tag}",
+                       timeout_s=cfg["request_timeout_s"], release=mode == "ideal", id_prefix=f"warm-{mode}",
                        label=f"{mode} warm-up")
+
+
+_COUNTERS = ("deferrals", "failed")
+
+
+async def _segment(mode: str, ctx: Node, gen: Node, cfg: dict[str, Any], prompts: list[list[int]], tag: str,
+                   progress: bool) -> tuple[Any, dict[str, Any], dict[str, float]]:
+    """One measured segment on a warm pair: clear GEN's loop statistics, run ``prompts``; returns
+    (LoadResult, GEN stats with the engine's cumulative counters turned into this segment's, CPU s)."""
+    ctx_addr, gen_addr = ctx.info["ctrl"], gen.info["ctrl"]
+    before = (await control.call(gen_addr, {"op": "stats"}))["engine"]
     await control.call(gen_addr, {"op": "reset_stats"})
     cpu0 = {"ctx": _proc_cpu_s(ctx.pid), "gen": _proc_cpu_s(gen.pid), "client": time.process_time()}
     result = await run_load(ctx=[ctx_addr], gen=gen_addr, prompts=prompts, max_tokens=cfg["osl"],
                             concurrency=cfg["concurrency"], progress=progress, timeout_s=cfg["request_timeout_s"],
-                            release=release, id_prefix=f"run-{tag}", label=f"{mode} ({tag})")
+                            release=mode == "ideal",  # an ideal GEN never pulls: the client frees CTX's copy
+                            id_prefix=f"run-{tag}", label=f"{mode} ({tag})")
     cpu = {"ctx": _proc_cpu_s(ctx.pid) - cpu0["ctx"], "gen": _proc_cpu_s(gen.pid) - cpu0["gen"],
            "client": time.process_time() - cpu0["client"]}
     stats = await control.call(gen_addr, {"op": "stats"})
+    eng = stats["engine"]
+    for key in _COUNTERS:
+        eng[key] = {k: v - (before.get(key) or {}).get(k, 0) for k, v in (eng.get(key) or {}).items()}
+    eng["inline_fallbacks"] = eng.get("inline_fallbacks", 0) - before.get("inline_fallbacks", 0)
     return result, stats, cpu
 
 
@@ -268,9 +280,10 @@ def _ratios(modes: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
             "tpot_p99": _report.ratio(r["tpot_ms"]["p99"], ideal["tpot_ms"]["p99"]),
         }
         rounds_i, rounds_m = ideal.get("per_round", []), r.get("per_round", [])
-        if len(rounds_i) == len(rounds_m) > 1:  # same round index = adjacent in time: less drift
-            out[m]["throughput_per_round"] = [_report.ratio(b["output_tok_s"], a["output_tok_s"])
-                                              for a, b in zip(rounds_i, rounds_m)]
+        if len(rounds_i) == len(rounds_m) > 1:  # same round index = adjacent in time
+            per = [_report.ratio(b["output_tok_s"], a["output_tok_s"]) for a, b in zip(rounds_i, rounds_m)]
+            out[m]["throughput_per_round"] = per
+            out[m]["throughput_median_of_rounds"] = float(np.median(per))
     return out
 
 
@@ -278,9 +291,11 @@ def run_bench(cfg: dict[str, Any], step: str, *, modes: tuple[str, ...] = MODES,
               pids: list[int] | None = None) -> dict[str, Any]:
     """Run every mode in ``modes`` with ``step``; returns the JSON shape in the module docstring.
 
-    The measured requests are split into ``cfg["rounds"]`` rounds; each round runs every mode on
-    a fresh pair of nodes, the order rotating from round to round, so that a drift in the
-    machine's background load spreads over all modes instead of landing on one.
+    One CTX + GEN pair per mode is started up front and warmed up (idle pairs cost ~2 % of a core
+    each). The measured requests are then split into ``cfg["rounds"]`` segments per mode, run
+    alternately (ideal, inline, orchestrated, then rotated), each on its own mode's pair with the
+    same prompts, so that a drift of the machine's background load spreads over all modes instead
+    of landing on one. GEN's loop statistics are cleared before each segment.
     """
     log_dir = Path(cfg.get("log_dir") or tempfile.mkdtemp(prefix="kvo-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -289,31 +304,39 @@ def run_bench(cfg: dict[str, Any], step: str, *, modes: tuple[str, ...] = MODES,
     per_mode: dict[str, list[Any]] = {m: [] for m in modes}
     walls: dict[str, float] = {m: 0.0 for m in modes}
     loads: dict[str, list[float]] = {m: [] for m in modes}
-    for rnd in range(n_rounds):
-        chunk = prompts[rnd * len(prompts) // n_rounds:(rnd + 1) * len(prompts) // n_rounds]
-        order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
-        for mode in order:
-            t0 = time.perf_counter()
-            tag = f"{mode}-r{rnd}"
-            with node_pair(mode, cfg, step, log_dir, pids) as (ctx, gen):
-                try:
-                    out = anyio.run(lambda: _run_round(mode, ctx, gen, cfg, chunk, tag, progress), backend="asyncio")
-                except BaseException:
-                    sys.stderr.write(f"--- {tag}: ctx log tail ---\n{ctx.log_tail()}\n--- gen log tail ---\n{gen.log_tail()}\n")
-                    raise
-            per_mode[mode].append(out)
-            walls[mode] += time.perf_counter() - t0
-            loads[mode].append(os.getloadavg()[0])
-            if progress:
-                s = summarize(out[0])
-                print(f"{tag:>18} [{step}]: {s['output_tok_s']:,.0f} tok/s, TPOT mean {s['tpot_ms']['mean']:.2f} ms, "
-                      f"failures {s['failures']}, {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}",
-                      file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        pairs = {m: stack.enter_context(node_pair(m, cfg, step, log_dir, pids)) for m in modes}
+
+        def guarded(mode: str, fn: Any) -> Any:
+            try:
+                return anyio.run(fn, backend="asyncio")
+            except BaseException:
+                ctx, gen = pairs[mode]
+                sys.stderr.write(f"--- {mode}: ctx log tail ---\n{ctx.log_tail()}\n--- gen log tail ---\n{gen.log_tail()}\n")
+                raise
+
+        for mode in modes:
+            guarded(mode, lambda: _warmup(mode, *pairs[mode], cfg, progress))
+        for rnd in range(n_rounds):
+            chunk = prompts[rnd * len(prompts) // n_rounds:(rnd + 1) * len(prompts) // n_rounds]
+            order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
+            for mode in order:
+                t0 = time.perf_counter()
+                tag = f"{mode}-r{rnd}"
+                out = guarded(mode, lambda: _segment(mode, *pairs[mode], cfg, chunk, tag, progress))
+                per_mode[mode].append(out)
+                walls[mode] += time.perf_counter() - t0
+                loads[mode].append(os.getloadavg()[0])
+                if progress:
+                    s = summarize(out[0])
+                    print(f"{tag:>18} [{step}]: {s['output_tok_s']:,.0f} tok/s, TPOT mean {s['tpot_ms']['mean']:.2f} ms, "
+                          f"failures {s['failures']}, {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}",
+                          file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
         results[mode] = _aggregate(per_mode[mode], cfg)
         results[mode]["wall_s"] = walls[mode]
-        results[mode]["loadavg_1m_after"] = loads[mode]
+        results[mode]["loadavg_1m"] = loads[mode]
     return {"modes": results, "ratios": _ratios(results), "config": {**cfg, "step": step, "log_dir": str(log_dir)}}
 
 

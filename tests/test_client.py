@@ -143,9 +143,7 @@ async def test_run_load_unreachable_gen_and_timeout(anyio_backend: str) -> None:
 @pytest.mark.integration
 @pytest.mark.parametrize("staging_blocks", [
     16,  # every prompt fits the window: one pull per request
-    pytest.param(4, marks=pytest.mark.xfail(
-        reason="chunked receive: the receive group calls UCXTransport.pull(..., release=False), which UCXTransport "
-               "does not accept (TypeError -> failure 'internal')", strict=False)),
+    4,  # most prompts exceed the window: each is received in chunks (pull with release=False, then the last)
 ], ids=["window", "chunked"])
 def test_two_nodes_match_reference(tmp_path, staging_blocks: int) -> None:
     pytest.importorskip("ucxx")
