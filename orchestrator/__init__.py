@@ -36,11 +36,12 @@ from ._requests import GenRequest as GenRequest
 from ._requests import ReceiveResult as ReceiveResult
 from ._requests import RequestOutput as RequestOutput
 from ._requests import RequestState as RequestState
+from ._threads import loop_caller as loop_caller
 
 __all__ = [
     "BudgetStatistics", "DecodeBatch", "DecodeLoop", "DeferReason", "EngineStatistics", "EngineThreads",
     "FailureReason", "GenEngine", "GenRequest", "Grant", "InvalidRequest", "KVBlockPool", "KVExhausted",
     "KVLayout", "KVSlice", "LoopStatistics", "Mode", "NotRunning", "OrchestratorConfig", "OrchestratorError",
     "Percentiles", "PoolStatistics", "ReceiveGroup", "ReceiveJob", "ReceiveResult", "RequestOutput",
-    "RequestState", "StepReport", "TransferBudget", "WouldBlock", "plan_chunks",
+    "RequestState", "StepReport", "TransferBudget", "WouldBlock", "loop_caller", "plan_chunks",
 ]

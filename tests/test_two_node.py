@@ -78,3 +78,11 @@ def test_parity_check_reports_a_mismatch(monkeypatch: pytest.MonkeyPatch) -> Non
     assert report["failures"] == 0
     assert report["parity"] is False
     assert len(report["parity_detail"]["token_mismatches"]) == 1
+
+
+def test_ctx_prefills_wait_for_kv_blocks_instead_of_failing() -> None:
+    # the CTX pool holds 4 prompts, 16 requests arrive at once: prefills must queue for freed
+    # blocks (every waiter woken), not fail. Regression: only the newest waiter was ever woken.
+    _, report = run_demo("--requests", "16", "--concurrency", "16", "--isl", "256", "--osl", "4",
+                         "--num-blocks", "64")
+    check(report, 16)

@@ -20,7 +20,7 @@ import torch
 
 from examples.two_node import control
 from examples.two_node.common import announce_ready, block_checksums, build_model, ucx_config
-from orchestrator import KVBlockPool, KVExhausted
+from orchestrator import KVBlockPool, KVExhausted, loop_caller
 from transports import KVStore
 from transports.ucx import UCXKVServer
 
@@ -40,17 +40,22 @@ class CtxNode:
         self._prefills = 0
 
     def _on_free(self, block_ids: torch.Tensor) -> None:
+        """Any thread: give the blocks back and wake every prefill waiting for blocks."""
         self.pool.free(block_ids)
-        self._freed.set()
+        self._call(self._wake_allocators)
+
+    def _wake_allocators(self) -> None:
+        freed, self._freed = self._freed, anyio.Event()  # one event per generation of frees
+        freed.set()
 
     async def _allocate(self, n: int) -> torch.Tensor:
         with anyio.fail_after(self.args.alloc_wait_s):
             while True:
+                freed = self._freed  # taken before trying, so a free in between is not missed
                 try:
                     return self.pool.allocate(n)
                 except KVExhausted:
-                    self._freed = anyio.Event()
-                    await self._freed.wait()
+                    await freed.wait()
 
     async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
         op = msg.get("op")
@@ -100,6 +105,7 @@ class CtxNode:
                 "kv_peer": self.ucx_addr, "block_checksums": checksums}
 
     async def run(self) -> None:
+        self._call = loop_caller()
         async with UCXKVServer(self.store, ucx_config(self.args), port=self.args.ucx_port) as server:
             self.ucx_addr = f"{self.args.advertise or self.args.host}:{server.port}"
             async with anyio.create_task_group() as tg:

@@ -32,8 +32,8 @@ from orchestrator import (
     Mode,
     OrchestratorConfig,
     RequestOutput,
+    loop_caller,
 )
-from orchestrator._threads import loop_caller
 from transports.ucx import UCXTransport
 
 log = structlog.get_logger("examples.gen")
