@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections import deque
 from types import TracebackType
 
 import numpy as np
@@ -52,10 +51,14 @@ class LoopStatistics:
 
 
 class DecodeLoop:
+    # per-iteration figures kept in a ring of preallocated arrays (bounded, ~40 bytes an iteration)
+    _FIELDS = ("orchestration_s", "blocked_s", "stalled_s", "model_s", "batch_size")
+
     def __init__(self, engine: GenEngine, *, idle_wait_s: float = 0.05, history: int = 1 << 17) -> None:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
-        self._reports: deque[StepReport] = deque(maxlen=history)
+        self._ring = np.zeros((len(self._FIELDS), history), dtype=np.float64)
+        self._count = 0  # iterations recorded since the last reset (the ring keeps the newest)
         self.error: BaseException | None = None
 
     def run(self, stop: threading.Event) -> None:
@@ -67,30 +70,33 @@ class DecodeLoop:
                 engine.wakeup.clear()  # before step(): anything set from here on is seen next time
                 report = engine.step()
                 if report.batch_size or report.admitted:
-                    self._reports.append(report)
+                    self._record(report)
         except BaseException as exc:  # surfaced by EngineThreads.__exit__ and logged now
             self.error = exc
             log.exception("decode_loop_crashed")
             raise
 
+    def _record(self, r: StepReport) -> None:
+        self._ring[:, self._count % self._ring.shape[1]] = (
+            r.orchestration_s, r.blocked_s, r.stalled_s, r.model_s, r.batch_size)
+        self._count += 1
+
     def reset_statistics(self) -> None:
-        self._reports.clear()
+        self._count = 0
 
     def statistics(self) -> LoopStatistics:
-        reports = list(self._reports)
-        decode = [r for r in reports if r.batch_size]
-        orch = np.array([r.orchestration_s * 1e3 for r in reports])
-        blocked = np.array([r.blocked_s * 1e3 for r in reports])
-        stalled = np.array([r.stalled_s * 1e3 for r in reports])
-        model = np.array([r.model_s * 1e3 for r in decode])
+        ring = self._ring[:, : min(self._count, self._ring.shape[1])]
+        batch = ring[4]
+        orch, blocked, stalled, model = (ring[i] * 1e3 for i in range(4))
+        decode = batch > 0
         return LoopStatistics(
-            iterations=len(reports),
-            decode_iterations=len(decode),
+            iterations=int(ring.shape[1]),
+            decode_iterations=int(decode.sum()),
             orchestration_ms=Percentiles.of(orch),
             blocked_ms=Percentiles.of(blocked),
             stalled_ms=Percentiles.of(stalled),
-            model_ms=Percentiles.of(model),
-            mean_batch=float(np.mean([r.batch_size for r in decode])) if decode else 0.0,
+            model_ms=Percentiles.of(model[decode]),
+            mean_batch=float(batch[decode].mean()) if decode.any() else 0.0,
         )
 
 

@@ -56,3 +56,18 @@ def test_inline_mode_under_the_same_load_blocks_the_execution_thread() -> None:
     assert len(states) == 60 and set(states.values()) == {RequestState.FINISHED}
     assert engine.rest_problems() == []
     assert threads.loop.statistics().blocked_ms.max > 0.0
+
+
+def test_decode_loop_statistics_are_bounded_and_keep_the_newest() -> None:
+    from orchestrator import DecodeLoop, StepReport
+
+    loop = DecodeLoop(engine=None, history=8)  # type: ignore[arg-type]
+    for i in range(20):  # 20 iterations into a ring of 8: only i = 12..19 remain
+        loop._record(StepReport(batch_size=i % 2, admitted=1, deferred={}, orchestration_s=i / 1e3,
+                                blocked_s=0.0, stalled_s=0.0, model_s=0.002))
+    stats = loop.statistics()
+    assert stats.iterations == 8 and stats.decode_iterations == 4
+    assert stats.orchestration_ms.max == 19.0 and stats.mean_batch == 1.0
+    assert loop._ring.nbytes == 5 * 8 * 8  # fixed, whatever the number of iterations
+    loop.reset_statistics()
+    assert loop.statistics().iterations == 0
