@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence as Seq
 import structlog
 import torch
 
-from transports import KVSlice, Transport, scatter
+from transports import Transport, scatter
 
 from ._budget import TransferBudget
 from ._config import Mode, OrchestratorConfig

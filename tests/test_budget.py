@@ -9,7 +9,6 @@ import threading
 
 import anyio
 import pytest
-from anyio.lowlevel import checkpoint
 from anyio import wait_all_tasks_blocked
 
 from orchestrator import TransferBudget, WouldBlock
