@@ -361,6 +361,29 @@ def print_report(res: dict[str, Any], title: str) -> None:
                             [[m, v["throughput"], v["tpot_mean"], v["tpot_p99"]] for m, v in rat.items()], digits=4)
 
 
+def to_markdown(res: dict[str, Any]) -> str:
+    """The per-mode table and the ratios as GitHub markdown (for docs/bench.md)."""
+    lines = ["| mode | output tok/s | TPOT mean / p50 / p95 / p99 ms | ITL mean / p99 ms | TTFT mean / p99 ms | "
+             "exec blocked p50 / p99 / max ms | exec stalled p99 / max ms | mean batch | deferrals bp / kv | "
+             "peak staging KiB | inline fallbacks | failures |",
+             "|---|" + "---:|" * 11]
+    for m, r in res["modes"].items():
+        t, b, st, d = r["tpot_ms"], r["exec_blocked_ms"], r["exec_stalled_ms"], r["deferrals"]
+        lines.append(
+            f"| {m} | {r['output_tok_s']:,.0f} | {t['mean']:.2f} / {t['p50']:.2f} / {t['p95']:.2f} / {t['p99']:.2f} | "
+            f"{r['itl_ms']['mean']:.2f} / {r['itl_ms']['p99']:.2f} | {r['ttft_ms']['mean']:.0f} / {r['ttft_ms']['p99']:.0f} | "
+            f"{b['p50']:.2f} / {b['p99']:.2f} / {b['max']:.1f} | {st['p99']:.2f} / {st['max']:.1f} | {r['mean_batch']:.2f} | "
+            f"{d['backpressure']} / {d['kv_exhausted']} | {r['peak_staging_bytes'] / 1024:.0f} | {r['inline_fallbacks']} | "
+            f"{r['failures']} / {r['requests']} |")
+    if res.get("ratios"):
+        lines += ["", "| vs ideal | throughput | TPOT mean | TPOT p99 | throughput per round (median) |", "|---|---:|---:|---:|---|"]
+        for m, v in res["ratios"].items():
+            per = v.get("throughput_per_round")
+            per_s = (", ".join(f"{x:.3f}" for x in per) + f" ({v['throughput_median_of_rounds']:.3f})") if per else "-"
+            lines.append(f"| {m} | {v['throughput']:.4f} | {v['tpot_mean']:.4f} | {v['tpot_p99']:.4f} | {per_s} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: dict[str, dict[str, Any]], path: str) -> None:
     """TPOT distributions (box plots) and throughput bars per mode; one row per step kind."""
     import matplotlib
@@ -475,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         from examples import bench_transport
 
         return bench_transport.main(argv[1:])
+    if argv[:1] == ["markdown"]:  # python -m examples.bench markdown results/bench.json
+        data = json.loads(Path(argv[1]).read_text())
+        for step, res in (data.items() if "modes" not in data else [("", data)]):
+            print((f"### {step} step\n\n" if step else "") + to_markdown(res))
+        return 0
     p = make_parser()
     a = p.parse_args(argv)
     modes = tuple(m for m in a.modes.split(",") if m)
