@@ -80,4 +80,5 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
         table.add_column(c, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*(fmt(v, digits) for v in row))
-    Console(width=max(160, Console().width)).print(table)
+    console = Console()
+    (console if console.is_terminal else Console(width=160)).print(table)
