@@ -69,12 +69,13 @@ BLOCK_BYTES = 16 * 1024  # tiny model defaults; checked against the layout at st
 class Node:
     """One ``python -m examples.two_node ROLE ...`` child, in its own process group."""
 
-    def __init__(self, role: str, args: list[str], env: dict[str, str], log_dir: Path, timeout: float = 90.0):
+    def __init__(self, role: str, args: list[str], env: dict[str, str], log_dir: Path, timeout: float = 90.0,
+                 log_level: str = "warning"):
         self.role = role
         self.log_path = log_dir / f"{role}-{secrets.token_hex(3)}.log"
         with open(self.log_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "examples.two_node", "--log-level", "warning", role, *args],
+                [sys.executable, "-m", "examples.two_node", "--log-level", log_level, role, *args],
                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
             )
         try:
