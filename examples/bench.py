@@ -430,6 +430,16 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
 
 # -- CLI ------------------------------------------------------------------------------------------
 
+def _git_state() -> dict[str, Any]:
+    """The commit the nodes run from and whether the tree differs from it (files other sessions edit)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": git("rev-parse", "HEAD"), "dirty": sorted(git("status", "--porcelain", "--untracked-files=no").splitlines())}
+
+
 def build_config(a: argparse.Namespace) -> dict[str, Any]:
     base = dict(QUICK if a.quick else FULL)
     for k in base:
@@ -459,6 +469,7 @@ def build_config(a: argparse.Namespace) -> dict[str, Any]:
         "quick": bool(a.quick),
     }
     cfg["loadavg_start"] = os.getloadavg()
+    cfg["git"] = _git_state()
     return cfg
 
 
