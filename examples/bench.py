@@ -154,6 +154,9 @@ def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: li
                     "--block-size", str(BLOCK_SIZE), "--max-seq-len", str(cfg["max_seq_len"])]
         if not cfg["kv_checksums"]:
             gen_args.append("--no-kv-checksums")
+        for key, flag in (("max_prefetch_seqs", "--max-prefetch-seqs"), ("switch_interval_ms", "--switch-interval-ms")):
+            if cfg.get(key) is not None:  # only when asked: older GEN nodes lack these flags
+                gen_args += [flag, str(cfg[key])]
         gen = Node("gen", gen_args, env, log_dir)
         stack.callback(gen.stop)
         if pids is not None:
@@ -455,9 +458,13 @@ def build_config(a: argparse.Namespace) -> dict[str, Any]:
         "staging_bytes": staging,
         "staging_requests": staging / (prompt_blocks * BLOCK_BYTES),
         "request_kv_bytes": prompt_blocks * BLOCK_BYTES,
-        # GEN pool: every sequence that can be live (max_num_seqs) fits, plus a margin, so KV
-        # exhaustion is not what limits the run (backpressure is what is being measured).
-        "gen_num_blocks": a.num_blocks or (base["max_num_seqs"] + 8) * blocks_per_req,
+        "max_prefetch_seqs": a.max_prefetch_seqs,
+        "switch_interval_ms": a.switch_interval_ms,
+        # GEN pool: every sequence that can hold KV (max_num_seqs decoding + the prefetch window,
+        # which GEN defaults to max_num_seqs) fits, plus a margin, so KV exhaustion is not what
+        # limits the run (backpressure is what is being measured).
+        "gen_num_blocks": a.num_blocks or (base["max_num_seqs"] + (a.max_prefetch_seqs or base["max_num_seqs"]) + 8)
+        * blocks_per_req,
         # CTX pool: every request in flight holds its KV on CTX until pulled (or released).
         "ctx_num_blocks": a.ctx_num_blocks or (base["concurrency"] + 8) * prompt_blocks,
         "ctx_lease_s": a.ctx_lease_s,
@@ -490,7 +497,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--staging-tokens", type=int, help="GEN transfer budget in tokens of KV (default: ISL, one request)")
     p.add_argument("--staging-bytes", type=int, help="GEN transfer budget in bytes (overrides --staging-tokens)")
-    p.add_argument("--num-blocks", type=int, help="GEN KV blocks (default: max_num_seqs + 8 requests' worth)")
+    p.add_argument("--max-prefetch-seqs", type=int, help="GEN: requests receiving/received ahead of the batch (GEN's default if unset)")
+    p.add_argument("--switch-interval-ms", type=float, help="GEN: sys.setswitchinterval (Python's default 5 ms if unset)")
+    p.add_argument("--num-blocks", type=int, help="GEN KV blocks (default: max_num_seqs + prefetch + 8 requests' worth)")
     p.add_argument("--ctx-num-blocks", type=int, help="CTX KV blocks (default: concurrency + 8 prompts' worth)")
     p.add_argument("--ctx-lease-s", type=float, default=120.0)
     p.add_argument("--device-step-ms", type=float)
