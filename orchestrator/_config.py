@@ -30,7 +30,11 @@ class OrchestratorConfig:
     kv_transfer_timeout_ms: int = 60_000
     """A receive that has not completed within this time fails with reason TIMEOUT."""
     max_num_seqs: int = 256
-    """Most requests receiving or decoding at once."""
+    """Most requests decoding at once (the decode batch)."""
+    max_prefetch_seqs: int | None = None
+    """Most requests holding KV without decoding (RECEIVING + READY): receives run ahead of the
+    decode batch so that a freed slot is filled at once. None: as many as ``max_num_seqs``.
+    ``inline`` mode has no prefetch: there RECEIVING + RUNNING share ``max_num_seqs``."""
     max_model_len: int = 1 << 16
     """Longest prompt + output a request may ask for."""
     inline_reserve_timeout_s: float = 0.2
@@ -44,6 +48,12 @@ class OrchestratorConfig:
             raise ValueError("num_blocks, staging_bytes and max_num_seqs must be positive")
         if self.kv_transfer_timeout_ms <= 0:
             raise ValueError("kv_transfer_timeout_ms must be positive")
+        if self.max_prefetch_seqs is not None and self.max_prefetch_seqs < 1:
+            raise ValueError("max_prefetch_seqs must be >= 1")
+
+    @property
+    def prefetch_seqs(self) -> int:
+        return self.max_num_seqs if self.max_prefetch_seqs is None else self.max_prefetch_seqs
 
     @staticmethod
     def staging_bytes_for_tokens(layout: KVLayout, max_tokens_in_buffer: int) -> int:

@@ -4,7 +4,9 @@ One ``step()`` per decode iteration, on the execution thread::
 
     1. drain the inbox        (submits and aborts from any thread; validated at submit)
     2. drain completions      (ReceiveResults from the event loop: RECEIVING -> RUNNING / FAILED)
-    3. schedule               (decode keeps its batch; admit WAITING in FCFS: budget, then KV)
+    3. schedule               (decode keeps its batch; READY fill free decode slots; admit WAITING
+                              in FCFS: budget, then KV; receives run ahead of the batch, up to
+                              max_prefetch_seqs holding KV without decoding)
     4. start receives         ORCHESTRATED: non-blocking submit to the receive group
                               INLINE: blocking staging reserve (timeout, then slow fallback) and a
                                       blocking peer handshake, here, on this thread (the baseline)
@@ -88,6 +90,7 @@ class StepReport:
 class EngineStatistics:
     waiting: int
     receiving: int
+    ready: int
     running: int
     finished: int
     failed: dict[FailureReason, int]
@@ -130,6 +133,7 @@ class GenEngine:
         self._live_lock = threading.Lock()
         self._live: set[str] = set()
         self._receiving: dict[str, Sequence] = {}
+        self._ready: dict[str, Sequence] = {}  # KV received, waiting for a decode slot (FIFO)
         self._running: dict[str, Sequence] = {}
         self._finished = 0
         self._aborted = 0
@@ -202,10 +206,16 @@ class GenEngine:
         c0 = time.thread_time()
         self._drain_inbox()
         self._drain_completions()
-        sched = self.scheduler.schedule(active=len(self._receiving) + len(self._running))
+        self._fill_slots()
+        holding = len(self._receiving) + len(self._ready)
+        if self.config.mode is Mode.INLINE:  # the original path: a receive takes a decode slot
+            sched = self.scheduler.schedule(active=holding + len(self._running), limit=self.config.max_num_seqs)
+        else:
+            sched = self.scheduler.schedule(active=holding, limit=self.config.prefetch_seqs)
         blocked = 0.0
         for admission in sched.admitted:
             blocked += self._start_receive(admission)
+        self._fill_slots()  # IDEAL admissions are ready at once
         t1 = self._clock()
         stalled = max(0.0, (t1 - t0) - (time.thread_time() - c0))
         batch_size = len(self._running)
@@ -318,12 +328,19 @@ class GenEngine:
         return len(seq.tokens) >= seq.request.max_tokens or (eos is not None and seq.tokens[-1] == eos)
 
     def _run(self, seq: Sequence) -> None:
-        seq.state = RequestState.RUNNING
+        """The request's KV is here: it waits (READY) for a decode slot."""
         self._receiving.pop(seq.request_id, None)
         if self._done(seq):  # max_tokens == 1: the CTX token was the whole answer
             self._end(seq, RequestState.FINISHED, None, "")
             return
-        self._running[seq.request_id] = seq
+        seq.state = RequestState.READY
+        self._ready[seq.request_id] = seq
+
+    def _fill_slots(self) -> None:
+        while self._ready and len(self._running) < self.config.max_num_seqs:
+            seq = self._ready.pop(next(iter(self._ready)))
+            seq.state = RequestState.RUNNING
+            self._running[seq.request_id] = seq
 
     def _abort(self, request_id: str) -> None:
         seq = self.scheduler.remove(request_id)
@@ -338,9 +355,9 @@ class GenEngine:
             assert self.receiver is not None
             self.receiver.cancel(request_id)
             return
-        seq = self._running.pop(request_id, None)
+        seq = self._ready.pop(request_id, None) or self._running.pop(request_id, None)
         if seq is not None:
-            self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted while decoding")
+            self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, f"aborted while {seq.state.value}")
 
     def _end(
         self,
@@ -351,6 +368,7 @@ class GenEngine:
         new_tokens: tuple[int, ...] = (),
     ) -> None:
         self._running.pop(seq.request_id, None)
+        self._ready.pop(seq.request_id, None)
         self._receiving.pop(seq.request_id, None)
         if seq.block_ids is not None:
             self.pool.free(seq.block_ids)
@@ -405,6 +423,7 @@ class GenEngine:
         return EngineStatistics(
             waiting=len(self.scheduler.waiting),
             receiving=len(self._receiving),
+            ready=len(self._ready),
             running=len(self._running),
             finished=self._finished,
             failed=dict(self._failed),
@@ -427,8 +446,9 @@ class GenEngine:
             problems.append(f"budget not full: {s.budget}")
         if s.receives_in_flight:
             problems.append(f"{s.receives_in_flight} receives in flight")
-        if s.waiting or s.receiving or s.running or self.live_requests:
-            problems.append(f"requests live: {s.waiting} waiting, {s.receiving} receiving, {s.running} running")
+        if s.waiting or s.receiving or s.ready or s.running or self.live_requests:
+            problems.append(f"requests live: {s.waiting} waiting, {s.receiving} receiving, {s.ready} ready, "
+                            f"{s.running} running")
         if s.pool.used_blocks:
             problems.append(f"{s.pool.used_blocks} KV blocks not freed")
         if s.staging_bytes:
@@ -439,5 +459,5 @@ class GenEngine:
         s = self.statistics()
         return (
             f"<GenEngine {self.config.mode.value} [Requests: {s.waiting} waiting, {s.receiving} receiving, "
-            f"{s.running} running] {self.budget!r} {self.pool!r}>"
+            f"{s.ready} ready, {s.running} running] {self.budget!r} {self.pool!r}>"
         )

@@ -30,13 +30,14 @@ class Percentiles:
     p50: float
     p99: float
     max: float
+    mean: float = 0.0
 
     @staticmethod
     def of(values_ms: np.ndarray) -> Percentiles:
         if values_ms.size == 0:
-            return Percentiles(0.0, 0.0, 0.0)
+            return Percentiles(0.0, 0.0, 0.0, 0.0)
         p50, p99 = np.percentile(values_ms, [50, 99])
-        return Percentiles(float(p50), float(p99), float(values_ms.max()))
+        return Percentiles(float(p50), float(p99), float(values_ms.max()), float(values_ms.mean()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,12 +2,14 @@
 
 Life cycle of a GEN request (``Sequence`` is the engine's record of one)::
 
-    submit ─> WAITING ──admit (budget, then KV)──> RECEIVING ──Completed──> RUNNING ──> FINISHED
-                 │  deferred: BACKPRESSURE | KV_EXHAUSTED    │ Failed(reason)              │ abort
-                 │ abort                                     ▼                             ▼
-                 └──────────────────────────────────────> FAILED / ABORTED <────────────────┘
+    submit ─> WAITING ──admit (budget, then KV)──> RECEIVING ──Completed──> READY ──slot──> RUNNING ──> FINISHED
+                 │  deferred: BACKPRESSURE | KV_EXHAUSTED    │ Failed(reason)       │ abort         │ abort
+                 │ abort                                     ▼                      ▼               ▼
+                 └──────────────────────────────────────> FAILED / ABORTED <──────────────────────┘
 
-``IDEAL`` mode skips RECEIVING (KV is present at admission).
+READY requests have their KV and wait for a decode slot (``max_num_seqs`` bounds RUNNING only), so
+a freed slot is filled at once, without waiting for a pull. ``IDEAL`` mode skips RECEIVING (KV is
+present at admission).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transports import KVSlice
 class RequestState(enum.Enum):
     WAITING = "waiting"
     RECEIVING = "receiving"
+    READY = "ready"
     RUNNING = "running"
     FINISHED = "finished"
     FAILED = "failed"

@@ -2,7 +2,9 @@
 
 Per step, in FCFS order over the waiting queue::
 
-    active >= max_num_seqs                      -> stop (the batch is full; not a deferral)
+    active >= limit                             -> stop (full; not a deferral). ``active`` and its
+                                                   limit are RECEIVING + READY vs max_prefetch_seqs
+                                                   (INLINE: RECEIVING + READY + RUNNING vs max_num_seqs)
     KV pool cannot hold the request             -> defer KV_EXHAUSTED, skip it (it neither takes nor
                                                    blocks the budget; later requests may go)
     an earlier KV-fitting request was denied    -> defer BACKPRESSURE (no overtaking)
@@ -61,17 +63,18 @@ class Scheduler:
                 return seq
         return None
 
-    def schedule(self, active: int) -> ScheduleResult:
+    def schedule(self, active: int, limit: int | None = None) -> ScheduleResult:
         admitted: list[Admission] = []
         deferred = {r: 0 for r in DeferReason}
         if not self.waiting:
             return ScheduleResult(admitted, deferred)
         use_budget = self._config.mode is Mode.ORCHESTRATED
+        limit = self._config.max_num_seqs if limit is None else limit
         budget_blocked = False
         kept: deque[Sequence] = deque()
         while self.waiting:
             seq = self.waiting.popleft()
-            if active + len(admitted) >= self._config.max_num_seqs:
+            if active + len(admitted) >= limit:
                 kept.append(seq)
                 kept.extend(self.waiting)
                 self.waiting.clear()

@@ -274,3 +274,55 @@ async def test_blocks_in_one_run_receive_directly_others_through_staging(harness
     assert h.engine.statistics().peak_staging_bytes == LAYOUT.staging_bytes(2)  # staged, then scattered
     assert h.final("scattered").state is RequestState.FINISHED
     h.engine.pool.free(held[1::2])
+
+
+async def test_receives_run_ahead_so_a_freed_slot_is_filled_at_once(harness_factory) -> None:
+    h = await harness_factory(make_config(max_num_seqs=1, max_prefetch_seqs=1))
+    h.submit("a", max_tokens=5)
+    h.submit("b", max_tokens=3)
+    saw_b_ready = False
+    for _ in range(20):
+        report = await h.step()
+        stats = h.engine.statistics()
+        saw_b_ready |= stats.ready == 1 and stats.running == 1  # b received while a decodes
+        if h.engine.live_requests == 0:
+            break
+    assert saw_b_ready
+    batches = [b for b in h.step_fn.decoded]
+    assert batches == [["a"]] * 4 + [["b"]] * 2  # b decodes the very step after a's last, no gap
+    assert h.final("b").state is RequestState.FINISHED
+
+
+async def test_inline_mode_keeps_the_original_slot_accounting(harness_factory) -> None:
+    h = await harness_factory(make_config(mode=Mode.INLINE, max_num_seqs=1))
+    h.submit("a", max_tokens=4)
+    h.submit("b", max_tokens=2)
+    for _ in range(3):
+        await anyio.to_thread.run_sync(h.engine.step)  # inline blocks: run it off the loop
+        await h.settle()
+        s = h.engine.statistics()
+        assert s.receiving + s.ready + s.running <= 1  # a receive takes a decode slot, no prefetch
+    for out in h.engine.poll():
+        h.outputs.setdefault(out.request_id, []).append(out)
+    for _ in range(20):
+        await anyio.to_thread.run_sync(h.engine.step)
+        await h.settle()
+        for out in h.engine.poll():
+            h.outputs.setdefault(out.request_id, []).append(out)
+        if h.engine.live_requests == 0:
+            break
+    assert h.final("a").state is h.final("b").state is RequestState.FINISHED
+
+
+async def test_abort_while_ready_frees_its_blocks(harness_factory) -> None:
+    h = await harness_factory(make_config(max_num_seqs=1))
+    h.submit("a", max_tokens=50)
+    h.submit("b", max_tokens=5)
+    for _ in range(4):
+        await h.step()
+    assert h.engine.statistics().ready == 1
+    h.engine.abort("b")
+    h.engine.abort("a")
+    await h.run_until_idle()
+    assert h.final("b").state is RequestState.ABORTED
+    assert "b" not in {rid for batch in h.step_fn.decoded for rid in batch}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import sys
 import threading
 import time
 from typing import Any
@@ -65,6 +66,7 @@ class GenNode:
             mode=Mode(args.mode),
             kv_transfer_timeout_ms=args.kv_transfer_timeout_ms,
             max_num_seqs=args.max_num_seqs,
+            max_prefetch_seqs=args.max_prefetch_seqs,
             max_model_len=self.model.config.max_seq_len,
         )
         if args.step == "device":
@@ -184,7 +186,7 @@ class GenNode:
             "role": "gen",
             "mode": self.config.mode.value,
             "engine": {
-                "waiting": s.waiting, "receiving": s.receiving, "running": s.running,
+                "waiting": s.waiting, "receiving": s.receiving, "ready": s.ready, "running": s.running,
                 "finished": s.finished, "aborted": s.aborted,
                 "failed": {r.value: n for r, n in s.failed.items()},
                 "deferrals": {r.value: n for r, n in s.deferral_episodes.items()},
@@ -244,12 +246,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the GEN pool")
     p.add_argument("--staging-bytes", type=int, default=0, help="transfer budget in bytes (overrides --max-tokens-in-buffer)")
     p.add_argument("--max-tokens-in-buffer", type=int, default=8192, help="transfer budget in tokens of KV")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the decode batch: most requests decoding at once")
+    p.add_argument("--max-prefetch-seqs", type=int, default=None,
+                   help="most requests receiving or received ahead of the batch (default: --max-num-seqs)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval for this process: how long a thread may hold the GIL "
+                        "while another waits (Python's default: 5 ms)")
     p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
     p.add_argument("--no-kv-checksums", dest="kv_checksums", action="store_false",
                    help="skip the per-block CRC of received KV (saves event-loop CPU in benchmarks)")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     anyio.run(GenNode(args).run, backend="asyncio")
     return 0
