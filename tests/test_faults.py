@@ -128,7 +128,8 @@ async def test_ctx_killed_mid_transfer_fails_its_requests_only_then_restart_work
         await g.step_until(lambda: all(r in g.final for r in doomed))
         for rid in doomed:
             assert state(g, rid) is RequestState.FAILED and failure(g, rid) is FailureReason.PEER_ERROR
-            assert g.ended_at[rid] - killed_at < 5.0  # the endpoint error, well before the 20 s timeout
+            # the endpoint error, not the transfer timeout (20 s) that would also end them
+            assert g.ended_at[rid] - killed_at < 0.5 * g.engine.config.kv_transfer_timeout_ms / 1e3
         for rid in fine:
             assert state(g, rid) is RequestState.FINISHED
         await g.rest()  # budget full and every block free after the failures
@@ -177,7 +178,8 @@ async def test_completion_that_never_arrives_times_out_instead_of_hanging(gen) -
         g.submit("req-30", peer)
         await g.step_until(lambda: "req-30" in g.final, timeout=10)
         assert failure(g, "req-30") is FailureReason.TIMEOUT
-        assert 0.9 < g.ended_at["req-30"] - start < 4.0
+        # not before the 1 s timeout; the upper bound is the step_until limit (a hang fails there)
+        assert g.ended_at["req-30"] - start >= 0.99
         await g.rest()
     finally:
         peer.stop()
