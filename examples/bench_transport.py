@@ -33,20 +33,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from transports.ucx import UCX_DEFAULTS
+
 MiB = 1 << 20
 SIZES_MIB = (1, 8, 64)
 ROOT = Path(__file__).resolve().parent.parent
 
 # Complete UCX environments, so that a user's UCX_* variables do not leak into a comparison.
 _COMMON = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TCP_CM_REUSEADDR": "y"}
-_OURS = {
-    "UCXPY_PROGRESS_MODE": "thread",
-    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
-    "UCX_RNDV_SCHEME": "put_zcopy",
-    "UCX_MM_ERROR_HANDLING": "y",
-    "UCX_CMA_MEMORY_INVALIDATE": "y",
-    "UCX_CMA_SEG_SIZE": "4M",
-}
+_OURS = {k: v for k, v in UCX_DEFAULTS.items() if k not in _COMMON}  # what the transport applies
 _UCXX_DEFAULTS = {
     "UCXPY_PROGRESS_MODE": "thread",
     "UCXPY_ENABLE_PYTHON_FUTURE": "0",

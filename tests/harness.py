@@ -112,6 +112,21 @@ class Harness:
         await self.settle()
         return report
 
+    async def step_off_loop(self) -> None:
+        """One step on a worker thread, as a blocking (inline-mode) execution thread needs: its
+        waits are served by this event loop meanwhile."""
+        await anyio.to_thread.run_sync(self.engine.step)
+        await self.settle()
+        for out in self.engine.poll():
+            self.outputs.setdefault(out.request_id, []).append(out)
+
+    async def run_until_idle_off_loop(self, max_steps: int = 50) -> None:
+        for _ in range(max_steps):
+            await self.step_off_loop()
+            if self.engine.live_requests == 0:
+                return
+        raise AssertionError(f"not idle after {max_steps} steps: {self.engine!r}")
+
     async def run_until_idle(self, max_steps: int = 1000, timeout: float = 10.0) -> None:
         with anyio.fail_after(timeout):
             for _ in range(max_steps):

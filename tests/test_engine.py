@@ -226,13 +226,7 @@ async def test_inline_mode_blocks_the_execution_thread_then_falls_back(harness_f
     assert h.engine.statistics().inline_fallbacks == 1
     h.engine.abort("hog")
     await h.settle()
-    for _ in range(50):
-        await anyio.to_thread.run_sync(h.engine.step)
-        await h.settle()
-        for out in h.engine.poll():
-            h.outputs.setdefault(out.request_id, []).append(out)
-        if h.engine.live_requests == 0:
-            break
+    await h.run_until_idle_off_loop()
     assert h.final("next").state is RequestState.FINISHED
     assert h.final("hog").state is RequestState.ABORTED
 
@@ -298,19 +292,10 @@ async def test_inline_mode_keeps_the_original_slot_accounting(harness_factory) -
     h.submit("a", max_tokens=4)
     h.submit("b", max_tokens=2)
     for _ in range(3):
-        await anyio.to_thread.run_sync(h.engine.step)  # inline blocks: run it off the loop
-        await h.settle()
+        await h.step_off_loop()  # inline blocks: run it off the loop
         s = h.engine.statistics()
         assert s.receiving + s.ready + s.running <= 1  # a receive takes a decode slot, no prefetch
-    for out in h.engine.poll():
-        h.outputs.setdefault(out.request_id, []).append(out)
-    for _ in range(20):
-        await anyio.to_thread.run_sync(h.engine.step)
-        await h.settle()
-        for out in h.engine.poll():
-            h.outputs.setdefault(out.request_id, []).append(out)
-        if h.engine.live_requests == 0:
-            break
+    await h.run_until_idle_off_loop()
     assert h.final("a").state is h.final("b").state is RequestState.FINISHED
 
 
