@@ -22,12 +22,12 @@ M = [
  ("free blocks on end", "orchestrator/_engine.py", "            self.pool.free(seq.block_ids)\n", "            pass\n", "tests/test_engine.py"),
  ("cancel-safe waiter", "orchestrator/_budget.py", "                waiter.grant.release()\n", "                pass\n", "tests/test_budget.py"),
  ("timeout", "orchestrator/_receiver.py", "with anyio.fail_after(self._timeout_s):", "with anyio.fail_after(None):", "tests/test_engine.py"),
- ("abort tells CTX", "orchestrator/_receiver.py", "                        await self._transport.release(peer, rid)\n", "                        pass\n", "tests/test_engine.py"),
+ ("abort tells CTX", "orchestrator/_receiver.py", "                await self._release(peer, rid)\n", "                pass\n", "tests/test_engine.py"),
 
  # issue 5: each fault protection, removed once, must fail its real-process test
  ("abort while waiting tells CTX", "orchestrator/_engine.py", "                self.receiver.release_soon(seq.request.peer, request_id)\n", "                pass\n", "tests/test_faults.py -k abort_in_flight"),
- ("lease expiry", "transports/_store.py", "dead = [rid for rid, h in self._held.items() if h.expires_at <= now]", "dead = []", "tests/test_faults.py -k lease"),
- ("client gone aborts", "examples/two_node/gen.py", "                    self.engine.abort(rid)  # type: ignore[union-attr]\n", "                    pass\n", "tests/test_faults.py -k client_cancel"),
+ ("lease expiry", "transports/_store.py", "dead = [rid for rid, h in self._held.items() if h.expires_at <= now and h.pins == 0]", "dead = []", "tests/test_faults.py -k lease"),
+ ("client gone aborts", "examples/two_node/gen.py", "                self.engine.abort(rid)\n", "                pass\n", "tests/test_faults.py -k 'client_cancel or resetting'"),
  ("transfer timeout", "orchestrator/_receiver.py", "with anyio.fail_after(self._timeout_s):", "with anyio.fail_after(None):", "tests/test_faults.py -k never_arrives"),
  ("failed receive decoded", "orchestrator/_engine.py", "            elif result.ok:", "            elif True:", "tests/test_engine.py -k never_decoded"),
  ("freed block read", "orchestrator/_engine.py", "                self._run(seq)\n            else:", "                self.pool.free(seq.block_ids)\n                self._run(seq)\n            else:", "tests/test_engine.py -k never_decoded"),

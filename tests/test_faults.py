@@ -12,6 +12,7 @@ import signal
 import time
 
 import anyio
+import anyio.abc
 import pytest
 import torch
 
@@ -229,3 +230,38 @@ def test_client_cancel_mid_generation_releases_everything() -> None:
 
         stats = anyio.run(scenario, backend="asyncio")
         assert stats["engine"]["pool"]["used_blocks"] == 0 and stats["engine"]["budget"]["in_use"] == 0
+
+
+def test_clients_resetting_mid_stream_do_not_kill_gen() -> None:
+    # A client that vanishes with a TCP reset while tokens stream: GEN's next send fails before (or
+    # instead of) its EOF watcher noticing. Regression: that error escaped the request's task group
+    # as an ExceptionGroup and took the control server, and the GEN node, down with it.
+    import socket
+    import struct
+
+    env = node_env()
+    with NodeProcess.start(["ctx", "--num-blocks", "512"], env=env) as ctx, \
+            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "512"], env=env) as gen_node:
+
+        async def scenario() -> dict:
+            for i in range(6):
+                rid = f"reset-{i}"
+                r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
+                                                          "prompt_ids": list(range(40, 100)), "max_tokens": 1500})
+                stream = await control.connect(gen_node.info["ctrl"])
+                await stream.send({"op": "generate", "request_id": rid, "prompt_len": r["prompt_len"],
+                                   "first_token": r["first_token"], "max_tokens": 1500, "kv_peer": r["kv_peer"]})
+                assert "tokens" in await stream.receive()
+                raw = stream._stream.extra(anyio.abc.SocketAttribute.raw_socket)  # type: ignore[attr-defined]
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                await stream.aclose()  # RST, not FIN
+            with anyio.fail_after(15):
+                while True:
+                    s = await control.call(gen_node.info["ctrl"], {"op": "stats"})
+                    if s["engine"]["aborted"] == 6 and not s["rest_problems"]:
+                        return s
+                    await anyio.sleep(0.05)
+
+        stats = anyio.run(scenario, backend="asyncio")
+        assert gen_node.alive()
+        assert stats["engine"]["pool"]["used_blocks"] == 0

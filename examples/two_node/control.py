@@ -136,6 +136,8 @@ async def serve(host: str, port: int, handler: Handler, *, task_status: anyio.ab
                     pass
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
                 pass
+            except Exception:  # one connection's failure must never take the node down
+                log.exception("control_handler_failed")
 
     task_status.started(bound)
     async with listener:

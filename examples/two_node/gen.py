@@ -131,10 +131,12 @@ class GenNode:
         send, receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
         self._streams[rid] = send
         try:
-            try:
-                self.engine.submit(request)
-            except InvalidRequest as exc:
-                raise control.ControlError(str(exc)) from None
+            self.engine.submit(request)
+        except InvalidRequest as exc:
+            self._streams.pop(rid, None)
+            raise control.ControlError(str(exc)) from None
+        done = False
+        try:
             async with anyio.create_task_group() as tg:
 
                 async def watch_client() -> None:  # EOF before "done": the client gave up
@@ -144,20 +146,23 @@ class GenNode:
                     except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
                             control.ControlError, ConnectionError):
                         pass
-                    log.info("client_gone", request_id=rid)
-                    self.engine.abort(rid)  # type: ignore[union-attr]
+                    tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_client)
-                await self._stream_tokens(rid, receive, stream)
+                done = await self._stream_tokens(rid, receive, stream)
                 tg.cancel_scope.cancel()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
-            self.engine.abort(rid)
+        except* (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+            pass  # the client vanished while we were sending to it
         finally:
+            if not done:  # the one place a request whose client is gone (or node stopping) is aborted
+                log.info("client_gone", request_id=rid)
+                self.engine.abort(rid)
             self._streams.pop(rid, None)
             self.checksums.pop(rid, None)
             send.close()
 
-    async def _stream_tokens(self, rid: str, receive: Any, stream: control.JsonStream) -> None:
+    async def _stream_tokens(self, rid: str, receive: Any, stream: control.JsonStream) -> bool:
+        """Forward ``rid``'s outputs; True once "done" was sent."""
         async with receive:
             async for out in receive:
                 tokens = list(out.new_tokens)
@@ -174,8 +179,9 @@ class GenNode:
                     await stream.send({"done": True, "state": out.state.value,
                                        "failure": out.failure.value if out.failure else None,
                                        "message": out.message, "kv_checksums": self.checksums.get(rid, [])})
-                    return
+                    return True
                 await stream.send({"tokens": tokens})
+        return False
 
     def stats(self) -> dict[str, Any]:
         assert self.engine is not None and self.loop is not None
