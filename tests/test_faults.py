@@ -208,25 +208,35 @@ def test_gen_killed_while_ctx_holds_kv_ctx_frees_it_when_the_lease_expires() -> 
         assert stats["pool"]["used_blocks"] == 0  # the blocks went back to the CTX pool
 
 
+async def open_generation(ctx: NodeProcess, gen_node: NodeProcess, rid: str, prompt_len: int) -> control.JsonStream:
+    """Prefill ``rid`` on CTX, start a long generation on GEN, return the stream once tokens flow."""
+    r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
+                                              "prompt_ids": list(range(40, 40 + prompt_len)), "max_tokens": 1500})
+    stream = await control.connect(gen_node.info["ctrl"])
+    await stream.send({"op": "generate", "request_id": rid, "prompt_len": r["prompt_len"],
+                       "first_token": r["first_token"], "max_tokens": 1500, "kv_peer": r["kv_peer"]})
+    assert "tokens" in await stream.receive()
+    return stream
+
+
+async def wait_aborted_and_at_rest(gen_node: NodeProcess, aborted: int, timeout: float) -> dict:
+    with anyio.fail_after(timeout):
+        while True:
+            s = await control.call(gen_node.info["ctrl"], {"op": "stats"})
+            if s["engine"]["aborted"] == aborted and not s["rest_problems"]:
+                return s
+            await anyio.sleep(0.05)
+
+
 def test_client_cancel_mid_generation_releases_everything() -> None:
     env = node_env()
     with NodeProcess.start(["ctx", "--num-blocks", "256"], env=env) as ctx, \
             NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "256"], env=env) as gen_node:
 
         async def scenario() -> dict:
-            r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": "cancel-me",
-                                                      "prompt_ids": list(range(40, 120)), "max_tokens": 1500})
-            stream = await control.connect(gen_node.info["ctrl"])
-            await stream.send({"op": "generate", "request_id": "cancel-me", "prompt_len": r["prompt_len"],
-                               "first_token": r["first_token"], "max_tokens": 1500, "kv_peer": r["kv_peer"]})
-            assert "tokens" in await stream.receive()
+            stream = await open_generation(ctx, gen_node, "cancel-me", prompt_len=80)
             await stream.aclose()  # the client goes away mid-generation
-            with anyio.fail_after(10):
-                while True:
-                    s = await control.call(gen_node.info["ctrl"], {"op": "stats"})
-                    if s["engine"]["aborted"] == 1 and not s["rest_problems"]:
-                        return s
-                    await anyio.sleep(0.05)
+            return await wait_aborted_and_at_rest(gen_node, 1, timeout=10)
 
         stats = anyio.run(scenario, backend="asyncio")
         assert stats["engine"]["pool"]["used_blocks"] == 0 and stats["engine"]["budget"]["in_use"] == 0
@@ -245,22 +255,11 @@ def test_clients_resetting_mid_stream_do_not_kill_gen() -> None:
 
         async def scenario() -> dict:
             for i in range(6):
-                rid = f"reset-{i}"
-                r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
-                                                          "prompt_ids": list(range(40, 100)), "max_tokens": 1500})
-                stream = await control.connect(gen_node.info["ctrl"])
-                await stream.send({"op": "generate", "request_id": rid, "prompt_len": r["prompt_len"],
-                                   "first_token": r["first_token"], "max_tokens": 1500, "kv_peer": r["kv_peer"]})
-                assert "tokens" in await stream.receive()
+                stream = await open_generation(ctx, gen_node, f"reset-{i}", prompt_len=60)
                 raw = stream._stream.extra(anyio.abc.SocketAttribute.raw_socket)  # type: ignore[attr-defined]
                 raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 await stream.aclose()  # RST, not FIN
-            with anyio.fail_after(15):
-                while True:
-                    s = await control.call(gen_node.info["ctrl"], {"op": "stats"})
-                    if s["engine"]["aborted"] == 6 and not s["rest_problems"]:
-                        return s
-                    await anyio.sleep(0.05)
+            return await wait_aborted_and_at_rest(gen_node, 6, timeout=15)
 
         stats = anyio.run(scenario, backend="asyncio")
         assert gen_node.alive()

@@ -52,11 +52,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def reference_tokens(prompts: list[list[int]], osl: int) -> list[list[int]]:
     """The single-process run: prefill + decode with an unpaged cache, one prompt at a time."""
     model = TinyModel(ModelConfig())
-    out = []
-    for prompt in prompts:
-        first_and_rest = model.generate_reference(prompt, osl)
-        out.append(first_and_rest)
-    return out
+    return [model.generate_reference(prompt, osl) for prompt in prompts]
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
