@@ -56,9 +56,9 @@ SECRET_ENV = "KVO_SHARED_SECRET"
 
 # Scaled defaults (see docs/bench.md). Model: the tiny model's KV layout (2 layers, 2 KV heads,
 # head_dim 32, float32, 16-token blocks: 16 KiB per block, 1 KiB per token).
-FULL = dict(isl=128, osl=256, concurrency=64, requests=1280, max_num_seqs=32, staging_tokens=128, rounds=4,
+FULL = dict(isl=128, osl=256, concurrency=64, requests=1280, max_num_seqs=32, max_tokens_in_buffer=128, rounds=4,
             warmup=64, device_step_ms=4.0, device_step_us_per_seq=5.0)
-QUICK = dict(isl=128, osl=128, concurrency=32, requests=384, max_num_seqs=16, staging_tokens=128, rounds=3,
+QUICK = dict(isl=128, osl=128, concurrency=32, requests=384, max_num_seqs=16, max_tokens_in_buffer=128, rounds=3,
              warmup=32, device_step_ms=4.0, device_step_us_per_seq=5.0)
 BLOCK_SIZE = 16
 BLOCK_BYTES = 16 * 1024  # tiny model defaults; checked against the layout at start
@@ -148,7 +148,7 @@ def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: li
         gen_args = ["--ctx", ctx.info["ctrl"], "--host", "127.0.0.1", "--port", "0", "--mode", mode, "--step", step,
                     "--device-step-ms", str(cfg["device_step_ms"]),
                     "--device-step-us-per-seq", str(cfg["device_step_us_per_seq"]),
-                    "--num-blocks", str(cfg["gen_num_blocks"]), "--staging-bytes", str(cfg["staging_bytes"]),
+                    "--num-blocks", str(cfg["gen_num_blocks"]), "--transfer-budget-bytes", str(cfg["transfer_budget_bytes"]),
                     "--max-num-seqs", str(cfg["max_num_seqs"]),
                     "--kv-transfer-timeout-ms", str(cfg["kv_transfer_timeout_ms"]),
                     "--block-size", str(BLOCK_SIZE), "--max-seq-len", str(cfg["max_seq_len"])]
@@ -249,7 +249,7 @@ def _aggregate(rounds: list[tuple[Any, dict[str, Any], dict[str, float]]], cfg: 
         "mean_batch": sum(lp["mean_batch"] * lp["decode_iterations"] for lp in loops) / iters if iters else 0.0,
         "deferrals": {"backpressure": defer.get("backpressure", 0), "kv_exhausted": defer.get("kv_exhausted", 0)},
         "peak_staging_bytes": max(e.get("peak_staging_bytes", 0) for e in engines),
-        "staging_budget_bytes": engines[0].get("staging_budget_bytes", cfg["staging_bytes"]),
+        "transfer_budget_bytes": engines[0].get("transfer_budget_bytes", cfg["transfer_budget_bytes"]),
         "inline_fallbacks": sum(e.get("inline_fallbacks", 0) for e in engines),
         "gen_failed": {k: v for k, v in total("failed").items() if v},
         "failures": s["failures"],
@@ -424,7 +424,7 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
         ax_b.set_ylim(0, max(tput) * 1.2 if tput and max(tput) > 0 else 1)
     c = next(iter(results.values()))["config"]
     fig.suptitle(f"ISL {c['isl']} / OSL {c['osl']} / concurrency {c['concurrency']} / {c['requests']} requests, "
-                 f"staging {c['staging_bytes'] // 1024} KiB, max_num_seqs {c['max_num_seqs']}", fontsize=10)
+                 f"budget {c['transfer_budget_bytes'] // 1024} KiB, max_num_seqs {c['max_num_seqs']}", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -451,12 +451,12 @@ def build_config(a: argparse.Namespace) -> dict[str, Any]:
             base[k] = v
     blocks_per_req = -(-(base["isl"] + base["osl"]) // BLOCK_SIZE)
     prompt_blocks = -(-base["isl"] // BLOCK_SIZE)
-    staging = a.staging_bytes if a.staging_bytes is not None else -(-base["staging_tokens"] // BLOCK_SIZE) * BLOCK_BYTES
+    staging = a.transfer_budget_bytes if a.transfer_budget_bytes is not None else -(-base["max_tokens_in_buffer"] // BLOCK_SIZE) * BLOCK_BYTES
     cfg = {
         **base,
         "seed": a.seed,
-        "staging_bytes": staging,
-        "staging_requests": staging / (prompt_blocks * BLOCK_BYTES),
+        "transfer_budget_bytes": staging,
+        "budget_requests": staging / (prompt_blocks * BLOCK_BYTES),
         "request_kv_bytes": prompt_blocks * BLOCK_BYTES,
         "max_prefetch_seqs": a.max_prefetch_seqs,
         "switch_interval_ms": a.switch_interval_ms,
@@ -495,8 +495,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="warm-up requests per mode and round (not measured)")
     p.add_argument("--rounds", type=int, help="split the measured requests into this many rounds of all modes (rotating order)")
     p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--staging-tokens", type=int, help="GEN transfer budget in tokens of KV (default: ISL, one request)")
-    p.add_argument("--staging-bytes", type=int, help="GEN transfer budget in bytes (overrides --staging-tokens)")
+    p.add_argument("--max-tokens-in-buffer", type=int, help="GEN transfer budget in tokens of KV (default: ISL, one request)")
+    p.add_argument("--transfer-budget-bytes", type=int, help="GEN transfer budget in bytes (overrides --max-tokens-in-buffer)")
     p.add_argument("--max-prefetch-seqs", type=int, help="GEN: requests receiving/received ahead of the batch (GEN's default if unset)")
     p.add_argument("--switch-interval-ms", type=float, help="GEN: sys.setswitchinterval (Python's default 5 ms if unset)")
     p.add_argument("--num-blocks", type=int, help="GEN KV blocks (default: max_num_seqs + prefetch + 8 requests' worth)")

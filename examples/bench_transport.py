@@ -235,7 +235,7 @@ async def _pull_client(port: int, budget_s: float, idle_s: float) -> dict[str, A
     async with UCXTransport(UCXConfig(secret=load_secret())) as t:
         await t.connect(peer)
         for mib in SIZES_MIB:
-            into = torch.empty(layout.staging_shape(mib), dtype=layout.dtype)
+            into = torch.empty(layout.wire_shape(mib), dtype=layout.dtype)
             times = []
             for i in range(_reps(into.nbytes, budget_s) + 1):
                 t0 = time.perf_counter()

@@ -34,7 +34,7 @@ def main() -> dict[str, list[int]]:
     config = OrchestratorConfig(
         layout=layout,
         num_blocks=128,
-        staging_bytes=OrchestratorConfig.staging_bytes_for_tokens(layout, max_tokens_in_buffer=128),
+        transfer_budget_bytes=OrchestratorConfig.transfer_budget_for_tokens(layout, max_tokens_in_buffer=128),
         kv_transfer_timeout_ms=60_000,
     )
     engine = GenEngine(config, transport, decode_step)

@@ -20,6 +20,7 @@ from ._errors import InvalidRequest as InvalidRequest
 from ._errors import KVExhausted as KVExhausted
 from ._errors import NotRunning as NotRunning
 from ._errors import OrchestratorError as OrchestratorError
+from ._errors import Unavailable as Unavailable
 from ._errors import WouldBlock as WouldBlock
 from ._kvpool import KVBlockPool as KVBlockPool
 from ._kvpool import PoolStatistics as PoolStatistics
@@ -43,5 +44,5 @@ __all__ = [
     "FailureReason", "GenEngine", "GenRequest", "Grant", "InvalidRequest", "KVBlockPool", "KVExhausted",
     "KVLayout", "KVSlice", "LoopStatistics", "Mode", "NotRunning", "OrchestratorConfig", "OrchestratorError",
     "Percentiles", "PoolStatistics", "ReceiveGroup", "ReceiveJob", "ReceiveResult", "RequestOutput",
-    "RequestState", "StepReport", "TransferBudget", "WouldBlock", "loop_caller", "plan_chunks",
+    "RequestState", "StepReport", "TransferBudget", "Unavailable", "WouldBlock", "loop_caller", "plan_chunks",
 ]

@@ -24,7 +24,7 @@ class OrchestratorConfig:
     layout: KVLayout
     num_blocks: int
     """KV blocks in the GEN pool."""
-    staging_bytes: int
+    transfer_budget_bytes: int
     """The transfer budget: bytes of receives in flight (``max_tokens_in_buffer`` expressed in bytes)."""
     mode: Mode = Mode.ORCHESTRATED
     kv_transfer_timeout_ms: int = 60_000
@@ -44,8 +44,8 @@ class OrchestratorConfig:
     """Fill every freed KV block with NaN, so that a read of a freed block cannot go unnoticed."""
 
     def __post_init__(self) -> None:
-        if self.num_blocks <= 0 or self.staging_bytes <= 0 or self.max_num_seqs <= 0:
-            raise ValueError("num_blocks, staging_bytes and max_num_seqs must be positive")
+        if self.num_blocks <= 0 or self.transfer_budget_bytes <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("num_blocks, transfer_budget_bytes and max_num_seqs must be positive")
         if self.kv_transfer_timeout_ms <= 0:
             raise ValueError("kv_transfer_timeout_ms must be positive")
         if self.max_prefetch_seqs is not None and self.max_prefetch_seqs < 1:
@@ -56,6 +56,6 @@ class OrchestratorConfig:
         return self.max_num_seqs if self.max_prefetch_seqs is None else self.max_prefetch_seqs
 
     @staticmethod
-    def staging_bytes_for_tokens(layout: KVLayout, max_tokens_in_buffer: int) -> int:
+    def transfer_budget_for_tokens(layout: KVLayout, max_tokens_in_buffer: int) -> int:
         """The byte budget that holds ``max_tokens_in_buffer`` tokens' KV (whole blocks)."""
         return layout.blocks_for(max_tokens_in_buffer) * layout.block_bytes

@@ -30,11 +30,11 @@ from collections.abc import Callable, Sequence as Seq
 import structlog
 import torch
 
-from transports import Transport, scatter
+from transports import InvalidRequestId, Transport, check_handle, check_request_id, scatter
 
 from ._budget import TransferBudget
 from ._config import Mode, OrchestratorConfig
-from ._errors import InvalidRequest, WouldBlock
+from ._errors import InvalidRequest, Unavailable, WouldBlock
 from ._kvpool import KVBlockPool, PoolStatistics
 from ._budget import BudgetStatistics
 from ._receiver import ReceiveGroup, ReceiveJob, plan_chunks
@@ -50,8 +50,6 @@ from ._requests import (
 from ._scheduler import Admission, Scheduler
 
 log = structlog.get_logger("orchestrator.engine")
-
-MAX_REQUEST_ID_LEN = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +117,7 @@ class GenEngine:
             raise ValueError(f"mode {config.mode.value} needs a transport")
         self.config = config
         self.layout = config.layout
-        self.budget = TransferBudget(config.staging_bytes)
+        self.budget = TransferBudget(config.transfer_budget_bytes)
         self.pool = KVBlockPool(config.layout, config.num_blocks, config.device, poison_freed=config.debug_poison_freed_blocks)
         self.scheduler = Scheduler(config, self.budget, self.pool)
         self._step_fn = step_fn
@@ -139,6 +137,7 @@ class GenEngine:
         self._aborted = 0
         self._failed = {r: 0 for r in FailureReason}
         self._inline_fallbacks = 0
+        self._unhealthy: str | None = None
         self.receiver = (
             ReceiveGroup(
                 transport,
@@ -154,7 +153,10 @@ class GenEngine:
 
     # -- any thread ------------------------------------------------------------------------------
     def submit(self, request: GenRequest) -> None:
-        """Queue a request for admission. Validates it first; raises ``InvalidRequest``. Never blocks."""
+        """Queue a request for admission. Validates it first; raises ``InvalidRequest`` (a bad or
+        duplicate request) or ``Unavailable`` (the engine is unhealthy, see ``health()``). Never blocks."""
+        if (why := self.health()) is not None:
+            raise Unavailable(f"GEN engine unavailable: {why}")
         self._validate(request)
         with self._live_lock:
             if request.request_id in self._live:
@@ -190,6 +192,19 @@ class GenEngine:
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
+
+    def health(self) -> str | None:
+        """None while the engine can serve; otherwise why not (its receive group or decode loop died)."""
+        if self._unhealthy is not None:
+            return self._unhealthy
+        if self.receiver is not None and self.receiver.failure is not None:
+            return f"receive group stopped: {self.receiver.failure}"
+        return None
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """Record why the engine can no longer serve (the first reason wins); any thread."""
+        if self._unhealthy is None:
+            self._unhealthy = reason
 
     @property
     def live_requests(self) -> int:
@@ -241,7 +256,7 @@ class GenEngine:
                 arrival=self._clock(),
                 num_blocks=layout.blocks_for(item.prompt_len + item.max_tokens),
                 num_prompt_blocks=prompt_blocks,
-                cost=layout.staging_bytes(prompt_blocks, kv_slice),
+                cost=layout.wire_bytes(prompt_blocks, kv_slice),
                 tokens=[item.first_token],
             )
             self.scheduler.add(seq)
@@ -295,7 +310,7 @@ class GenEngine:
             # Slow fallback: a dedicated, unpooled buffer, allocated and touched on this thread.
             self._inline_fallbacks += 1
             staging = torch.zeros(
-                self.layout.staging_shape(seq.num_prompt_blocks, kv_slice), dtype=self.layout.dtype,
+                self.layout.wire_shape(seq.num_prompt_blocks, kv_slice), dtype=self.layout.dtype,
                 device=self.pool.kv.device,
             )
             chunks = (kv_slice,)
@@ -401,8 +416,12 @@ class GenEngine:
     # -- checks ----------------------------------------------------------------------------------
     def _validate(self, r: GenRequest) -> None:
         cfg, layout = self.config, self.layout
-        if not isinstance(r.request_id, str) or not 0 < len(r.request_id) <= MAX_REQUEST_ID_LEN:
-            raise InvalidRequest(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} chars")
+        try:
+            check_request_id(r.request_id)
+            if r.kv_handle is not None:
+                check_handle(r.kv_handle)
+        except InvalidRequestId as exc:
+            raise InvalidRequest(str(exc)) from None
         if r.prompt_len < 1 or r.max_tokens < 1:
             raise InvalidRequest(f"{r.request_id}: prompt_len and max_tokens must be >= 1")
         if r.prompt_len + r.max_tokens > cfg.max_model_len:
@@ -413,7 +432,7 @@ class GenEngine:
         kv_slice = r.kv_slice or layout.full_slice()
         try:
             layout.check_slice(kv_slice)
-            plan_chunks(layout, layout.blocks_for(r.prompt_len), kv_slice, cfg.staging_bytes)
+            plan_chunks(layout, layout.blocks_for(r.prompt_len), kv_slice, cfg.transfer_budget_bytes)
         except ValueError as exc:
             raise InvalidRequest(f"{r.request_id}: {exc}") from None
         if cfg.mode is not Mode.IDEAL and not r.peer:

@@ -21,3 +21,7 @@ class InvalidRequest(OrchestratorError, ValueError):
 
 class NotRunning(OrchestratorError, RuntimeError):
     """The receive group is not running on an event loop (not started, or stopped)."""
+
+
+class Unavailable(OrchestratorError, RuntimeError):
+    """The engine cannot take requests: its receive group or decode loop has died (see ``health()``)."""

@@ -71,17 +71,17 @@ def plan_chunks(layout: KVLayout, num_blocks: int, kv_slice: KVSlice, capacity: 
 
     Raises ValueError when even one layer of one head does not fit.
     """
-    if layout.staging_bytes(num_blocks, kv_slice) <= capacity:
+    if layout.wire_bytes(num_blocks, kv_slice) <= capacity:
         return (kv_slice,)
     one_layer = KVSlice(0, 1, kv_slice.head_start, kv_slice.head_end)
-    per_layer = layout.staging_bytes(num_blocks, one_layer)
+    per_layer = layout.wire_bytes(num_blocks, one_layer)
     if per_layer <= capacity:
         step = capacity // per_layer
         return tuple(
             KVSlice(lo, min(lo + step, kv_slice.layer_end), kv_slice.head_start, kv_slice.head_end)
             for lo in range(kv_slice.layer_start, kv_slice.layer_end, step)
         )
-    per_head = layout.staging_bytes(num_blocks, KVSlice(0, 1, 0, 1))
+    per_head = layout.wire_bytes(num_blocks, KVSlice(0, 1, 0, 1))
     if per_head > capacity:
         raise ValueError(
             f"one layer of one head of this request needs {per_head} staging bytes, budget is {capacity}"
@@ -135,6 +135,8 @@ class ReceiveGroup:
         self._jobs: dict[str, ReceiveJob] = {}  # submitted and not yet finished: in flight
         self._staging_bytes = 0
         self._peak_staging_bytes = 0
+        self.failure: str | None = None
+        """Why the group stopped serving, when it died (not set by a normal ``close()``)."""
 
     # -- any thread ------------------------------------------------------------------------------
     @property
@@ -288,7 +290,7 @@ class ReceiveGroup:
             direct = whole_run_view(self._pool, job.block_ids, chunk)
             if direct is not None:  # the blocks are one run: land in them, no staging, no scatter
                 return await self._pull(job, chunk, direct, last=last)
-        shape = self._layout.staging_shape(int(job.block_ids.numel()), chunk)
+        shape = self._layout.wire_shape(int(job.block_ids.numel()), chunk)
         if job.staging is not None and len(job.chunks) == 1:
             staging = job.staging
         else:

@@ -75,6 +75,8 @@ class GenRequest:
     first_token: int
     max_tokens: int
     peer: str | None = None
+    kv_handle: str | None = None
+    """The handle the CTX node issued with the prefill (``KVStore.put``); presented to pull/release."""
     kv_slice: KVSlice | None = None
     eos_token: int | None = None
     local_kv: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)

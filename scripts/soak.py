@@ -338,7 +338,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         "gen": {
             "finished": eng["finished"], "aborted": eng["aborted"], "failed": eng["failed"],
             "deferrals": eng["deferrals"],
-            "peak_staging_bytes": eng["peak_staging_bytes"], "staging_budget_bytes": eng["staging_budget_bytes"],
+            "peak_staging_bytes": eng["peak_staging_bytes"], "transfer_budget_bytes": eng["transfer_budget_bytes"],
             "budget_grants": eng["budget"]["grants"], "budget_peak_in_use": eng["budget"]["peak_in_use"],
             "pool_peak_used_blocks": eng["pool"]["peak_used_blocks"], "pool_num_blocks": eng["pool"]["num_blocks"],
             "pool_exhaustions": eng["pool"]["exhaustions"],
@@ -403,7 +403,7 @@ def report_rows(report: dict[str, Any]) -> list[list[Any]]:
         ["TTFT ms mean / p50 / p99", d(r["ttft_ms"])],
         ["TPOT ms mean / p50 / p99", d(r["tpot_ms"])],
         ["GEN deferrals (episodes)", ", ".join(f"{k} {v:,}" for k, v in g["deferrals"].items()) or "none"],
-        ["GEN budget peak in use / capacity bytes", f"{g['budget_peak_in_use']:,} / {g['staging_budget_bytes']:,}"],
+        ["GEN budget peak in use / capacity bytes", f"{g['budget_peak_in_use']:,} / {g['transfer_budget_bytes']:,}"],
         ["GEN peak staging-buffer bytes (0: KV landed in the pool directly)", f"{g['peak_staging_bytes']:,}"],
         ["GEN mean decode batch", g["mean_batch"]],
         ["GEN loop statistics: iterations recorded (fixed 5 MiB ring)", f"{g['loop_reports']:,}"],

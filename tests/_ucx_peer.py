@@ -108,7 +108,7 @@ async def _client(args: argparse.Namespace) -> None:
 
     total = args.requests * args.blocks + 8
     expected = make_pool(LAYOUT, total)[block_ids(args.index, args.blocks, total)]
-    into = torch.empty(LAYOUT.staging_shape(args.blocks), dtype=LAYOUT.dtype)
+    into = torch.empty(LAYOUT.wire_shape(args.blocks), dtype=LAYOUT.dtype)
     async with UCXTransport(UCXConfig(secret=load_secret(), connect_timeout_s=args.timeout)) as t:
         try:
             n = await t.pull(args.peer, f"req-{args.index}", LAYOUT.full_slice(), into)

@@ -148,7 +148,7 @@ class Harness:
 
 
 def make_config(**overrides: object) -> OrchestratorConfig:
-    base: dict[str, object] = dict(layout=LAYOUT, num_blocks=64, staging_bytes=8 * BLOCK, mode=Mode.ORCHESTRATED,
+    base: dict[str, object] = dict(layout=LAYOUT, num_blocks=64, transfer_budget_bytes=8 * BLOCK, mode=Mode.ORCHESTRATED,
                                    kv_transfer_timeout_ms=2_000)
     base.update(overrides)
     return OrchestratorConfig(**base)  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ def test_ratios_and_plot(tmp_path) -> None:
     assert r["inline"]["throughput"] == pytest.approx(0.78) and r["inline"]["tpot_mean"] == pytest.approx(4.5)
     assert r["orchestrated"]["tpot_p99"] == pytest.approx(1.1)
     res = {"modes": modes, "ratios": r, "config": {"isl": 8, "osl": 4, "concurrency": 2, "requests": 10,
-                                                   "staging_bytes": 4096, "max_num_seqs": 2}}
+                                                   "transfer_budget_bytes": 4096, "max_num_seqs": 2}}
     bench.print_report(res, "fake")
     png = tmp_path / "b.png"
     bench.plot({"device": res}, str(png))
@@ -43,22 +43,22 @@ def test_config_defaults_and_overrides() -> None:
 
     full = cfg()
     assert full["isl"] == bench.FULL["isl"] and full["requests"] == bench.FULL["requests"]
-    assert full["staging_bytes"] == -(-bench.FULL["staging_tokens"] // 16) * 16384
+    assert full["transfer_budget_bytes"] == -(-bench.FULL["max_tokens_in_buffer"] // 16) * 16384
     # the staging budget is far smaller than the prompt KV of the requests that can be in flight
-    assert full["staging_bytes"] * 4 <= full["concurrency"] * full["request_kv_bytes"]
+    assert full["transfer_budget_bytes"] * 4 <= full["concurrency"] * full["request_kv_bytes"]
     quick = cfg("--quick")
     assert quick["requests"] < full["requests"] and quick["isl"] == bench.QUICK["isl"]
-    over = cfg("--isl", "64", "--staging-bytes", "1000", "--device-step-ms", "2.5")
-    assert over["isl"] == 64 and over["staging_bytes"] == 1000 and over["device_step_ms"] == 2.5
-    assert cfg("--staging-tokens", "40")["staging_bytes"] == 3 * 16384
+    over = cfg("--isl", "64", "--transfer-budget-bytes", "1000", "--device-step-ms", "2.5")
+    assert over["isl"] == 64 and over["transfer_budget_bytes"] == 1000 and over["device_step_ms"] == 2.5
+    assert cfg("--max-tokens-in-buffer", "40")["transfer_budget_bytes"] == 3 * 16384
 
 
 @pytest.mark.integration
 def test_tiny_bench_run(tmp_path) -> None:
     pytest.importorskip("ucxx")
     cfg = {"isl": 40, "osl": 6, "concurrency": 4, "requests": 12, "max_num_seqs": 4, "warmup": 2,
-           "device_step_ms": 1.0, "device_step_us_per_seq": 5.0, "seed": 0, "staging_bytes": 3 * 16384,
-           "request_kv_bytes": 3 * 16384, "staging_requests": 1.0, "gen_num_blocks": 64, "ctx_num_blocks": 64,
+           "device_step_ms": 1.0, "device_step_us_per_seq": 5.0, "seed": 0, "transfer_budget_bytes": 3 * 16384,
+           "request_kv_bytes": 3 * 16384, "budget_requests": 1.0, "gen_num_blocks": 64, "ctx_num_blocks": 64,
            "ctx_lease_s": 60.0, "kv_transfer_timeout_ms": 20000, "request_timeout_s": 60.0, "max_seq_len": 2048,
            "kv_checksums": True, "log_dir": str(tmp_path), "quick": True}
     pids: list[int] = []

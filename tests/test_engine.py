@@ -30,7 +30,7 @@ async def test_requests_receive_then_decode_exact_kv(harness_factory) -> None:
 
 
 async def test_decode_continues_while_receives_are_slow_or_deferred(harness_factory) -> None:
-    h = await harness_factory(make_config(staging_bytes=2 * BLOCK))
+    h = await harness_factory(make_config(transfer_budget_bytes=2 * BLOCK))
     h.submit("running", prompt_len=4, max_tokens=30)
     await h.step()  # admitted, received
     await h.step()
@@ -107,7 +107,7 @@ async def test_timeout_fails_the_request_within_kv_transfer_timeout(harness_fact
 
 
 async def test_abort_while_waiting_receiving_and_running(harness_factory) -> None:
-    h = await harness_factory(make_config(staging_bytes=2 * BLOCK))
+    h = await harness_factory(make_config(transfer_budget_bytes=2 * BLOCK))
     h.submit("running", prompt_len=1, max_tokens=100)
     await h.step()
     await h.step()
@@ -144,7 +144,7 @@ async def test_abort_of_unknown_or_finished_request_is_ignored(harness_factory) 
 
 
 async def test_oversized_request_progresses_in_chunks_within_the_budget(harness_factory) -> None:
-    h = await harness_factory(make_config(staging_bytes=4 * BLOCK))
+    h = await harness_factory(make_config(transfer_budget_bytes=4 * BLOCK))
     h.submit("small", prompt_len=4)
     h.submit("huge", prompt_len=10 * LAYOUT.block_size)  # 10 blocks of KV, budget holds 4
     h.submit("after", prompt_len=4)
@@ -161,11 +161,11 @@ async def test_layer_and_head_slice_is_pulled_and_scattered(harness_factory) -> 
     h.submit("sliced", prompt_len=8, kv_slice=KVSlice(1, 2, 0, 1))
     await h.run_until_idle()  # the checking step compares the pulled layer/head range
     assert h.final("sliced").state is RequestState.FINISHED
-    assert h.transport.counters.bytes_moved == LAYOUT.staging_bytes(2, KVSlice(1, 2, 0, 1))
+    assert h.transport.counters.bytes_moved == LAYOUT.wire_bytes(2, KVSlice(1, 2, 0, 1))
 
 
 async def test_backpressure_and_kv_exhaustion_counted_apart_end_to_end(harness_factory) -> None:
-    h = await harness_factory(make_config(num_blocks=8, staging_bytes=2 * BLOCK))
+    h = await harness_factory(make_config(num_blocks=8, transfer_budget_bytes=2 * BLOCK))
     h.transport.stall("a")
     h.submit("a", prompt_len=8, max_tokens=1)  # 2 blocks of KV, the whole budget
     h.submit("b", prompt_len=4, max_tokens=1)  # fits KV, denied by budget
@@ -201,7 +201,7 @@ async def test_invalid_requests_are_rejected_at_submit_with_nothing_queued(harne
 
 
 async def test_many_requests_small_budget_all_finish_and_release(harness_factory) -> None:
-    h = await harness_factory(make_config(num_blocks=40, staging_bytes=6 * BLOCK), bandwidth_bytes_per_s=2e6)
+    h = await harness_factory(make_config(num_blocks=40, transfer_budget_bytes=6 * BLOCK), bandwidth_bytes_per_s=2e6)
     for i in range(40):
         h.submit(f"r{i}", prompt_len=1 + (i * 7) % 20, max_tokens=1 + i % 5)
     await h.run_until_idle(max_steps=5000)
@@ -212,7 +212,7 @@ async def test_many_requests_small_budget_all_finish_and_release(harness_factory
 
 
 async def test_inline_mode_blocks_the_execution_thread_then_falls_back(harness_factory) -> None:
-    cfg = make_config(mode=Mode.INLINE, staging_bytes=2 * BLOCK, inline_reserve_timeout_s=0.05)
+    cfg = make_config(mode=Mode.INLINE, transfer_budget_bytes=2 * BLOCK, inline_reserve_timeout_s=0.05)
     h = await harness_factory(cfg)
     h.transport.stall("hog")
     h.submit("hog", prompt_len=8)  # takes the whole staging region and never finishes
@@ -240,7 +240,7 @@ async def test_ideal_mode_runs_at_once_without_transport(harness_factory) -> Non
 
 async def test_failed_receive_is_never_decoded_and_freed_blocks_are_never_read(harness_factory) -> None:
     # freed blocks are filled with NaN: a decode that read one would not match CTX's KV
-    h = await harness_factory(make_config(num_blocks=12, staging_bytes=4 * BLOCK, debug_poison_freed_blocks=True))
+    h = await harness_factory(make_config(num_blocks=12, transfer_budget_bytes=4 * BLOCK, debug_poison_freed_blocks=True))
     failing = {f"r{i}" for i in range(0, 30, 3)}
     for i in range(30):
         rid = f"r{i}"
@@ -265,7 +265,7 @@ async def test_blocks_in_one_run_receive_directly_others_through_staging(harness
     h.engine.pool.free(held[::2])  # fragment the pool: every free block is isolated
     h.submit("scattered", prompt_len=8, max_tokens=2)  # decodes once: its KV is checked
     await h.run_until_idle()
-    assert h.engine.statistics().peak_staging_bytes == LAYOUT.staging_bytes(2)  # staged, then scattered
+    assert h.engine.statistics().peak_staging_bytes == LAYOUT.wire_bytes(2)  # staged, then scattered
     assert h.final("scattered").state is RequestState.FINISHED
     h.engine.pool.free(held[1::2])
 

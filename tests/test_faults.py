@@ -83,7 +83,7 @@ async def gen():
     async with anyio.create_task_group() as tg:
 
         async def make(**overrides: object) -> Gen:
-            cfg = dict(layout=LAYOUT, num_blocks=256, staging_bytes=64 * LAYOUT.block_bytes, kv_transfer_timeout_ms=20_000)
+            cfg = dict(layout=LAYOUT, num_blocks=256, transfer_budget_bytes=64 * LAYOUT.block_bytes, kv_transfer_timeout_ms=20_000)
             cfg.update(overrides)
             engine = GenEngine(OrchestratorConfig(**cfg), transport, ExactStep())  # type: ignore[arg-type]
             await engine.start(tg)
@@ -152,7 +152,7 @@ async def test_ctx_killed_mid_transfer_fails_its_requests_only_then_restart_work
 async def test_abort_in_flight_and_while_waiting_returns_everything_and_tells_ctx(gen) -> None:
     peer = Peer("--gather-delay", "1.5")
     try:
-        g = await gen(staging_bytes=BLOCKS * LAYOUT.block_bytes)  # the budget holds one request
+        g = await gen(transfer_budget_bytes=BLOCKS * LAYOUT.block_bytes)  # the budget holds one request
         g.submit("req-20", peer)  # in flight (slow gather)
         g.submit("req-21", peer)  # waits for the budget
         await g.step_until(lambda: g.engine.statistics().receiving == 1)

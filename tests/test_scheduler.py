@@ -20,8 +20,8 @@ def seq(rid: str, prompt_blocks: int, total_blocks: int | None = None) -> Sequen
 
 
 def make(num_blocks: int = 64, staging_blocks: int = 8, **kw: object):
-    config = make_config(num_blocks=num_blocks, staging_bytes=staging_blocks * BLOCK, **kw)
-    budget = TransferBudget(config.staging_bytes)
+    config = make_config(num_blocks=num_blocks, transfer_budget_bytes=staging_blocks * BLOCK, **kw)
+    budget = TransferBudget(config.transfer_budget_bytes)
     pool = KVBlockPool(LAYOUT, num_blocks)
     return Scheduler(config, budget, pool), budget, pool
 

@@ -89,7 +89,7 @@ def test_small_soak_no_failures_no_leaks_rss_sampled(tmp_path: Path) -> None:
     assert lk["gen_budget_in_use"] == 0 and lk["gen_budget_holders"] == 0 and lk["gen_budget_waiters"] == 0
     assert lk["ctx_held_requests"] == 0 and lk["ctx_pool_used_blocks"] == 0
     assert report["gen"]["deferrals"]["backpressure"] > 0  # the budget (4 prompts) really held requests back
-    assert report["gen"]["peak_staging_bytes"] <= report["gen"]["staging_budget_bytes"]
+    assert report["gen"]["peak_staging_bytes"] <= report["gen"]["transfer_budget_bytes"]
     assert all(report["nodes_alive_at_end"].values())
     for name in ("ctx", "gen"):
         series = report["rss_series"][name]

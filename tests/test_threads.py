@@ -18,7 +18,7 @@ def test_readme_embedding_example_runs() -> None:
 def run_load(mode: Mode, n: int = 60) -> tuple[GenEngine, dict[str, RequestState], EngineThreads]:
     ctx = CtxPeer(num_blocks=512)
     transport = InProcTransport({"ctx": ctx.store}, bandwidth_bytes_per_s=5e6, latency_s=0.001)
-    config = make_config(mode=mode, num_blocks=64, staging_bytes=6 * BLOCK, inline_reserve_timeout_s=0.02)
+    config = make_config(mode=mode, num_blocks=64, transfer_budget_bytes=6 * BLOCK, inline_reserve_timeout_s=0.02)
     engine = GenEngine(config, transport, CheckingStep({"ctx": ctx}))
     states: dict[str, RequestState] = {}
     threads = EngineThreads(engine)

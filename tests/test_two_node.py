@@ -42,7 +42,7 @@ def test_many_concurrent_requests_with_a_small_budget_really_backpressure() -> N
                          "--max-tokens-in-buffer", "256")
     check(report, 32)
     assert report["gen"]["deferrals"]["backpressure"] > 0
-    assert report["gen"]["peak_staging_bytes"] <= report["gen"]["staging_budget_bytes"]
+    assert report["gen"]["peak_staging_bytes"] <= report["gen"]["transfer_budget_bytes"]
 
 
 def test_gen_pulls_from_two_ctx_nodes() -> None:

@@ -127,7 +127,7 @@ def expected(index: int, kv_slice: KVSlice | None = None) -> torch.Tensor:
 
 
 def empty(kv_slice: KVSlice | None = None, blocks: int = BLOCKS) -> torch.Tensor:
-    return torch.full(LAYOUT.staging_shape(blocks, kv_slice), float("nan"), dtype=LAYOUT.dtype)
+    return torch.full(LAYOUT.wire_shape(blocks, kv_slice), float("nan"), dtype=LAYOUT.dtype)
 
 
 async def wait_released(peer: Peer, *ids: str) -> dict:
@@ -181,7 +181,7 @@ async def test_pull_is_bit_identical_and_released(peer: Peer, transport: UCXTran
     with anyio.fail_after(20):
         into = empty()
         n = await transport.pull(peer.address, "req-0", LAYOUT.full_slice(), into)
-        assert n == into.nbytes == LAYOUT.staging_bytes(BLOCKS)
+        assert n == into.nbytes == LAYOUT.wire_bytes(BLOCKS)
         assert torch.equal(into, expected(0))
         part = KVSlice(1, 3, 1, 4)
         into = empty(part)
@@ -383,7 +383,7 @@ async def test_wrong_or_missing_secret_moves_zero_bytes(peer: Peer) -> None:
         apply_ucx_defaults()
         ep = await ucxx.create_endpoint("127.0.0.1", peer.port)
         try:
-            pull = wire.Pull(1, rid, LAYOUT.full_slice(), "float16", LAYOUT.staging_shape(BLOCKS), LAYOUT.staging_bytes(BLOCKS), 3)
+            pull = wire.Pull(1, rid, LAYOUT.full_slice(), "float16", LAYOUT.wire_shape(BLOCKS), LAYOUT.wire_bytes(BLOCKS), 3)
             await ep.send(wire.encode_frame(pull), tag=0)
             into = empty()
             with anyio.move_on_after(1.5):
@@ -455,7 +455,7 @@ def test_pull_across_network_namespaces() -> None:
                "--peer", f"10.213.0.1:{peer.port}", "--index", "5", "--requests", str(REQUESTS), "--blocks", str(BLOCKS)]
         done = subprocess.run(cmd, cwd=ROOT, env=client_env, capture_output=True, text=True, timeout=40)
         result = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])
-        assert result == {"ok": True, "bytes": LAYOUT.staging_bytes(BLOCKS), "equal": True}, done.stderr[-2000:]
+        assert result == {"ok": True, "bytes": LAYOUT.wire_bytes(BLOCKS), "equal": True}, done.stderr[-2000:]
         assert "req-5" not in peer.stats()["held"]
     finally:
         if peer is not None:

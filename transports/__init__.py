@@ -10,6 +10,11 @@ from ._errors import PeerUnreachable as PeerUnreachable
 from ._errors import ProtocolViolation as ProtocolViolation
 from ._errors import TransportError as TransportError
 from ._errors import UnknownRequest as UnknownRequest
+from ._ids import MAX_REQUEST_ID_LEN as MAX_REQUEST_ID_LEN
+from ._ids import InvalidRequestId as InvalidRequestId
+from ._ids import check_handle as check_handle
+from ._ids import check_request_id as check_request_id
+from ._ids import new_handle as new_handle
 from ._layout import KVLayout as KVLayout
 from ._layout import KVSlice as KVSlice
 from ._layout import dtype_from_name as dtype_from_name
@@ -25,6 +30,8 @@ from ._store import KVStoreStatistics as KVStoreStatistics
 __all__ = [
     "AuthenticationFailed",
     "Checkout",
+    "InvalidRequestId",
+    "MAX_REQUEST_ID_LEN",
     "KVLayout",
     "KVSlice",
     "KVStore",
@@ -35,9 +42,12 @@ __all__ = [
     "Transport",
     "TransportError",
     "UnknownRequest",
+    "check_handle",
+    "check_request_id",
     "dtype_from_name",
     "dtype_name",
     "gather",
+    "new_handle",
     "scatter",
     "whole_run_view",
 ]

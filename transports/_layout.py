@@ -6,7 +6,7 @@ A KV pool is one tensor, block-major, so that every block is one contiguous regi
 
 A pull names a layer range and a head range (a ``KVSlice``); what moves on the wire for a request
 is the gathered tensor ``pool[block_ids][:, l0:l1, :, h0:h1]`` made contiguous, whose shape is
-``staging_shape(num_blocks, kv_slice)``. A full-range slice of a request is byte-for-byte the
+``wire_shape(num_blocks, kv_slice)``. A full-range slice of a request is byte-for-byte the
 request's blocks in pool order.
 """
 
@@ -96,12 +96,12 @@ class KVLayout:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def staging_shape(self, num_blocks: int, kv_slice: KVSlice | None = None) -> tuple[int, ...]:
+    def wire_shape(self, num_blocks: int, kv_slice: KVSlice | None = None) -> tuple[int, ...]:
         s = kv_slice or self.full_slice()
         return (num_blocks, s.num_layers, 2, s.num_heads, self.block_size, self.head_dim)
 
-    def staging_bytes(self, num_blocks: int, kv_slice: KVSlice | None = None) -> int:
-        return math.prod(self.staging_shape(num_blocks, kv_slice)) * self.element_size
+    def wire_bytes(self, num_blocks: int, kv_slice: KVSlice | None = None) -> int:
+        return math.prod(self.wire_shape(num_blocks, kv_slice)) * self.element_size
 
     def new_pool(self, num_blocks: int, device: str | torch.device = "cpu") -> torch.Tensor:
         return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)

@@ -4,7 +4,7 @@ GEN side life cycle, per peer::
 
     connect(peer) -> pull(peer, request_id, slice, into) ... -> release(peer, request_id) -> aclose()
 
-``pull`` fills ``into`` (a contiguous tensor of ``layout.staging_shape(num_blocks, slice)``, CPU or
+``pull`` fills ``into`` (a contiguous tensor of ``layout.wire_shape(num_blocks, slice)``, CPU or
 CUDA) with the request's KV slice in wire form and returns the bytes moved. It raises a
 ``TransportError`` subclass on failure; it is cancel-safe (a cancelled pull leaves the endpoint usable
 or closes it, never half-delivers into a later pull's buffer). ``release`` tells the peer it may free

@@ -2,9 +2,15 @@
 
 Life cycle of one entry::
 
-    put(request_id, block_ids, lease) --pull ok--> released (on_release frees the blocks)
-                                       \\-release()--> released
-                                       \\-lease expires (expire())--> released
+    put(request_id, block_ids, lease) -> handle --pull ok--> released (on_release frees the blocks)
+                                                 \\-release()--> released
+                                                 \\-lease expires (expire())--> released
+                                    touch(lease) renews the lease (a GEN that holds the request waiting,
+                                    or a pull that starts)
+
+``put`` validates the request id (``transports._ids``) and returns the entry's handle, an unguessable
+token that a GEN must present (``handle=``) to read, renew or release the entry; a wrong handle looks
+exactly like an unknown request. Local callers that pass no handle are trusted.
 
 ``checkout`` pins an entry while a transport sends from it: release() of a pinned entry removes it
 at once (later pulls see UnknownRequest) but runs ``on_release`` only when the last checkout
@@ -17,6 +23,7 @@ The store is thread-safe: prefill (CTX execution) puts, the transport's event lo
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from ._errors import UnknownRequest
+from ._ids import check_handle, check_request_id, new_handle
 from ._layout import KVLayout, KVSlice, gather, whole_run_view
 
 
@@ -33,6 +41,7 @@ class _Held:
     num_tokens: int
     expires_at: float
     on_release: Callable[[], None] | None
+    handle: str
     pins: int = 0
     released: bool = False
 
@@ -83,30 +92,47 @@ class KVStore:
         num_tokens: int,
         lease_s: float,
         on_release: Callable[[], None] | None = None,
-    ) -> None:
+        handle: str | None = None,
+    ) -> str:
+        """Hold ``block_ids`` for ``request_id`` until pulled, released or ``lease_s`` passes; returns
+        its handle (``handle`` if given). Raises ``ValueError`` (``InvalidRequestId`` for a bad id) for
+        an id that breaks the rule or is already held."""
+        check_request_id(request_id)
+        handle = new_handle() if handle is None else check_handle(handle)
         with self._lock:
             if request_id in self._held:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            self._held[request_id] = _Held(block_ids.clone(), num_tokens, self._clock() + lease_s, on_release)
+            self._held[request_id] = _Held(block_ids.clone(), num_tokens, self._clock() + lease_s, on_release, handle)
+        return handle
 
-    def num_blocks(self, request_id: str) -> int:
+    def _get_locked(self, request_id: str, handle: str | None) -> _Held:
+        held = self._held.get(request_id)
+        if held is None or (handle is not None and not hmac.compare_digest(held.handle, handle)):
+            raise UnknownRequest(f"no KV held for request {request_id!r}")
+        return held
+
+    def num_blocks(self, request_id: str, *, handle: str | None = None) -> int:
         with self._lock:
-            held = self._held.get(request_id)
-            if held is None:
-                raise UnknownRequest(f"no KV held for request {request_id!r}")
-            return int(held.block_ids.numel())
+            return int(self._get_locked(request_id, handle).block_ids.numel())
 
-    def gather(self, request_id: str, kv_slice: KVSlice) -> torch.Tensor:
+    def touch(self, request_id: str, lease_s: float, *, handle: str | None = None) -> bool:
+        """Renew ``request_id``'s lease to at least ``lease_s`` from now; False when not held."""
+        with self._lock:
+            try:
+                held = self._get_locked(request_id, handle)
+            except UnknownRequest:
+                return False
+            held.expires_at = max(held.expires_at, self._clock() + lease_s)
+            return True
+
+    def gather(self, request_id: str, kv_slice: KVSlice, *, handle: str | None = None) -> torch.Tensor:
         """The wire form of ``request_id``'s slice; raises ``UnknownRequest`` if not held."""
         self.layout.check_slice(kv_slice)
         with self._lock:
-            held = self._held.get(request_id)
-            if held is None:
-                raise UnknownRequest(f"no KV held for request {request_id!r}")
-            block_ids = held.block_ids
+            block_ids = self._get_locked(request_id, handle).block_ids
         return gather(self.pool, block_ids, kv_slice)
 
-    def checkout(self, request_id: str, kv_slice: KVSlice) -> Checkout:
+    def checkout(self, request_id: str, kv_slice: KVSlice, *, handle: str | None = None) -> Checkout:
         """The wire form of ``request_id``'s slice, pinned until the checkout is closed.
 
         A zero-copy view of the pool when the slice is the whole layout and the blocks are one
@@ -114,13 +140,11 @@ class KVStore:
         """
         self.layout.check_slice(kv_slice)
         with self._lock:
-            held = self._held.get(request_id)
-            if held is None:
-                raise UnknownRequest(f"no KV held for request {request_id!r}")
+            held = self._get_locked(request_id, handle)
             held.pins += 1
         try:
             view = whole_run_view(self.pool, held.block_ids, kv_slice)
-            tensor = view if view is not None else self.gather(request_id, kv_slice)
+            tensor = view if view is not None else gather(self.pool, held.block_ids, kv_slice)
         except BaseException:
             self._unpin(held)
             raise
@@ -133,12 +157,15 @@ class KVStore:
         if free_now and held.on_release is not None:
             held.on_release()
 
-    def release(self, request_id: str) -> bool:
-        """Free ``request_id``'s KV (after its last checkout closes); False when it was not held."""
+    def release(self, request_id: str, *, handle: str | None = None) -> bool:
+        """Free ``request_id``'s KV (after its last checkout closes); False when it was not held
+        (or ``handle`` is not its handle)."""
         with self._lock:
-            held = self._held.pop(request_id, None)
-            if held is None:
+            try:
+                held = self._get_locked(request_id, handle)
+            except UnknownRequest:
                 return False
+            del self._held[request_id]
             self._released += 1
             held.released = True
             free_now = held.pins == 0

@@ -253,7 +253,7 @@ class UCXKVServer:
         except ValueError as exc:
             await self._refuse(ep, msg, wire.Status.BAD_REQUEST, str(exc), transfers)
             return
-        want = (dtype_name(layout.dtype), layout.staging_shape(num_blocks, msg.kv_slice))
+        want = (dtype_name(layout.dtype), layout.wire_shape(num_blocks, msg.kv_slice))
         if (msg.dtype, msg.shape) != want:
             reason = f"have {want[0]}{list(want[1])}, asked {msg.dtype}{list(msg.shape)}"
             await self._refuse(ep, msg, wire.Status.SHAPE_MISMATCH, reason, transfers)

@@ -121,8 +121,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         "gen": {
             "mode": gen_stats["mode"],
             "deferrals": gen_stats["engine"]["deferrals"],
+            "peak_in_flight_bytes": gen_stats["engine"]["budget"]["peak_in_use"],
             "peak_staging_bytes": gen_stats["engine"]["peak_staging_bytes"],
-            "staging_budget_bytes": gen_stats["engine"]["staging_budget_bytes"],
+            "transfer_budget_bytes": gen_stats["engine"]["transfer_budget_bytes"],
             "exec_blocked_ms": gen_stats["loop"]["blocked_ms"],
             "exec_stalled_ms": gen_stats["loop"]["stalled_ms"],
             "rest_problems": gen_stats["rest_problems"],
@@ -145,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"parity: {'OK' if report['parity'] else 'MISMATCH'}  "
           f"({report['parity_detail']['compared']} requests, {report['parity_detail']['kv_blocks_compared']} KV blocks "
           f"checksummed)")
-    print(f"GEN: deferrals {g['deferrals']}, peak staging {g['peak_staging_bytes']:,} of {g['staging_budget_bytes']:,} "
-          f"bytes, execution thread blocked p99 {g['exec_blocked_ms']['p99']:.3f} ms, at rest: {not g['rest_problems']}")
+    print(f"GEN: deferrals {g['deferrals']}, transfer budget peak {g['peak_in_flight_bytes']:,} of "
+          f"{g['transfer_budget_bytes']:,} bytes in flight, staging buffers peak {g['peak_staging_bytes']:,} bytes, "
+          f"execution thread blocked p99 {g['exec_blocked_ms']['p99']:.3f} ms, at rest: {not g['rest_problems']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

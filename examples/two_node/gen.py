@@ -62,7 +62,7 @@ class GenNode:
         self.config = OrchestratorConfig(
             layout=layout,
             num_blocks=args.num_blocks,
-            staging_bytes=args.staging_bytes or OrchestratorConfig.staging_bytes_for_tokens(layout, args.max_tokens_in_buffer),
+            transfer_budget_bytes=args.transfer_budget_bytes or OrchestratorConfig.transfer_budget_for_tokens(layout, args.max_tokens_in_buffer),
             mode=Mode(args.mode),
             kv_transfer_timeout_ms=args.kv_transfer_timeout_ms,
             max_num_seqs=args.max_num_seqs,
@@ -197,7 +197,7 @@ class GenNode:
                 "failed": {r.value: n for r, n in s.failed.items()},
                 "deferrals": {r.value: n for r, n in s.deferral_episodes.items()},
                 "peak_staging_bytes": s.peak_staging_bytes,
-                "staging_budget_bytes": self.config.staging_bytes,
+                "transfer_budget_bytes": self.config.transfer_budget_bytes,
                 "inline_fallbacks": s.inline_fallbacks,
                 "budget": dataclasses.asdict(s.budget),
                 "pool": dataclasses.asdict(s.pool),
@@ -228,7 +228,7 @@ class GenNode:
                     port = await tg.start(control.serve, args.host, args.port, self.handle)
                     announce_ready(role="gen", ctrl=f"{args.host}:{port}", mode=self.config.mode.value)
                     log.info("gen_ready", ctrl_port=port, mode=self.config.mode.value,
-                             staging_bytes=self.config.staging_bytes, num_blocks=self.config.num_blocks)
+                             transfer_budget_bytes=self.config.transfer_budget_bytes, num_blocks=self.config.num_blocks)
                     await anyio.sleep_forever()
                 finally:
                     stop.set()
@@ -250,7 +250,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-step-ms", type=float, default=4.0, help="--step device: fixed cost of one decode iteration")
     p.add_argument("--device-step-us-per-seq", type=float, default=5.0, help="--step device: added cost per sequence")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the GEN pool")
-    p.add_argument("--staging-bytes", type=int, default=0, help="transfer budget in bytes (overrides --max-tokens-in-buffer)")
+    p.add_argument("--transfer-budget-bytes", type=int, default=0, help="transfer budget in bytes (overrides --max-tokens-in-buffer)")
     p.add_argument("--max-tokens-in-buffer", type=int, default=8192, help="transfer budget in tokens of KV")
     p.add_argument("--max-num-seqs", type=int, default=256, help="the decode batch: most requests decoding at once")
     p.add_argument("--max-prefetch-seqs", type=int, default=None,
