@@ -37,6 +37,10 @@ class OrchestratorConfig:
     ``inline`` mode has no prefetch: there RECEIVING + RUNNING share ``max_num_seqs``."""
     max_model_len: int = 1 << 16
     """Longest prompt + output a request may ask for."""
+    kv_hold_interval_s: float = 10.0
+    """How often the engine asks each CTX node to renew the leases of requests still WAITING here, so
+    that a request admitted late still finds its KV (keep it well below the CTX's ``--lease-s``,
+    30 s by default; a pull also renews the lease when it starts)."""
     inline_reserve_timeout_s: float = 0.2
     """``inline`` mode only: how long the execution thread waits for staging before the slow fallback."""
     device: str = "cpu"
@@ -48,6 +52,8 @@ class OrchestratorConfig:
             raise ValueError("num_blocks, transfer_budget_bytes and max_num_seqs must be positive")
         if self.kv_transfer_timeout_ms <= 0:
             raise ValueError("kv_transfer_timeout_ms must be positive")
+        if self.kv_hold_interval_s <= 0:
+            raise ValueError("kv_hold_interval_s must be positive")
         if self.max_prefetch_seqs is not None and self.max_prefetch_seqs < 1:
             raise ValueError("max_prefetch_seqs must be >= 1")
 

@@ -2,8 +2,10 @@
 
 One ``step()`` per decode iteration, on the execution thread::
 
+    0. free quarantined blocks whose late receive has ended; every kv_hold_interval_s, ask each CTX
+       to renew the leases of requests still WAITING (one batched message per peer, on the loop)
     1. drain the inbox        (submits and aborts from any thread; validated at submit)
-    2. drain completions      (ReceiveResults from the event loop: RECEIVING -> RUNNING / FAILED)
+    2. drain completions      (ReceiveResults from the event loop: RECEIVING -> READY / FAILED)
     3. schedule               (decode keeps its batch; READY fill free decode slots; admit WAITING
                               in FCFS: budget, then KV; receives run ahead of the batch, up to
                               max_prefetch_seqs holding KV without decoding)
@@ -14,7 +16,13 @@ One ``step()`` per decode iteration, on the execution thread::
     5. one decode step        step_fn(DecodeBatch) for every RUNNING request; emit tokens
 
 ``step()`` never awaits. In ORCHESTRATED mode nothing in it waits on I/O, a peer or a reservation;
-it measures the time it spent in orchestration (1-4) and in explicit blocking waits (INLINE only).
+it measures the time it spent in orchestration (0-4) and in explicit blocking waits (INLINE only).
+
+Health: when the receive group dies or the decode loop crashes, ``health()`` says why, ``submit``
+raises ``Unavailable``, and the next ``step()`` fails every live request with ``INTERNAL`` (budget
+and blocks come back; receives in flight are cancelled and end as their results arrive).
+Quarantine: a failed receive whose buffer the transport may still write (``ReceiveResult.landing``
+busy) ends at once for the client, but its KV blocks are freed only when that receive is over.
 Outputs are polled with ``poll()`` (or pushed to ``on_output``). The receive group must be running
 on an event loop (``await engine.serve()``, or ``EngineThreads`` for a ready-made pair of threads).
 """
@@ -98,6 +106,9 @@ class EngineStatistics:
     staging_bytes: int
     peak_staging_bytes: int
     inline_fallbacks: int
+    quarantined_blocks: int
+    """KV blocks of ended requests that a late receive may still write; freed when it ends."""
+    health: str | None
     budget: BudgetStatistics
     pool: PoolStatistics
 
@@ -138,6 +149,9 @@ class GenEngine:
         self._failed = {r: 0 for r in FailureReason}
         self._inline_fallbacks = 0
         self._unhealthy: str | None = None
+        self._quarantine: list[tuple[object, torch.Tensor]] = []  # (Landing, block ids)
+        self._quarantined_blocks = 0
+        self._next_hold = clock() + config.kv_hold_interval_s
         self.receiver = (
             ReceiveGroup(
                 transport,
@@ -219,8 +233,16 @@ class GenEngine:
     def step(self) -> StepReport:
         t0 = self._clock()
         c0 = time.thread_time()
+        if self._quarantine:
+            self._release_quarantine()
         self._drain_inbox()
         self._drain_completions()
+        if (why := self.health()) is not None:
+            self._fail_live(why)
+            t1 = self._clock()
+            return StepReport(0, 0, {r: 0 for r in DeferReason}, t1 - t0, 0.0, 0.0, 0.0)
+        if t0 >= self._next_hold:
+            self._send_holds(t0)
         self._fill_slots()
         holding = len(self._receiving) + len(self._ready)
         if self.config.mode is Mode.INLINE:  # the original path: a receive takes a decode slot
@@ -271,15 +293,18 @@ class GenEngine:
             if seq is None:  # cannot happen: one result per job, one job per receiving request
                 log.error("result_for_unknown_request", request_id=result.request_id)
                 continue
-            if seq.abort_requested:
-                self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted")
+            quarantine = result.landing if result.landing is not None and result.landing.busy else None
+            if seq.abort_failure is not None:
+                self._end(seq, RequestState.FAILED, *seq.abort_failure, quarantine=quarantine)
+            elif seq.abort_requested:
+                self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted", quarantine=quarantine)
             elif result.ok:
                 log.debug("receive_done", request_id=seq.request_id, bytes=result.bytes_moved,
                           ms=round(result.elapsed_s * 1e3, 3))
                 self._run(seq)
             else:
                 state = RequestState.ABORTED if result.failure is FailureReason.ABORTED else RequestState.FAILED
-                self._end(seq, state, result.failure, result.message)
+                self._end(seq, state, result.failure, result.message, quarantine=quarantine)
 
     def _start_receive(self, admission: Admission) -> float:
         """Start one admitted request's receive; returns the time this thread spent blocked."""
@@ -297,8 +322,10 @@ class GenEngine:
         prompt_ids = seq.block_ids[: seq.num_prompt_blocks]
         chunks = plan_chunks(self.layout, seq.num_prompt_blocks, kv_slice, self.budget.capacity)
         self._receiving[seq.request_id] = seq
+        handle = seq.request.kv_handle
         if mode is Mode.ORCHESTRATED:
-            self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, admission.grant))
+            self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, admission.grant,
+                                            handle=handle))
             return 0.0
         # INLINE: the original path, on this thread, kept as the benchmark's baseline.
         t0 = self._clock()
@@ -315,7 +342,7 @@ class GenEngine:
             )
             chunks = (kv_slice,)
         self.receiver.connect_blocking(seq.request.peer, self.config.kv_transfer_timeout_ms / 1e3)
-        self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, grant, staging))
+        self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, grant, staging, handle))
         return self._clock() - t0
 
     def _decode(self) -> None:
@@ -361,7 +388,7 @@ class GenEngine:
         seq = self.scheduler.remove(request_id)
         if seq is not None:
             if self.receiver is not None and seq.request.peer:  # the CTX may free its copy now
-                self.receiver.release_soon(seq.request.peer, request_id)
+                self.receiver.release_soon(seq.request.peer, request_id, seq.request.kv_handle)
             self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted while waiting")
             return
         seq = self._receiving.get(request_id)
@@ -381,12 +408,18 @@ class GenEngine:
         failure: FailureReason | None,
         message: str,
         new_tokens: tuple[int, ...] = (),
+        *,
+        quarantine: object | None = None,
     ) -> None:
         self._running.pop(seq.request_id, None)
         self._ready.pop(seq.request_id, None)
         self._receiving.pop(seq.request_id, None)
         if seq.block_ids is not None:
-            self.pool.free(seq.block_ids)
+            if quarantine is not None:  # a late receive may still land in them: not reusable yet
+                self._quarantine.append((quarantine, seq.block_ids))
+                self._quarantined_blocks += int(seq.block_ids.numel())
+            else:
+                self.pool.free(seq.block_ids)
             seq.block_ids = None
         seq.state = state
         if state is RequestState.FINISHED:
@@ -401,6 +434,45 @@ class GenEngine:
         with self._live_lock:
             self._live.discard(seq.request_id)
         self._emit(RequestOutput(seq.request_id, new_tokens, state, failure, message))
+
+    def _release_quarantine(self) -> None:
+        kept = []
+        for landing, block_ids in self._quarantine:
+            if landing.busy:  # type: ignore[attr-defined]
+                kept.append((landing, block_ids))
+            else:
+                self._quarantined_blocks -= int(block_ids.numel())
+                self.pool.free(block_ids)
+        self._quarantine = kept
+
+    def _send_holds(self, now: float) -> None:
+        """Ask each CTX to renew the leases of requests still waiting here (batched per peer)."""
+        self._next_hold = now + self.config.kv_hold_interval_s
+        if self.receiver is None or not self.scheduler.num_waiting:
+            return
+        by_peer: dict[str, list[tuple[str, str | None]]] = {}
+        for seq in self.scheduler.waiting:
+            if seq.request.peer:
+                by_peer.setdefault(seq.request.peer, []).append((seq.request_id, seq.request.kv_handle))
+        for peer, items in by_peer.items():
+            self.receiver.hold_soon(peer, items)
+
+    def _fail_live(self, why: str) -> None:
+        """The engine cannot serve: every live request fails now (receiving ones when their receive,
+        cancelled here, reports back)."""
+        failure = (FailureReason.INTERNAL, f"GEN engine unavailable: {why}")
+        for seq in self.scheduler.pop_all():
+            if self.receiver is not None and seq.request.peer:
+                self.receiver.release_soon(seq.request.peer, seq.request_id, seq.request.kv_handle)
+            self._end(seq, RequestState.FAILED, *failure)
+        for seq in list(self._ready.values()) + list(self._running.values()):
+            self._end(seq, RequestState.FAILED, *failure)
+        for seq in self._receiving.values():
+            if seq.abort_failure is None:
+                seq.abort_requested = True
+                seq.abort_failure = failure
+                assert self.receiver is not None
+                self.receiver.cancel(seq.request_id)
 
     def _emit(self, output: RequestOutput) -> None:
         if self._on_output is not None:
@@ -440,7 +512,7 @@ class GenEngine:
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
-            waiting=len(self.scheduler.waiting),
+            waiting=self.scheduler.num_waiting,
             receiving=len(self._receiving),
             ready=len(self._ready),
             running=len(self._running),
@@ -452,6 +524,8 @@ class GenEngine:
             staging_bytes=self.receiver.staging_bytes if self.receiver else 0,
             peak_staging_bytes=self.receiver.peak_staging_bytes if self.receiver else 0,
             inline_fallbacks=self._inline_fallbacks,
+            quarantined_blocks=self._quarantined_blocks,
+            health=self.health(),
             budget=self.budget.statistics(),
             pool=self.pool.statistics(),
         )
@@ -468,6 +542,8 @@ class GenEngine:
         if s.waiting or s.receiving or s.ready or s.running or self.live_requests:
             problems.append(f"requests live: {s.waiting} waiting, {s.receiving} receiving, {s.ready} ready, "
                             f"{s.running} running")
+        if s.quarantined_blocks:
+            problems.append(f"{s.quarantined_blocks} KV blocks quarantined (a late receive may still land)")
         if s.pool.used_blocks:
             problems.append(f"{s.pool.used_blocks} KV blocks not freed")
         if s.staging_bytes:

@@ -63,19 +63,27 @@ class DecodeLoop:
         self.error: BaseException | None = None
 
     def run(self, stop: threading.Event) -> None:
+        """Step the engine until ``stop``. If a step raises (a model bug, a device error), the engine
+        is marked unhealthy and the loop goes on stepping it, so that every live request fails with
+        a reason and its blocks and budget come back; the error is kept in ``error``."""
         engine = self.engine
-        try:
-            while not stop.is_set():
-                if not engine.num_running:  # nothing to decode: sleep until a submit or completion
-                    engine.wakeup.wait(self._idle_wait_s)
-                engine.wakeup.clear()  # before step(): anything set from here on is seen next time
+        while not stop.is_set():
+            if not engine.num_running:  # nothing to decode: sleep until a submit or completion
+                engine.wakeup.wait(self._idle_wait_s)
+            engine.wakeup.clear()  # before step(): anything set from here on is seen next time
+            try:
                 report = engine.step()
-                if report.batch_size or report.admitted:
-                    self._record(report)
-        except BaseException as exc:  # surfaced by EngineThreads.__exit__ and logged now
-            self.error = exc
-            log.exception("decode_loop_crashed")
-            raise
+            except Exception as exc:
+                if self.error is None:
+                    self.error = exc
+                    log.exception("decode_loop_crashed")
+                    engine.mark_unhealthy(f"decode loop crashed: {type(exc).__name__}: {exc}")
+                else:  # failing the live requests failed too: nothing more can be done here
+                    log.exception("decode_loop_gave_up")
+                    return
+                continue
+            if report.batch_size or report.admitted:
+                self._record(report)
 
     def _record(self, r: StepReport) -> None:
         self._ring[:, self._count % self._ring.shape[1]] = (

@@ -3,18 +3,32 @@
     execution thread                     event-loop thread (anyio task group)
     submit(job) ──call_soon──────────>  _receive(job):
                                            connect(peer) (endpoint reused)
-                                           for each chunk: pull into staging, scatter into KV blocks
+                                           for each chunk: pull into staging (or straight into the
+                                           KV blocks), scatter into the KV blocks
                                            under fail_after(kv_transfer_timeout_ms), in its own cancel scope
-                                         finally: grant.release(); on_result(ReceiveResult)
+                                         then: publish the result (on_result) at once, and only then
+                                           talk to the peer again: RELEASE after any failure, in its own task
     cancel(request_id) ──call_soon───>  scope.cancel()  -> Failed(ABORTED), peer told to release
 
-``submit`` and ``cancel`` never block and may be called from any thread. Every job produces
-exactly one ``ReceiveResult``, whatever happens (success, failure, timeout, abort, shutdown), and
-its grant is released before the result is published, so a drained result means the budget is back.
+``submit``, ``cancel``, ``release_soon`` and ``hold_soon`` never block and never raise because the
+event loop is gone: every job produces exactly one ``ReceiveResult`` whatever happens (success,
+failure, timeout, abort, shutdown, the group dying). Its grant is released before the result is
+published, so a drained result means the budget is back, with one exception: a receive that the
+transport could not withdraw (``Landing`` busy: UCX may still write into the blocks) is published
+with its ``landing``; its grant and staging come back, and its KV blocks may be reused, only once
+the transport reports that receive over.
+
 Staging is allocated per chunk and chunks never exceed the budget's capacity, so staging memory
 stays within the budget (an oversized request is pulled in layer/head chunks). A full-slice chunk
 whose KV blocks form one run needs no staging at all: it lands in the blocks directly (the budget
-still counts its bytes, as the network window).
+still counts its bytes, as the network window). On CUDA, scatters run on a dedicated transfer
+stream and a receive is published once its own event has completed (no device-wide synchronize);
+staging buffers stay referenced until then.
+
+Supervision: a task that fails unexpectedly is logged and ends only its own receive. If the group
+itself stops without ``close()`` (its event loop cancelled it, or a bug escaped), it records why in
+``failure``, logs it once, and every job still in flight or submitted later ends with
+``FailureReason.INTERNAL``; the engine then reports itself unhealthy.
 """
 
 from __future__ import annotations
@@ -23,9 +37,10 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
+import anyio.abc
 import structlog
 import torch
 
@@ -33,6 +48,8 @@ from transports import (
     AuthenticationFailed,
     KVLayout,
     KVSlice,
+    Landing,
+    PeerBusy,
     PeerClosed,
     PeerUnreachable,
     ProtocolViolation,
@@ -44,7 +61,6 @@ from transports import (
 )
 
 from ._budget import Grant
-from ._errors import NotRunning
 from ._requests import FailureReason, ReceiveResult
 from ._threads import loop_caller
 
@@ -57,6 +73,9 @@ _REASONS: list[tuple[type[TransportError], FailureReason]] = [
     (PeerClosed, FailureReason.PEER_ERROR),
     (PeerUnreachable, FailureReason.PEER_ERROR),
 ]
+# after these the peer holds nothing we could free (or will not listen): no RELEASE
+_NO_RELEASE = (None, FailureReason.UNKNOWN_REQUEST, FailureReason.AUTH_ERROR)
+_BUSY_BACKOFF_S = (0.002, 0.1)  # first and largest wait before retrying a pull the peer refused as busy
 
 
 def failure_reason(exc: TransportError) -> FailureReason:
@@ -104,6 +123,44 @@ class ReceiveJob:
     grant: Grant | None
     staging: torch.Tensor | None = None
     """A buffer set up by the caller (the inline fallback); otherwise staging is allocated per chunk."""
+    handle: str | None = None
+    """The KV handle the CTX node issued with the prefill."""
+
+
+class _Scatter:
+    """Scatters staged chunks into the pool. CPU: at once. CUDA: on a dedicated transfer stream; the
+    staged buffers are kept referenced until ``wait`` has seen the receive's own event complete."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self._pool = pool
+        self._stream = torch.cuda.Stream(device=pool.device) if pool.is_cuda else None
+
+    def block_ids(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """The job's block ids where the scatter reads them: moved to the device once, from pinned memory."""
+        if self._stream is None:
+            return block_ids
+        with torch.cuda.stream(self._stream):
+            return block_ids.pin_memory().to(self._pool.device, non_blocking=True)
+
+    def scatter(self, ids: torch.Tensor, staged: torch.Tensor, chunk: KVSlice, keep: list[torch.Tensor]) -> None:
+        if self._stream is None:
+            scatter(self._pool, ids, staged, chunk)
+            return
+        with torch.cuda.stream(self._stream):
+            scatter(self._pool, ids, staged, chunk)
+        keep.append(staged)  # the caching allocator must not hand it out while the stream reads it
+
+    async def wait(self, keep: list[torch.Tensor]) -> None:
+        """Until every scatter this receive queued has run (its own event; nothing device-wide)."""
+        if self._stream is None or not keep:
+            return
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        delay = 50e-6
+        while not event.query():
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+        keep.clear()
 
 
 class ReceiveGroup:
@@ -125,48 +182,71 @@ class ReceiveGroup:
         self._release_timeout_s = release_timeout_s
         self._on_result = on_result
         self._on_received = on_received
-        self._call: Callable[[Callable[[], object]], None] | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._stop: anyio.Event | None = None
-        self._scopes: dict[str, anyio.CancelScope] = {}
-        self._not_started: set[str] = set()  # scheduled on the loop, task not yet running
-        self._cancel_early: set[str] = set()  # of those, the ones already cancelled
+        self._scatter = _Scatter(pool)
         self._lock = threading.Lock()
+        # -- under _lock --
+        self._call: Callable[[Callable[[], object]], None] | None = None
+        self._state = "new"  # new -> running -> stopped
+        self._pending: list[ReceiveJob] = []  # submitted before run() started
+        self._cancel_early: set[str] = set()  # cancelled before their task ran
         self._jobs: dict[str, ReceiveJob] = {}  # submitted and not yet finished: in flight
         self._staging_bytes = 0
         self._peak_staging_bytes = 0
+        self._quarantined = 0  # jobs finished while their landing was still busy
+        self._closing = False  # close() was called: a stop now is a shutdown, not a death
         self.failure: str | None = None
         """Why the group stopped serving, when it died (not set by a normal ``close()``)."""
+        # -- event-loop thread only --
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._stop: anyio.Event | None = None
+        self._scopes: dict[str, anyio.CancelScope] = {}
 
     # -- any thread ------------------------------------------------------------------------------
     @property
     def running(self) -> bool:
-        return self._call is not None
+        with self._lock:
+            return self._call is not None
 
     def submit(self, job: ReceiveJob) -> None:
+        """Start receiving ``job`` (never blocks; never raises for a stopped group: the job then
+        ends at once with a failure result)."""
         with self._lock:
-            call = self._require_call()
             if job.request_id in self._jobs:
                 raise ValueError(f"a receive for {job.request_id!r} is already in flight")
             self._jobs[job.request_id] = job
+            call, state = self._call, self._state
+            if call is None and state == "new":
+                self._pending.append(job)
+                return
+        if call is None:  # stopped: nobody will run it
+            self._finish(job, self._result(job, 0, 0.0, *self._stopped_reason()))
+            return
         call(lambda: self._start(job))
 
     def cancel(self, request_id: str) -> None:
-        self._require_call()(lambda: self._cancel(request_id))
+        with self._lock:
+            call = self._call
+            if call is None:
+                self._cancel_early.add(request_id)  # pending jobs see it when they start
+                return
+        call(lambda: self._cancel(request_id))
 
-    def release_soon(self, peer: str, request_id: str) -> None:
+    def release_soon(self, peer: str, request_id: str, handle: str | None = None) -> None:
         """Tell ``peer`` to free its copy of ``request_id`` (best effort, bounded, never blocks)."""
-        self.call_soon(lambda: self._tg.start_soon(self._release, peer, request_id) if self._tg else None)  # type: ignore[func-returns-value]
+        self._spawn_soon(self._release, peer, request_id, handle)
 
-    async def _release(self, peer: str, request_id: str) -> None:
-        with anyio.move_on_after(self._release_timeout_s, shield=True):
-            try:
-                await self._transport.release(peer, request_id)
-            except TransportError as exc:
-                log.info("release_not_delivered", request_id=request_id, peer=peer, error=str(exc))
+    def hold_soon(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
+        """Ask ``peer`` to renew the leases of requests waiting here (best effort, never blocks)."""
+        self._spawn_soon(self._hold, peer, list(items))
 
-    def call_soon(self, fn: Callable[[], object]) -> None:
-        self._require_call()(fn)
+    def call_soon(self, fn: Callable[[], object]) -> bool:
+        """Run ``fn`` on the event loop; False (and nothing runs) when the group is not running."""
+        with self._lock:
+            call = self._call
+        if call is None:
+            return False
+        call(fn)
+        return True
 
     def connect_blocking(self, peer: str, timeout: float) -> None:
         """Connect from a non-loop thread and wait for it (only the ``inline`` baseline does this)."""
@@ -181,11 +261,12 @@ class ReceiveGroup:
             else:
                 fut.set_result(None)
 
-        self.call_soon(lambda: self._tg.start_soon(connect) if self._tg else None)  # type: ignore[func-returns-value]
+        if not self.call_soon(lambda: self._spawn(connect)):
+            return
         try:
             fut.result(timeout + 1.0)
-        except concurrent.futures.TimeoutError:
-            pass  # the receive itself will time out and report
+        except (concurrent.futures.TimeoutError, Exception):
+            pass  # the receive itself will fail and report
 
     @property
     def in_flight(self) -> int:
@@ -202,69 +283,138 @@ class ReceiveGroup:
         with self._lock:
             return self._peak_staging_bytes
 
+    @property
+    def quarantined(self) -> int:
+        """Receives that ended while the transport could still write into their buffers."""
+        with self._lock:
+            return self._quarantined
+
     def close(self) -> None:
         """Stop ``run``: in-flight receives end as ABORTED. Safe to call from any thread."""
-        call, stop = self._call, self._stop
+        with self._lock:
+            call, stop = self._call, self._stop
+            self._closing = True
+            if self._state == "new":
+                self._state = "stopped"
         if call is not None and stop is not None:
             call(stop.set)
 
-    def _require_call(self) -> Callable[[Callable[[], object]], None]:
-        if self._call is None:
-            raise NotRunning("the receive group is not running on an event loop")
-        return self._call
+    def _stopped_reason(self) -> tuple[FailureReason, str]:
+        if self.failure is not None:
+            return FailureReason.INTERNAL, f"receive group stopped: {self.failure}"
+        if not self._closing:  # stopping, but nobody asked it to: it is dying
+            return FailureReason.INTERNAL, "receive group stopped: cancelled from outside"
+        return FailureReason.ABORTED, "shutting down"
+
+    def _spawn_soon(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        if not self.call_soon(lambda: self._spawn(fn, *args)):
+            log.debug("receive_group_not_running", dropped=getattr(fn, "__name__", str(fn)))
 
     # -- event-loop thread ----------------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Run the group until ``close()`` (or cancellation). Every receive ends before this returns."""
         self._stop = anyio.Event()
+        with self._lock:
+            if self._state != "new":
+                raise RuntimeError("a ReceiveGroup runs once")
+            self._state = "running"
+        closed = False
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                self._call = loop_caller()
+                with self._lock:
+                    self._call = loop_caller()
+                    pending, self._pending = self._pending, []
+                for job in pending:
+                    self._start(job)
                 task_status.started()
                 await self._stop.wait()
+                closed = True
                 tg.cancel_scope.cancel()
+        except BaseException as exc:
+            self._died(exc)
+            if not isinstance(exc, Exception):
+                raise  # cancellation and interpreter exits propagate
         finally:
+            if not closed and self.failure is None:
+                self._died(None)
             with self._lock:
                 self._call = None
+                self._state = "stopped"
                 self._tg = None
                 leftover = list(self._jobs.values())
-            for job in leftover:  # submitted, but the loop stopped before their task ran
-                self._finish(job, ReceiveResult(job.request_id, job.peer, 0, 0.0, FailureReason.ABORTED, "shutting down"))
+            reason, message = self._stopped_reason()
+            for job in leftover:  # submitted, but the loop stopped before their task ended
+                self._finish(job, self._result(job, 0, 0.0, reason, message))
+
+    def _died(self, exc: BaseException | None) -> None:
+        if self.failure is not None:
+            return
+        self.failure = "cancelled from outside" if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()) \
+            else f"{type(exc).__name__}: {exc}"
+        log.error("receive_group_failed", reason=self.failure, exc_info=exc if isinstance(exc, Exception) else None)
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        if self._tg is not None:
+            self._tg.start_soon(self._guarded, fn, *args, name=getattr(fn, "__name__", None))
+
+    async def _guarded(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        """A helper task's unexpected exception is logged; it never takes the group down."""
+        try:
+            await fn(*args)
+        except Exception:
+            log.exception("receive_task_crashed", task=getattr(fn, "__name__", str(fn)))
 
     def _start(self, job: ReceiveJob) -> None:
         if self._tg is None:  # closing: the job still reports, and its grant comes back
-            self._finish(job, ReceiveResult(job.request_id, job.peer, 0, 0.0, FailureReason.ABORTED, "shutting down"))
+            self._finish(job, self._result(job, 0, 0.0, *self._stopped_reason()))
             return
-        self._not_started.add(job.request_id)
         self._tg.start_soon(self._receive, job, name=f"receive:{job.request_id}")
 
     def _cancel(self, request_id: str) -> None:
         scope = self._scopes.get(request_id)
         if scope is not None:
             scope.cancel()
-        elif request_id in self._not_started:
-            self._cancel_early.add(request_id)
+        else:
+            with self._lock:
+                if request_id in self._jobs:
+                    self._cancel_early.add(request_id)
+
+    async def _release(self, peer: str, request_id: str, handle: str | None) -> None:
+        with anyio.move_on_after(self._release_timeout_s, shield=True):
+            try:
+                await self._transport.release(peer, request_id, handle=handle)
+            except Exception as exc:  # best effort: a failed release is logged, never raised
+                log.info("release_not_delivered", request_id=request_id, peer=peer, error=f"{type(exc).__name__}: {exc}")
+
+    async def _hold(self, peer: str, items: list[tuple[str, str | None]]) -> None:
+        with anyio.move_on_after(self._release_timeout_s):
+            try:
+                await self._transport.hold(peer, items)
+            except Exception as exc:
+                log.info("hold_not_delivered", peer=peer, requests=len(items), error=f"{type(exc).__name__}: {exc}")
 
     async def _receive(self, job: ReceiveJob) -> None:
         started = time.perf_counter()
         moved = 0
         result: ReceiveResult | None = None
         rid, peer = job.request_id, job.peer
+        landing = Landing()
         try:
             with anyio.CancelScope() as scope:
                 self._scopes[rid] = scope
-                self._not_started.discard(rid)
-                if rid in self._cancel_early:
-                    self._cancel_early.discard(rid)
-                    scope.cancel()
+                with self._lock:
+                    if rid in self._cancel_early:
+                        self._cancel_early.discard(rid)
+                        scope.cancel()
                 try:
-                    with anyio.fail_after(self._timeout_s):
+                    with anyio.fail_after(self._timeout_s):  # from the start of this receive
                         await self._transport.connect(peer)
+                        ids = self._scatter.block_ids(job.block_ids)
+                        keep: list[torch.Tensor] = []
                         for i, chunk in enumerate(job.chunks):
-                            moved += await self._pull_chunk(job, chunk, last=i == len(job.chunks) - 1)
-                        if self._pool.is_cuda:
-                            await anyio.to_thread.run_sync(torch.cuda.synchronize)
+                            moved += await self._pull_chunk(job, ids, chunk, landing, keep, last=i == len(job.chunks) - 1)
+                        await self._scatter.wait(keep)
                         if self._on_received is not None:  # e.g. checksums, before decode writes
                             self._on_received(rid, job.block_ids)
                     result = ReceiveResult(rid, peer, moved, time.perf_counter() - started)
@@ -277,19 +427,22 @@ class ReceiveGroup:
                     result = self._failed(job, moved, started, FailureReason.INTERNAL, repr(exc))
             if result is None:
                 result = self._failed(job, moved, started, FailureReason.ABORTED, "aborted")
-            if result.failure in (FailureReason.ABORTED, FailureReason.TIMEOUT):
-                await self._release(peer, rid)
         finally:
             self._scopes.pop(rid, None)
-            if result is None:  # cancelled from outside (shutdown) before a result was formed
-                result = self._failed(job, moved, started, FailureReason.ABORTED, "shutting down")
-            self._finish(job, result)
+            if result is None:  # cancelled from outside (shutdown, or the group dying) before a result
+                result = self._failed(job, moved, started, *self._stopped_reason())
+            self._finish(job, result, landing)  # first: the execution thread learns of it now
+        if result.failure not in _NO_RELEASE:  # then, in its own task, the peer may free its copy
+            self._spawn(self._release, peer, rid, job.handle)
 
-    async def _pull_chunk(self, job: ReceiveJob, chunk: KVSlice, *, last: bool) -> int:
+    async def _pull_chunk(
+        self, job: ReceiveJob, ids: torch.Tensor, chunk: KVSlice, landing: Landing, keep: list[torch.Tensor],
+        *, last: bool,
+    ) -> int:
         if job.staging is None:
             direct = whole_run_view(self._pool, job.block_ids, chunk)
             if direct is not None:  # the blocks are one run: land in them, no staging, no scatter
-                return await self._pull(job, chunk, direct, last=last)
+                return await self._pull(job, chunk, direct, landing, last=last)
         shape = self._layout.wire_shape(int(job.block_ids.numel()), chunk)
         if job.staging is not None and len(job.chunks) == 1:
             staging = job.staging
@@ -300,16 +453,31 @@ class ReceiveGroup:
             self._staging_bytes += nbytes
             self._peak_staging_bytes = max(self._peak_staging_bytes, self._staging_bytes)
         try:
-            moved = await self._pull(job, chunk, staging, last=last)
-            scatter(self._pool, job.block_ids, staging, chunk)
+            moved = await self._pull(job, chunk, staging, landing, last=last)
+            self._scatter.scatter(ids, staging, chunk, keep)
             return moved
         finally:
-            with self._lock:
-                self._staging_bytes -= nbytes
+            # a receive the transport could not withdraw keeps the buffer (and counts it) until it ends
+            landing.when_idle(lambda: self._unstage(nbytes, staging))
 
-    async def _pull(self, job: ReceiveJob, chunk: KVSlice, into: torch.Tensor, *, last: bool) -> int:
-        # with release (the last chunk), the peer frees its copy once this pull succeeded
-        return await self._transport.pull(job.peer, job.request_id, chunk, into, release=last)
+    def _unstage(self, nbytes: int, _staging: torch.Tensor) -> None:
+        with self._lock:
+            self._staging_bytes -= nbytes
+
+    async def _pull(self, job: ReceiveJob, chunk: KVSlice, into: torch.Tensor, landing: Landing, *, last: bool) -> int:
+        # with release (the last chunk), the peer frees its copy once this pull succeeded.
+        # A peer that is busy now refuses before sending anything: retry until the deadline.
+        backoff = _BUSY_BACKOFF_S[0]
+        while True:
+            try:
+                return await self._transport.pull(
+                    job.peer, job.request_id, chunk, into, handle=job.handle, release=last, landing=landing)
+            except PeerBusy:
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, _BUSY_BACKOFF_S[1])
+
+    def _result(self, job: ReceiveJob, moved: int, elapsed: float, reason: FailureReason, message: str) -> ReceiveResult:
+        return ReceiveResult(job.request_id, job.peer, moved, elapsed, reason, message)
 
     def _failed(
         self, job: ReceiveJob, moved: int, started: float, reason: FailureReason, message: str
@@ -324,14 +492,32 @@ class ReceiveGroup:
             elapsed_ms=round(elapsed * 1e3, 3),
             message=message,
         )
-        return ReceiveResult(job.request_id, job.peer, moved, elapsed, reason, message)
+        return self._result(job, moved, elapsed, reason, message)
 
-    def _finish(self, job: ReceiveJob, result: ReceiveResult) -> None:
+    def _finish(self, job: ReceiveJob, result: ReceiveResult, landing: Landing | None = None) -> None:
         """Publish ``job``'s one result (later calls for the same job do nothing)."""
         with self._lock:
             if self._jobs.get(job.request_id) is not job:
                 return
             del self._jobs[job.request_id]
+            self._cancel_early.discard(job.request_id)
+            quarantined = landing is not None and landing.busy
+            if quarantined:
+                self._quarantined += 1
+        if quarantined:
+            assert landing is not None
+            log.warning("receive_quarantined", request_id=job.request_id, peer=job.peer)
+            result = dataclasses.replace(result, landing=landing)
+            landing.when_idle(lambda: self._unquarantine(job))
+        elif job.grant is not None:
+            job.grant.release()
+        try:
+            self._on_result(result)
+        except Exception:  # the engine's queue put cannot fail; a user callback might
+            log.exception("on_result_failed", request_id=job.request_id)
+
+    def _unquarantine(self, job: ReceiveJob) -> None:
+        with self._lock:
+            self._quarantined -= 1
         if job.grant is not None:
             job.grant.release()
-        self._on_result(result)

@@ -19,7 +19,7 @@ import enum
 
 import torch
 
-from transports import KVSlice
+from transports import KVSlice, Landing
 
 
 class RequestState(enum.Enum):
@@ -93,6 +93,9 @@ class ReceiveResult:
     elapsed_s: float
     failure: FailureReason | None = None
     message: str = ""
+    landing: Landing | None = dataclasses.field(default=None, compare=False)
+    """Set when the transport may still write into the request's blocks (a receive it could not
+    withdraw): the blocks stay quarantined until ``landing`` is idle."""
 
     @property
     def ok(self) -> bool:
@@ -130,6 +133,8 @@ class Sequence:
     tokens: list[int] = dataclasses.field(default_factory=list)
     last_defer: DeferReason | None = None
     abort_requested: bool = False
+    abort_failure: tuple[FailureReason, str] | None = None
+    """Why an abort was requested when it is a failure (the engine died), not a client's cancel."""
 
     @property
     def request_id(self) -> str:

@@ -12,6 +12,7 @@ serves without one. ``--gather-delay S`` makes every gather sleep S seconds (to 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -21,6 +22,11 @@ import torch
 from transports import KVLayout, KVSlice, KVStore
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float16)
+
+
+def handle_for(request_id: str) -> str:
+    """The KV handle this test peer issues for ``request_id`` (deterministic, so tests can present it)."""
+    return hashlib.sha256(request_id.encode()).hexdigest()[:32]
 
 
 def make_pool(layout: KVLayout, num_blocks: int, seed: int = 1234) -> torch.Tensor:
@@ -37,9 +43,9 @@ def block_ids(index: int, blocks: int, total: int) -> torch.Tensor:
 class _SlowStore(KVStore):
     delay_s = 0.0
 
-    def gather(self, request_id: str, kv_slice: KVSlice) -> torch.Tensor:
+    def gather(self, request_id: str, kv_slice: KVSlice, **kw: object) -> torch.Tensor:
         time.sleep(self.delay_s)  # runs in a worker thread (to_thread), not on the event loop
-        return super().gather(request_id, kv_slice)
+        return super().gather(request_id, kv_slice, **kw)
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -53,15 +59,19 @@ async def _main(args: argparse.Namespace) -> None:
     store = _SlowStore(LAYOUT, pool)
     store.delay_s = args.gather_delay
     for i in range(args.requests):
-        store.put(f"req-{i}", block_ids(i, args.blocks, total), num_tokens=args.blocks * LAYOUT.block_size, lease_s=args.lease)
+        store.put(f"req-{i}", block_ids(i, args.blocks, total), num_tokens=args.blocks * LAYOUT.block_size,
+                  lease_s=args.lease, handle=handle_for(f"req-{i}"))
     secret = None if args.insecure else load_secret()
-    config = UCXConfig(secret=secret, allow_insecure=args.insecure, expire_interval_s=0.2)
+    config = UCXConfig(secret=secret, allow_insecure=args.insecure, expire_interval_s=0.2,
+                       max_pulls_per_endpoint=args.max_pulls, max_unauthenticated=args.max_unauthenticated,
+                       handshake_timeout_s=args.handshake_timeout)
 
     class Server(UCXKVServer):
         async def _before_send(self, msg: object) -> None:
-            await anyio.sleep(args.send_delay)
+            if args.send_delay:
+                await anyio.sleep(args.send_delay)
 
-    async with Server(store, config, port=args.port) as server:
+    async with Server(store, config, port=args.port, lease_s=args.lease) as server:
         print(json.dumps({"port": server.port, "pid": __import__("os").getpid()}), flush=True)
         while True:
             line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
@@ -73,7 +83,7 @@ async def _main(args: argparse.Namespace) -> None:
                 held = sorted(store._held)  # test helper: peek at the ids still held
                 out = {"held": held, "released": s.released, "expired": s.expired, **vars(server.statistics())}
             elif cmd == "put":
-                store.put(arg, block_ids(0, args.blocks, total), num_tokens=16, lease_s=args.lease)
+                store.put(arg, block_ids(0, args.blocks, total), num_tokens=16, lease_s=args.lease, handle=handle_for(arg))
                 out = {"ok": True}
             else:
                 out = {"error": f"unknown command {cmd!r}"}
@@ -87,13 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--lease", type=float, default=600.0)
     p.add_argument("--gather-delay", type=float, default=0.0)
-    p.add_argument("--send-delay", type=float, default=0.0, help="sleep after READY, before sending the KV")
+    p.add_argument("--send-delay", type=float, default=0.0, help="sleep after accepting a PULL, before sending the KV")
+    p.add_argument("--max-pulls", type=int, default=256)
+    p.add_argument("--max-unauthenticated", type=int, default=64)
+    p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--insecure", action="store_true")
     args = p.parse_args(argv)
     import anyio
     import structlog
 
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is for replies
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),  # stdout is for replies
+                        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()])
 
     anyio.run(_main, args, backend="asyncio")
     return 0
@@ -111,7 +125,8 @@ async def _client(args: argparse.Namespace) -> None:
     into = torch.empty(LAYOUT.wire_shape(args.blocks), dtype=LAYOUT.dtype)
     async with UCXTransport(UCXConfig(secret=load_secret(), connect_timeout_s=args.timeout)) as t:
         try:
-            n = await t.pull(args.peer, f"req-{args.index}", LAYOUT.full_slice(), into)
+            rid = f"req-{args.index}"
+            n = await t.pull(args.peer, rid, LAYOUT.full_slice(), into, handle=handle_for(rid))
             out = {"ok": True, "bytes": n, "equal": bool(torch.equal(into, expected))}
         except Exception as exc:
             out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -41,15 +41,18 @@ class CtxPeer:
         self.store = KVStore(layout, self.pool)
         self._free = list(range(num_blocks))
         self.expected: dict[str, torch.Tensor] = {}
+        self.handles: dict[str, str] = {}
 
-    def prefill(self, request_id: str, prompt_len: int, lease_s: float = 60.0) -> None:
+    def prefill(self, request_id: str, prompt_len: int, lease_s: float = 60.0) -> str:
         n = self.layout.blocks_for(prompt_len)
         ids = torch.tensor([self._free.pop() for _ in range(n)], dtype=torch.int64)
         kv = request_kv(request_id, n, self.layout)
         self.pool[ids] = kv
         self.expected[request_id] = kv
-        self.store.put(request_id, ids, num_tokens=prompt_len, lease_s=lease_s,
-                       on_release=lambda: self._free.extend(ids.tolist()))
+        handle = self.store.put(request_id, ids, num_tokens=prompt_len, lease_s=lease_s,
+                                on_release=lambda: self._free.extend(ids.tolist()))
+        self.handles[request_id] = handle
+        return handle
 
 
 class CheckingStep:
@@ -89,9 +92,9 @@ class Harness:
         return self.peers[PEER]
 
     def request(self, rid: str, prompt_len: int = 8, max_tokens: int = 4, *, peer: str = PEER,
-                prefill: bool = True, **kw: object) -> GenRequest:
+                prefill: bool = True, lease_s: float = 60.0, **kw: object) -> GenRequest:
         if prefill:
-            self.peers[peer].prefill(rid, prompt_len)
+            kw.setdefault("kv_handle", self.peers[peer].prefill(rid, prompt_len, lease_s))
         if kw.get("kv_slice") is not None:
             self.step_fn.slices[rid] = kw["kv_slice"]  # type: ignore[assignment]
         return GenRequest(rid, prompt_len=prompt_len, first_token=7, max_tokens=max_tokens, peer=peer, **kw)

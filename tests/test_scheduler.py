@@ -72,13 +72,40 @@ def test_request_that_does_not_fit_in_kv_neither_takes_nor_blocks_the_budget() -
 def test_backpressure_and_kv_exhaustion_are_counted_apart() -> None:
     sched, budget, pool = make(num_blocks=8, staging_blocks=2)
     sched.add(seq("a", 2))
-    sched.add(seq("b", 2))  # budget full after "a"
     sched.add(seq("c", 1, total_blocks=20))  # can never fit this pool in KV right now
+    sched.add(seq("b", 2))  # budget full after "a"
+    sched.add(seq("d", 1))  # behind the budget-blocked "b": left waiting, not even looked at
     result = sched.schedule(active=0)
     assert ids(result) == ["a"]
-    assert result.deferred == {DeferReason.BACKPRESSURE: 1, DeferReason.KV_EXHAUSTED: 1}
-    sched.schedule(active=1)  # same reasons again: one episode each
+    assert result.deferred == {DeferReason.BACKPRESSURE: 2, DeferReason.KV_EXHAUSTED: 1}
+    sched.schedule(active=1)  # same reasons again: one episode each (the blocked head, the KV misfit)
     assert sched.deferral_episodes == {DeferReason.BACKPRESSURE: 1, DeferReason.KV_EXHAUSTED: 1}
+
+
+def test_scan_stops_at_the_first_budget_denial_whatever_the_queue_length() -> None:
+    sched, budget, pool = make(num_blocks=64, staging_blocks=2)
+    hold = budget.acquire_nowait(2 * BLOCK)  # the budget is full
+    for i in range(5000):
+        sched.add(seq(f"r{i}", 1))
+    result = sched.schedule(active=0)
+    assert ids(result) == [] and result.scanned == 1  # O(admitted), not O(queue)
+    assert result.deferred[DeferReason.BACKPRESSURE] == 5000
+    assert sched.deferral_episodes[DeferReason.BACKPRESSURE] == 1
+    hold.release()
+    result = sched.schedule(active=0)
+    assert ids(result) == ["r0", "r1"] and result.scanned == 3
+    assert sched.remove("r4999") is not None and sched.num_waiting == 4997
+
+
+def test_kv_skips_per_step_are_bounded() -> None:
+    sched, budget, pool = make(num_blocks=8, staging_blocks=8)
+    for i in range(500):
+        sched.add(seq(f"big{i}", 1, total_blocks=20))  # none fits the pool
+    sched.add(seq("small", 1))
+    result = sched.schedule(active=0)
+    assert result.scanned == Scheduler.max_kv_skips and ids(result) == []
+    sched.max_kv_skips = 1000
+    assert ids(sched.schedule(active=0)) == ["small"]  # a later request may go past KV misfits
 
 
 def test_oversized_request_is_admitted_alone_when_the_window_is_empty() -> None:

@@ -16,10 +16,11 @@ import anyio
 import pytest
 import torch
 
-from tests._ucx_peer import LAYOUT, block_ids, make_pool
+from tests._ucx_peer import LAYOUT, block_ids, handle_for, make_pool
 from transports import (
     AuthenticationFailed,
     KVSlice,
+    Landing,
     PeerClosed,
     ProtocolViolation,
     Transport,
@@ -30,7 +31,22 @@ from transports import wire
 
 ucxx = pytest.importorskip("ucxx")
 
-from transports.ucx import UCXConfig, UCXTransport, _ucx_buffer, apply_ucx_defaults  # noqa: E402
+from transports.ucx import UCXConfig, UCXTransport as _UCXTransport, _ucx_buffer, apply_ucx_defaults  # noqa: E402
+
+
+class UCXTransport(_UCXTransport):
+    """The real transport; a pull or release that names no handle presents the one the test peer
+    issued for that request (``handle_for``), as a GEN presents the CTX's handle from the prefill."""
+
+    async def pull(self, peer, request_id, kv_slice, into, *, handle=None, **kw):  # type: ignore[override]
+        return await super().pull(peer, request_id, kv_slice, into, handle=handle or _handle(request_id), **kw)
+
+    async def release(self, peer, request_id, *, handle=None):  # type: ignore[override]
+        return await super().release(peer, request_id, handle=handle or _handle(request_id))
+
+
+def _handle(request_id: str) -> str | None:
+    return handle_for(request_id) if isinstance(request_id, str) else None
 
 pytestmark = pytest.mark.integration
 
@@ -48,13 +64,17 @@ def anyio_backend() -> str:
 class Peer:
     """A CTX process; ``stats()`` asks it what its store still holds."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, secret: bytes | None = SECRET, prefix: list[str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, secret: bytes | None = SECRET,
+                 prefix: list[str] | None = None, log: Path | None = None) -> None:
         full_env = {**os.environ, **(env or {})}
         full_env.pop("KVO_SHARED_SECRET", None)
         if secret is not None:
             full_env["KVO_SHARED_SECRET"] = secret.decode()
         cmd = [*(prefix or []), sys.executable, "-m", "tests._ucx_peer", "--requests", str(REQUESTS), "--blocks", str(BLOCKS), *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        stderr = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        if log is not None:
+            stderr.close()
         self.port = int(self._reply()["port"])
 
     def _reply(self) -> dict:
@@ -277,39 +297,51 @@ async def test_duplicate_concurrent_pull_and_cancel(slow_peer: Peer, transport: 
         assert results["a"] == a.nbytes and torch.equal(a, expected(0))
         assert isinstance(results["b"], TransportError) and "BUSY" in str(results["b"])
 
-        # cancel a pull while the server prepares it: ABORT is sent, nothing lands, the entry stays
-        c = empty()
-        with anyio.move_on_after(0.2):
-            await transport.pull(slow_peer.address, "req-1", LAYOUT.full_slice(), c)
-        await anyio.sleep(1.0)
-        assert torch.isnan(c).all()
-        assert "req-1" in (await slow_peer.astats())["held"]
+        # cancel a pull while the server prepares it: the pull returns at once, but the receive it
+        # posted cannot be withdrawn, so its landing stays busy until the KV has landed (the CTX
+        # answers every PULL); after that nothing writes the buffer again; the endpoint survives
+        c, landing = empty(), Landing()
+        with anyio.move_on_after(0.2) as scope:
+            await transport.pull(slow_peer.address, "req-1", LAYOUT.full_slice(), c, landing=landing)
+        assert scope.cancelled_caught and landing.busy
+        await wait_idle(landing)
+        assert torch.equal(c, expected(1))
+        await wait_released(slow_peer, "req-1")  # it was sent in full, with release
         d = empty()
-        await transport.pull(slow_peer.address, "req-1", LAYOUT.full_slice(), d)  # same endpoint
-        assert torch.equal(d, expected(1))
+        await transport.pull(slow_peer.address, "req-2", LAYOUT.full_slice(), d)  # same endpoint
+        assert torch.equal(d, expected(2))
         assert transport.statistics().endpoints == 1
 
 
+async def wait_idle(landing: Landing, timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while landing.busy:
+            await anyio.sleep(0.01)
+
+
 @pytest.mark.anyio
-async def test_cancel_after_ready(transport: UCXTransport) -> None:
-    """A pull cancelled while its receive is posted waits for the transfer (within the grace), so
-    nothing lands in its buffer afterwards and the endpoint survives; past the grace the endpoint
-    (and the pulls on it) go, the CTX keeps the entries, and a new pull works."""
+async def test_cancelled_pull_returns_at_once_and_its_landing_ends_with_the_receive(transport: UCXTransport) -> None:
+    """A pull cancelled while its receive is posted returns at once with its landing busy; within the
+    grace the KV lands and the landing ends, the endpoint survives. Past the grace the endpoint (and
+    the pulls on it) go, which ends the landing before the CTX sends; nothing lands afterwards, the
+    CTX keeps the entries, and a new pull works."""
     lazy = Peer("--send-delay", "1.2")
     try:
         with anyio.fail_after(25):
-            # within the grace: the cancelled pull returns once its KV has landed
-            a = empty()
+            await transport.connect(lazy.address)
+            a, landing = empty(), Landing()
+            t0 = anyio.current_time()
             with anyio.move_on_after(0.3) as scope:
-                await transport.pull(lazy.address, "req-0", LAYOUT.full_slice(), a)
-            assert scope.cancelled_caught
+                await transport.pull(lazy.address, "req-0", LAYOUT.full_slice(), a, landing=landing)
+            assert scope.cancelled_caught and anyio.current_time() - t0 < 0.8  # not held up by the transfer
+            assert landing.busy
+            await wait_idle(landing)
             assert torch.equal(a, expected(0))
             assert transport.statistics().endpoints == 1
 
-            # past the grace: the endpoint is dropped, a bystander on it fails
             async with UCXTransport(UCXConfig(secret=SECRET, cancel_grace_s=0.2)) as hasty:
                 await hasty.connect(lazy.address)
-                b, c = empty(), empty()
+                b, c, landing = empty(), empty(), Landing()
                 other: list[BaseException] = []
 
                 async def bystander() -> None:
@@ -321,8 +353,9 @@ async def test_cancel_after_ready(transport: UCXTransport) -> None:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(bystander)
                     with anyio.move_on_after(0.3):
-                        await hasty.pull(lazy.address, "req-1", LAYOUT.full_slice(), b)
+                        await hasty.pull(lazy.address, "req-1", LAYOUT.full_slice(), b, landing=landing)
                 assert len(other) == 1 and hasty.statistics().endpoints == 0
+                await wait_idle(landing, timeout=1.0)  # closing the endpoint cancelled the receive
                 await anyio.sleep(1.2)  # past the CTX's send delay
                 assert torch.isnan(b).all() and torch.isnan(c).all()
                 assert {"req-1", "req-2"} <= set((await lazy.astats())["held"])
@@ -383,7 +416,8 @@ async def test_wrong_or_missing_secret_moves_zero_bytes(peer: Peer) -> None:
         apply_ucx_defaults()
         ep = await ucxx.create_endpoint("127.0.0.1", peer.port)
         try:
-            pull = wire.Pull(1, rid, LAYOUT.full_slice(), "float16", LAYOUT.wire_shape(BLOCKS), LAYOUT.wire_bytes(BLOCKS), 3)
+            pull = wire.Pull(1, rid, handle_for(rid), LAYOUT.full_slice(), "float16", LAYOUT.wire_shape(BLOCKS),
+                             LAYOUT.wire_bytes(BLOCKS), 3)
             await ep.send(wire.encode_frame(pull), tag=0)
             into = empty()
             with anyio.move_on_after(1.5):
@@ -462,3 +496,189 @@ def test_pull_across_network_namespaces() -> None:
             peer.stop()
         for ns in (ns_ctx, ns_gen):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+# -- issue 8: hardening of the data plane -----------------------------------------------------------
+@pytest.mark.anyio
+async def test_a_malformed_frame_fails_its_request_only(peer: Peer, transport: UCXTransport) -> None:
+    """A PULL whose request id breaks the rule gets PULL_ERR and an empty data message; a RELEASE of
+    such an id gets RELEASE_OK(False); pulls sharing the endpoint go on, the endpoint survives."""
+    with anyio.fail_after(20):
+        await transport.connect(peer.address)
+        conn = transport._eps[peer.address]
+        good = wire.encode_frame(wire.Pull(9001, "req-30", handle_for("req-30"), LAYOUT.full_slice(), "float16",
+                                           LAYOUT.wire_shape(BLOCKS), LAYOUT.wire_bytes(BLOCKS), 2 * 9001 + 1))
+        bad = bytearray(good.replace(b"req-30", "ré-30".encode()[:6]))  # same length, non-ASCII id
+        into = empty()
+        reply = conn.post_recv(reply_frame := bytearray(wire.FRAME_BYTES), 2 * 9001)
+        data = conn.post_recv(_ucx_buffer(into), 2 * 9001 + 1)
+        release_reply = conn.post_recv(release_frame := bytearray(wire.FRAME_BYTES), 2 * 9002)
+        bad_release = bytearray(wire.encode_frame(wire.Release(9002, "req-31", handle_for("req-31"))).replace(b"req-31", b"req 31"))
+        neighbours = {i: empty() for i in (32, 33)}
+        async with anyio.create_task_group() as tg:
+            for i, buf in neighbours.items():
+                tg.start_soon(transport.pull, peer.address, f"req-{i}", LAYOUT.full_slice(), buf)
+            await conn.ep.send(bad, tag=0)
+            await conn.ep.send(bad_release, tag=0)
+            await reply
+            await data
+            await release_reply
+        answer = wire.decode_frame(reply_frame, wire.WireLimits())
+        assert isinstance(answer, wire.PullErr) and answer.status is wire.Status.BAD_REQUEST
+        assert torch.isnan(into).all()  # the empty message moved nothing
+        assert wire.decode_frame(release_frame, wire.WireLimits()) == wire.ReleaseOk(9002, False)
+        for i, buf in neighbours.items():
+            assert torch.equal(buf, expected(i))
+        assert transport.statistics().endpoints == 1 and conn.error is None
+        stats = await peer.astats()
+        assert stats["malformed_frames"] == 2 and "req-31" in stats["held"]
+
+
+@pytest.mark.anyio
+async def test_a_wrong_handle_reads_and_frees_nothing(peer: Peer, transport: UCXTransport) -> None:
+    with anyio.fail_after(20):
+        into = empty()
+        with pytest.raises(UnknownRequest):
+            await transport.pull(peer.address, "req-34", LAYOUT.full_slice(), into, handle="0" * 32)
+        assert torch.isnan(into).all()
+        await transport.release(peer.address, "req-34", handle="0" * 32)
+        assert "req-34" in (await peer.astats())["held"]
+        await transport.pull(peer.address, "req-34", LAYOUT.full_slice(), into)
+        assert torch.equal(into, expected(34))
+
+
+@pytest.mark.anyio
+async def test_a_bad_request_id_never_reaches_the_wire_and_release_does_not_raise(peer: Peer, transport: UCXTransport) -> None:
+    with anyio.fail_after(20):
+        for rid in ("é-ü", "x" * 129, "a b"):
+            with pytest.raises(ProtocolViolation):
+                await transport.pull(peer.address, rid, LAYOUT.full_slice(), empty(), handle="0" * 32)
+            await transport.release(peer.address, rid, handle="0" * 32)  # logged, never raised
+        assert transport.statistics().endpoints <= 1
+
+
+@pytest.mark.anyio
+async def test_a_layout_mismatch_fails_the_connection_once_with_a_clear_error(peer: Peer) -> None:
+    from transports import IncompatiblePeer, KVLayout
+
+    other = KVLayout(num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads, head_dim=LAYOUT.head_dim,
+                     block_size=32, dtype=LAYOUT.dtype)
+    with anyio.fail_after(20):
+        async with UCXTransport(UCXConfig(secret=SECRET, dead_peer_backoff_s=30), layout=other) as t:
+            with pytest.raises(IncompatiblePeer, match="block_size 16 vs 32"):
+                await t.connect(peer.address)
+            t0 = anyio.current_time()
+            for _ in range(5):  # later pulls fail at once, without connecting again
+                with pytest.raises(IncompatiblePeer):
+                    await t.pull(peer.address, "req-35", LAYOUT.full_slice(), empty())
+            assert anyio.current_time() - t0 < 0.5
+        async with UCXTransport(UCXConfig(secret=SECRET), layout=LAYOUT) as t:  # the right layout connects
+            await t.connect(peer.address)
+
+
+@pytest.mark.anyio
+async def test_gen_keeps_below_the_ctx_pull_limit_so_nothing_is_refused_busy() -> None:
+    small = Peer("--max-pulls", "2", "--gather-delay", "0.05")
+    try:
+        with anyio.fail_after(30):
+            async with UCXTransport(UCXConfig(secret=SECRET)) as t:
+                out = {i: empty() for i in range(10)}
+                async with anyio.create_task_group() as tg:
+                    for i, buf in out.items():
+                        tg.start_soon(t.pull, small.address, f"req-{i}", LAYOUT.full_slice(), buf)
+                assert all(torch.equal(buf, expected(i)) for i, buf in out.items())
+                assert t.statistics().pulls_ok == 10
+            assert (await small.astats())["pulls_refused"] == 0
+    finally:
+        small.stop()
+
+
+@pytest.mark.anyio
+async def test_a_refused_port_and_a_dead_peer_fail_at_once_not_one_connect_timeout_each() -> None:
+    from transports import PeerUnreachable
+
+    with anyio.fail_after(30):
+        async with UCXTransport(UCXConfig(secret=SECRET, connect_timeout_s=5.0)) as t:
+            t0 = anyio.current_time()
+            with pytest.raises(PeerUnreachable, match="refused"):
+                await t.pull("127.0.0.1:1", "req-0", LAYOUT.full_slice(), empty())
+            assert anyio.current_time() - t0 < 1.0  # not the 5 s connect timeout
+            victim = Peer()
+            try:
+                await t.pull(victim.address, "req-0", LAYOUT.full_slice(), empty())
+            finally:
+                victim.kill()
+            errors: list[BaseException] = []
+
+            async def doomed(i: int) -> None:
+                try:
+                    await t.pull(victim.address, f"req-{i}", LAYOUT.full_slice(), empty())
+                except TransportError as exc:
+                    errors.append(exc)
+
+            t0 = anyio.current_time()
+            async with anyio.create_task_group() as tg:
+                for i in range(1, 7):
+                    tg.start_soon(doomed, i)
+            assert len(errors) == 6 and all(isinstance(e, (PeerUnreachable, PeerClosed)) for e in errors)
+            assert anyio.current_time() - t0 < 3.0  # together, not 6 x 5 s one after another
+
+
+@pytest.mark.anyio
+async def test_a_ctx_restarted_while_idle_is_reached_on_the_first_try() -> None:
+    first = Peer()
+    port = first.port
+    try:
+        with anyio.fail_after(40):
+            async with UCXTransport(UCXConfig(secret=SECRET)) as t:
+                into = empty()
+                await t.pull(first.address, "req-0", LAYOUT.full_slice(), into)  # an endpoint, now idle
+                first.kill()
+                second = Peer("--port", str(port))
+                try:
+                    await t.pull(second.address, "req-1", LAYOUT.full_slice(), into)  # the stale endpoint is replaced
+                    assert torch.equal(into, expected(1))
+                finally:
+                    second.stop()
+    finally:
+        first.stop()
+
+
+@pytest.mark.anyio
+async def test_auth_failures_are_logged_with_the_peer_address(tmp_path: Path) -> None:
+    log = tmp_path / "ctx.log"
+    p = Peer(log=log)
+    try:
+        with anyio.fail_after(20):
+            async with UCXTransport(UCXConfig(secret=b"wrong-secret-wrong-secret")) as t:
+                with pytest.raises(AuthenticationFailed):
+                    await t.connect(p.address)
+            await p.astats()
+    finally:
+        p.stop()
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    failed = [e for e in events if e.get("event") == "ucx_auth_failed"]
+    assert failed and failed[0]["peer"] and failed[0]["peer"].startswith("127.0.0.1:")
+
+
+@pytest.mark.anyio
+async def test_unauthenticated_endpoints_are_bounded() -> None:
+    p = Peer("--max-unauthenticated", "2", "--handshake-timeout", "3")
+    apply_ucx_defaults()
+    silent = []
+    try:
+        with anyio.fail_after(30):
+            for _ in range(5):  # connect and never answer the challenge
+                silent.append(await ucxx.create_endpoint("127.0.0.1", p.port))
+            await anyio.sleep(0.5)
+            stats = await p.astats()
+            assert stats["connections"] <= 2  # the others were closed at once
+            async with UCXTransport(UCXConfig(secret=SECRET, connect_timeout_s=10, handshake_timeout_s=10)) as t:
+                await anyio.sleep(3.5)  # the silent ones time out and free their slots
+                into = empty()
+                await t.pull(p.address, "req-2", LAYOUT.full_slice(), into)
+                assert torch.equal(into, expected(2))
+    finally:
+        for ep in silent:
+            ep.abort()
+        p.stop()

@@ -15,8 +15,14 @@ SHAPE = (3, 2, 2, 4, 16, 64)
 NBYTES = 3 * 2 * 2 * 4 * 16 * 64 * 2
 
 
+HANDLE = "0123456789abcdef0123456789abcdef"
+INFO = wire.PeerInfo(num_layers=32, total_kv_heads=16, head_start=4, head_end=8, head_dim=128, block_size=16,
+                     dtype="bfloat16", max_pulls=256, lease_ms=30_000)
+
+
 def _pull(**kw: object) -> wire.Pull:
-    base = dict(txid=7, request_id="req-1", kv_slice=KVSlice(0, 2, 0, 4), dtype="float16", shape=SHAPE, nbytes=NBYTES, tag=15)
+    base = dict(txid=7, request_id="req-1", handle=HANDLE, kv_slice=KVSlice(0, 2, 0, 4), dtype="float16", shape=SHAPE,
+                nbytes=NBYTES, tag=15)
     base.update(kw)
     return wire.Pull(**base)  # type: ignore[arg-type]
 
@@ -25,16 +31,15 @@ MESSAGES = [
     wire.AuthChallenge(b"n" * 32, True),
     wire.AuthChallenge(b"n" * 32, False),
     wire.AuthResponse(b"c" * 32, b"m" * 32),
-    wire.AuthOk(b"m" * 32),
+    wire.AuthOk(b"m" * 32, INFO),
     wire.AuthFail(wire.Status.AUTH_FAILED, "bad credentials"),
     _pull(),
     _pull(release=False),
     _pull(kv_slice=KVSlice(31, 32, 15, 16), shape=(1, 1, 2, 1, 16, 64), nbytes=1 * 1 * 2 * 16 * 64 * 2),
     wire.PullOk(7, 15, "bfloat16", SHAPE, NBYTES),
     wire.PullErr(7, wire.Status.UNKNOWN_REQUEST, "no KV held"),
-    wire.Ready(7),
-    wire.Abort(8),
-    wire.Release(9, "a.b:c-d_e"),
+    wire.Release(9, "a.b:c-d_e", HANDLE),
+    wire.Hold(10, (("a", HANDLE), ("b.c:d-e_f" * 6, HANDLE))),
     wire.ReleaseOk(9, True),
     wire.ReleaseOk(9, False),
 ]
@@ -67,10 +72,10 @@ def test_header_fields_rejected() -> None:
     _reject(b"", "truncated header")
     _reject(raw[:10], "truncated header")
     _reject(b"XXXX" + raw[4:], "bad magic")
-    _reject(_with_header(raw, version=2), "unsupported protocol version 2")
+    _reject(_with_header(raw, version=1), "unsupported protocol version 1")
     _reject(_with_header(raw, mtype=99), "unknown message type 99")
     _reject(_with_header(raw, flags=1), "unknown flags")
-    _reject(_with_header(wire.encode(wire.Ready(1)), flags=2), "unknown flags")  # KEEP is for PULL only
+    _reject(_with_header(wire.encode(wire.ReleaseOk(1, True)), flags=2), "unknown flags")  # KEEP is for PULL only
     _reject(_with_header(raw, body_len=len(raw)), "declared length")
     _reject(_with_header(raw, body_len=1 << 31), "exceeds the frame")
     _reject(raw + b"\0", "declared length")
@@ -78,7 +83,7 @@ def test_header_fields_rejected() -> None:
 
 
 def test_frame_checks() -> None:
-    frame = wire.encode_frame(wire.Ready(1))
+    frame = wire.encode_frame(wire.ReleaseOk(1, True))
     frame[-1] = 1
     with pytest.raises(ProtocolViolation, match="non-zero bytes"):
         wire.decode_frame(frame, LIMITS)
@@ -129,21 +134,41 @@ def test_other_fields_rejected() -> None:
     err[HEADER_BYTES + 4] = 0x07  # a control character in the reason
     _reject(err, "printable")
     long_reason = struct.pack("!HH", 1, 300) + b"a" * 300
-    _reject(_with_header(wire.encode(wire.Ready(1)), mtype=int(wire.MsgType.PULL_ERR), body_len=len(long_reason)) + long_reason, "300 bytes exceeds")
+    _reject(_with_header(wire.encode(wire.ReleaseOk(1, True)), mtype=int(wire.MsgType.PULL_ERR), body_len=len(long_reason))[:HEADER_BYTES] + long_reason, "300 bytes exceeds")
     ok = bytearray(wire.encode(wire.ReleaseOk(1, True)))
     ok[-1] = 2
     _reject(ok, "released flag 2")
-    ready_with_body = _with_header(wire.encode(wire.Ready(1)), body_len=1) + b"\0"
-    _reject(ready_with_body, "trailing bytes")
+    ok_with_more = _with_header(wire.encode(wire.ReleaseOk(1, True)), body_len=2) + b"\0"
+    _reject(ok_with_more, "trailing bytes")
     pull_ok = wire.encode(wire.PullOk(1, 3, "float16", (2, 2), 8))
     _reject(_with_header(pull_ok, mtype=int(wire.MsgType.PULL_OK)).replace(b"float16", b"float17"), "unknown dtype")
-    rel = wire.encode(wire.Release(1, "abc")).replace(b"abc", b"a\xffc")
+    rel = wire.encode(wire.Release(1, "abc", HANDLE)).replace(b"abc", b"a\xffc")
     _reject(rel, "characters outside")
+    _reject(wire.encode(wire.Release(1, "abc", HANDLE)).replace(HANDLE.encode(), HANDLE.upper().encode()), "KV handle")
+    _reject(wire.encode(_pull()).replace(HANDLE.encode(), b"g" * 32), "KV handle")
+    info = bytearray(wire.encode(wire.AuthOk(b"m" * 32, INFO)))
+    struct.pack_into("!I", info, HEADER_BYTES + 32 + 8, 17)  # head_start beyond total heads
+    _reject(info, "peer info out of range")
+
+
+def test_malformed_frame_names_its_request() -> None:
+    frame = wire.encode_frame(_pull(request_id="bad id"))
+    with pytest.raises(ProtocolViolation) as caught:
+        wire.decode_frame(frame, LIMITS)
+    assert caught.value.kind is wire.MsgType.PULL and caught.value.txid == 7  # type: ignore[attr-defined]
+
+
+def test_hold_frames_split_to_fit() -> None:
+    items = [(f"request-{i:0100d}", HANDLE) for i in range(50)]
+    frames = wire.hold_frames(items, txid=3)
+    assert len(frames) > 1 and [it for f in frames for it in f.items] == items
+    for f in frames:
+        assert wire.decode_frame(wire.encode_frame(f), wire.WireLimits()) == f
 
 
 def test_encode_refuses_bad_fields() -> None:
     with pytest.raises(ValueError):
-        wire.encode(wire.AuthOk(b"short"))
+        wire.encode(wire.AuthOk(b"short", INFO))
     with pytest.raises(ValueError):
         wire.encode(_pull(txid=-1))
     with pytest.raises(ValueError):
@@ -178,6 +203,7 @@ def test_macs_are_mutual_and_role_bound() -> None:
     k, ns, nc = b"k" * 32, _auth.new_nonce(), _auth.new_nonce()
     c, s = _auth.client_mac(k, ns, nc), _auth.server_mac(k, ns, nc)
     assert c != s  # a client MAC cannot be replayed as the server's proof
+    assert _auth.server_mac(k, ns, nc, b"info") != s  # what the server says of itself is covered
     assert _auth.verify(c, _auth.client_mac(k, ns, nc))
     assert not _auth.verify(c, _auth.client_mac(b"x" * 32, ns, nc))
     assert not _auth.verify(c, _auth.client_mac(k, nc, ns))

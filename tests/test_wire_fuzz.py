@@ -19,21 +19,20 @@ LIMITS = wire.WireLimits(max_request_id_len=64, max_transfer_bytes=1 << 28, max_
 FUZZ = settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=False)
 
 SEEDS = [
-    wire.encode(wire.Pull(3, "r", KVSlice(1, 2, 1, 2), "bfloat16", (1, 1, 2, 1, 4, 8), 128, 7, False)),
+    wire.encode(wire.Pull(3, "r", "ab" * 16, KVSlice(1, 2, 1, 2), "bfloat16", (1, 1, 2, 1, 4, 8), 128, 7, False)),
 ]
 SEEDS += [
     wire.encode(m)
     for m in (
         wire.AuthChallenge(b"n" * 32, True),
         wire.AuthResponse(b"c" * 32, b"m" * 32),
-        wire.AuthOk(b"m" * 32),
+        wire.AuthOk(b"m" * 32, wire.PeerInfo(2, 4, 0, 4, 64, 16, "float16", 8, 1000)),
         wire.AuthFail(wire.Status.AUTH_FAILED, "no"),
-        wire.Pull(7, "req-1", KVSlice(0, 2, 0, 4), "float16", (3, 2, 2, 4, 16, 64), 3 * 2 * 2 * 4 * 16 * 64 * 2, 15),
+        wire.Pull(7, "req-1", "cd" * 16, KVSlice(0, 2, 0, 4), "float16", (3, 2, 2, 4, 16, 64), 3 * 2 * 2 * 4 * 16 * 64 * 2, 15),
         wire.PullOk(7, 15, "float32", (2, 3), 24),
         wire.PullErr(7, wire.Status.BUSY, "busy"),
-        wire.Ready(1),
-        wire.Abort(1),
-        wire.Release(2, "req-2"),
+        wire.Release(2, "req-2", "ef" * 16),
+        wire.Hold(3, (("req-3", "01" * 16),)),
         wire.ReleaseOk(2, True),
     )
 ]

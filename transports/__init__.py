@@ -5,6 +5,8 @@ The orchestrator depends only on the ``Transport`` protocol; ``inproc`` serves t
 """
 
 from ._errors import AuthenticationFailed as AuthenticationFailed
+from ._errors import IncompatiblePeer as IncompatiblePeer
+from ._errors import PeerBusy as PeerBusy
 from ._errors import PeerClosed as PeerClosed
 from ._errors import PeerUnreachable as PeerUnreachable
 from ._errors import ProtocolViolation as ProtocolViolation
@@ -22,6 +24,7 @@ from ._layout import dtype_name as dtype_name
 from ._layout import gather as gather
 from ._layout import scatter as scatter
 from ._layout import whole_run_view as whole_run_view
+from ._protocol import Landing as Landing
 from ._protocol import Transport as Transport
 from ._store import Checkout as Checkout
 from ._store import KVStore as KVStore
@@ -30,12 +33,15 @@ from ._store import KVStoreStatistics as KVStoreStatistics
 __all__ = [
     "AuthenticationFailed",
     "Checkout",
+    "IncompatiblePeer",
     "InvalidRequestId",
     "MAX_REQUEST_ID_LEN",
     "KVLayout",
     "KVSlice",
     "KVStore",
     "KVStoreStatistics",
+    "Landing",
+    "PeerBusy",
     "PeerClosed",
     "PeerUnreachable",
     "ProtocolViolation",

@@ -5,10 +5,12 @@ Handshake, before any other message is served on an endpoint::
     CTX (server)                                GEN (client)
     AUTH_CHALLENGE(ns, auth_required) ->
                                              <- AUTH_RESPONSE(nc, client_mac(secret, ns, nc))
-    checks client_mac; AUTH_OK(server_mac(secret, ns, nc)) ->  (or AUTH_FAIL, then closes)
+    checks client_mac; AUTH_OK(server_mac(secret, ns, nc, info), info) ->  (or AUTH_FAIL, then closes)
                                                 checks server_mac (the server knows it too)
 
-Both MACs cover both nonces and a role label, so neither can be replayed as the other. The secret
+Both MACs cover both nonces and a role label, so neither can be replayed as the other; the
+server's also covers what it tells about itself (its KV layout and limits), so that cannot be
+altered on the way. The secret
 comes from the environment (``KVO_SHARED_SECRET``) or a file, never from a command line.
 """
 
@@ -55,8 +57,8 @@ def client_mac(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes
     return hmac.new(secret, _CLIENT_LABEL + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-def server_mac(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(secret, _SERVER_LABEL + server_nonce + client_nonce, hashlib.sha256).digest()
+def server_mac(secret: bytes, server_nonce: bytes, client_nonce: bytes, info: bytes = b"") -> bytes:
+    return hmac.new(secret, _SERVER_LABEL + server_nonce + client_nonce + info, hashlib.sha256).digest()
 
 
 def verify(expected: bytes, got: bytes) -> bool:

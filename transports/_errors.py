@@ -30,3 +30,11 @@ class ProtocolViolation(TransportError):
 
 class AuthenticationFailed(TransportError):
     """The peer did not prove it holds the shared secret (or we could not)."""
+
+
+class PeerBusy(TransportError):
+    """The peer refused for now (too many pulls in flight, or this request is being sent): retry."""
+
+
+class IncompatiblePeer(ProtocolViolation):
+    """The peer serves KV of another layout (model, block size, dtype or heads) than this node's."""

@@ -2,22 +2,79 @@
 
 GEN side life cycle, per peer::
 
-    connect(peer) -> pull(peer, request_id, slice, into) ... -> release(peer, request_id) -> aclose()
+    connect(peer) -> pull(peer, request_id, slice, into, handle=...) ... -> release(peer, request_id)
+                  -> hold(peer, [(request_id, handle), ...])  (renew leases of requests still waiting)
+                  -> aclose()
 
 ``pull`` fills ``into`` (a contiguous tensor of ``layout.wire_shape(num_blocks, slice)``, CPU or
 CUDA) with the request's KV slice in wire form and returns the bytes moved. It raises a
-``TransportError`` subclass on failure; it is cancel-safe (a cancelled pull leaves the endpoint usable
-or closes it, never half-delivers into a later pull's buffer). ``release`` tells the peer it may free
-its copy (after an abort); the peer also frees on a successful pull and when the lease expires.
+``TransportError`` subclass on failure (``PeerBusy``: refused for now, worth a retry). It is
+cancel-safe and returns promptly when cancelled, but a receive already posted into ``into`` may not
+be withdrawable: the transport then keeps ``landing`` busy until the network layer reports that
+receive ended (completed, failed or cancelled by closing the endpoint), and the caller must not
+reuse ``into``'s memory before ``landing`` is idle. ``release`` tells the peer it may free its copy;
+the peer also frees on a successful pull and when its lease expires.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from ._layout import KVSlice
+
+
+class Landing:
+    """Whether a transport may still write into a pull's destination.
+
+    The transport calls ``begin()`` before it posts a receive into the destination and ``end()`` once
+    the network layer reports that receive over (any outcome), both on the event-loop thread.
+    ``busy`` may be read from any thread; ``when_idle(fn)`` runs ``fn`` at once when idle, else on
+    the ``end()`` that makes it idle.
+    """
+
+    __slots__ = ("_pending", "_idle", "_callbacks", "_lock")
+
+    def __init__(self) -> None:
+        self._pending = 0
+        self._idle = threading.Event()
+        self._idle.set()
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    def begin(self) -> None:
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+
+    def end(self) -> None:
+        with self._lock:
+            if self._pending <= 0:
+                raise RuntimeError("Landing.end() without begin()")
+            self._pending -= 1
+            if self._pending:
+                return
+            self._idle.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def when_idle(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if self._pending:
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def __repr__(self) -> str:
+        return f"<Landing {'busy' if self.busy else 'idle'}>"
 
 
 @runtime_checkable
@@ -28,15 +85,27 @@ class Transport(Protocol):
         """Make sure an endpoint to ``peer`` exists (reused by later pulls)."""
 
     async def pull(
-        self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *, release: bool = True
+        self,
+        peer: str,
+        request_id: str,
+        kv_slice: KVSlice,
+        into: torch.Tensor,
+        *,
+        handle: str | None = None,
+        release: bool = True,
+        landing: Landing | None = None,
     ) -> int:
         """Pull ``request_id``'s KV ``kv_slice`` from ``peer`` into ``into``; returns bytes moved.
 
-        With ``release`` the peer frees its copy once this pull succeeded; a request pulled in
-        several chunks passes ``release=False`` for every chunk but the last."""
+        ``handle`` is the one the peer issued with the prefill. With ``release`` the peer frees its
+        copy once this pull succeeded; a request pulled in several chunks passes ``release=False``
+        for every chunk but the last. ``landing`` tracks receives posted into ``into``."""
 
-    async def release(self, peer: str, request_id: str) -> None:
-        """Tell ``peer`` that its KV for ``request_id`` will not be pulled (best effort)."""
+    async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
+        """Tell ``peer`` that its KV for ``request_id`` will not be pulled (best effort, never raises)."""
+
+    async def hold(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
+        """Ask ``peer`` to renew the leases of these (request id, handle) pairs (best effort)."""
 
     async def aclose(self) -> None:
         """Close every endpoint."""

@@ -144,7 +144,7 @@ class KVStore:
             held.pins += 1
         try:
             view = whole_run_view(self.pool, held.block_ids, kv_slice)
-            tensor = view if view is not None else gather(self.pool, held.block_ids, kv_slice)
+            tensor = view if view is not None else self.gather(request_id, kv_slice, handle=handle)
         except BaseException:
             self._unpin(held)
             raise

@@ -1,16 +1,31 @@
 """The CTX side of the UCX data plane: ``UCXKVServer`` serves a ``KVStore``'s KV to GEN nodes.
 
-Per endpoint: mutual HMAC handshake first (nothing is served before it succeeds), then a reader
-loop takes GEN's control frames (PULL, READY/ABORT, RELEASE) and serves each PULL in its own
-task: validate against the limits and the layout, check the entry out of the store (pinned, so a
-RELEASE or the lease cannot free it mid-send; zero-copy when its blocks form one run), reply
-PULL_OK, wait for READY, send the KV on the pull's data tag, release the entry if asked.
-Imported as ``transports.ucx.UCXKVServer``; the protocol is described in ``transports.ucx``.
+Per endpoint: at most ``max_unauthenticated`` endpoints may be in their handshake at once (more
+are closed at once); the mutual HMAC handshake comes first (nothing is served before it succeeds)
+and tells GEN this node's KV layout, head range, pull limit and lease. Then a reader loop takes
+GEN's control frames:
+
+    PULL     served in its own task: validate against the limits, the layout and the handle,
+             check the entry out of the store (pinned, so a RELEASE or the lease cannot free it
+             mid-send; zero-copy when its blocks form one run; the lease is renewed), send PULL_OK
+             on the reply tag and the KV on the data tag at once, release the entry if asked.
+             A refusal (unknown request, wrong handle, bad slice or shape, busy, malformed) is a
+             PULL_ERR on the reply tag and an empty message on the data tag, so GEN's posted
+             receives always end.
+    RELEASE  frees the entry if the handle matches; RELEASE_OK says whether it was held.
+    HOLD     renews the leases of the listed requests (no reply).
+
+A malformed frame fails the one request it names (or is dropped when it names none); it never ends
+the endpoint that other requests share. Imported as ``transports.ucx.UCXKVServer``; the wire
+protocol is described in ``transports.wire``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import socket
+import struct
 from typing import Any
 
 import anyio
@@ -26,6 +41,8 @@ from .ucx import CONTROL_TAG, UCXConfig, _INLINE_GATHER_BYTES, _ucx_acquire, _uc
 
 log = structlog.get_logger("transports.ucx")
 
+_EMPTY = bytearray(0)
+
 
 @dataclasses.dataclass(frozen=True)
 class UCXKVServerStatistics:
@@ -34,38 +51,78 @@ class UCXKVServerStatistics:
     pulls_refused: int
     bytes_sent: int
     auth_failures: int
+    malformed_frames: int
 
 
-class _Go:
-    """The GEN's answer to a PULL_OK: READY (True) or ABORT (False)."""
+def remote_address(ep: Any) -> str | None:
+    """``host:port`` of the peer of a ucxx endpoint (UCP's ``ucp_ep_query``), or None if unknown."""
+    try:
+        lib = _libucp()
+        buf = ctypes.create_string_buffer(1024)  # ucp_ep_attr_t, with room to spare
+        struct.pack_into("=Q", buf, 0, 1 << 2)  # field_mask = UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR
+        if lib.ucp_ep_query(ctypes.c_void_p(ep.ucp_endpoint), buf) != 0:
+            return None
+        raw = buf.raw[8 + 32 + 128 : 8 + 32 + 256]  # after field_mask, name[32], local_sockaddr
+        family = struct.unpack_from("=H", raw, 0)[0]
+        port = struct.unpack_from("!H", raw, 2)[0]
+        if family == socket.AF_INET:
+            return f"{socket.inet_ntop(socket.AF_INET, raw[4:8])}:{port}"
+        if family == socket.AF_INET6:
+            return f"[{socket.inet_ntop(socket.AF_INET6, raw[8:24])}]:{port}"
+    except Exception:
+        return None
+    return None
 
-    def __init__(self) -> None:
-        self.event = anyio.Event()
-        self.ready = False
+
+_LIBUCP: Any = None
+
+
+def _libucp() -> Any:
+    global _LIBUCP
+    if _LIBUCP is None:
+        lib = ctypes.CDLL("libucp.so.0", mode=ctypes.RTLD_GLOBAL | getattr(ctypes, "RTLD_NOLOAD", 0))
+        lib.ucp_ep_query.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.ucp_ep_query.restype = ctypes.c_int
+        _LIBUCP = lib
+    return _LIBUCP
 
 
 class UCXKVServer:
-    """CTX side: serves PULL/RELEASE from a ``KVStore`` on ``port`` (0 picks a free one, see ``.port``).
+    """CTX side: serves PULL/RELEASE/HOLD from a ``KVStore`` on ``port`` (0 picks a free one, see
+    ``.port``). ``lease_s`` is the lease a PULL or HOLD renews (and that GEN is told).
+    ``head_start``/``total_kv_heads`` place this node's KV heads in the model (tensor parallelism).
 
     Use as ``async with UCXKVServer(store, config) as server: ...``; the listener accepts on all
     interfaces (ucxx listeners do not bind to one address).
     """
 
-    def __init__(self, store: KVStore, config: UCXConfig, *, port: int = 0) -> None:
+    def __init__(
+        self, store: KVStore, config: UCXConfig, *, port: int = 0, lease_s: float = 30.0,
+        head_start: int = 0, total_kv_heads: int | None = None,
+    ) -> None:
         self.store = store
         self.config = config
         apply_ucx_defaults(dict(config.ucx_env))
         config._warn_if_insecure("ctx")
         self._requested_port = port
+        self._lease_s = lease_s
         self._listener: Any = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._busy: set[str] = set()
         self._eps: set[Any] = set()
-        self._served = self._refused = self._bytes = self._auth_failures = 0
-        limits = config.limits
+        self._handshaking = 0
+        self._served = self._refused = self._bytes = self._auth_failures = self._malformed = 0
+        self._since = (0, 0, 0)  # served, refused, bytes at the last summary
         layout = store.layout
+        limits = config.limits
         self._limits = dataclasses.replace(
             limits, max_layers=min(limits.max_layers, layout.num_layers), max_heads=min(limits.max_heads, layout.num_kv_heads)
+        )
+        total = total_kv_heads if total_kv_heads is not None else layout.num_kv_heads
+        self.info = wire.PeerInfo(
+            num_layers=layout.num_layers, total_kv_heads=total, head_start=head_start,
+            head_end=head_start + layout.num_kv_heads, head_dim=layout.head_dim, block_size=layout.block_size,
+            dtype=dtype_name(layout.dtype), max_pulls=config.max_pulls_per_endpoint, lease_ms=int(lease_s * 1e3),
         )
 
     @property
@@ -75,7 +132,8 @@ class UCXKVServer:
         return int(self._listener.port)
 
     def statistics(self) -> UCXKVServerStatistics:
-        return UCXKVServerStatistics(len(self._eps), self._served, self._refused, self._bytes, self._auth_failures)
+        return UCXKVServerStatistics(len(self._eps), self._served, self._refused, self._bytes, self._auth_failures,
+                                     self._malformed)
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -90,6 +148,7 @@ class UCXKVServer:
             await self._tg.__aenter__()
             self._listener = ucxx.create_listener(self._on_connect, port=self._requested_port, endpoint_error_handling=True)
             self._tg.start_soon(self._expire_loop)
+            self._tg.start_soon(self._summary_loop)
         except BaseException:
             _ucx_release()
             raise
@@ -115,7 +174,7 @@ class UCXKVServer:
         await anyio.sleep_forever()
 
     async def _before_send(self, msg: wire.Pull) -> None:
-        """Test seam: runs after READY, before the KV is sent."""
+        """Test seam: runs after the PULL was accepted, before the KV is sent."""
 
     async def _expire_loop(self) -> None:
         while True:
@@ -123,59 +182,83 @@ class UCXKVServer:
             for request_id in self.store.expire():
                 log.info("kv_lease_expired", request_id=request_id)
 
+    async def _summary_loop(self) -> None:
+        """One info line per period instead of one per pull (which was most of a CTX's log)."""
+        while True:
+            await anyio.sleep(self.config.summary_interval_s)
+            now = (self._served, self._refused, self._bytes)
+            if now != self._since:
+                log.info("kv_pulls_summary", served=now[0] - self._since[0], refused=now[1] - self._since[1],
+                         bytes=now[2] - self._since[2], connections=len(self._eps),
+                         held_requests=self.store.statistics().held_requests, period_s=self.config.summary_interval_s)
+                self._since = now
+
     async def _on_connect(self, ep: Any) -> None:
         if self._tg is None:
             ep.abort()
             return
+        if self._handshaking >= self.config.max_unauthenticated:
+            log.warning("ucx_connection_refused", peer=remote_address(ep), reason="too many unauthenticated connections",
+                        limit=self.config.max_unauthenticated)
+            ep.abort()
+            return
+        self._handshaking += 1
         self._tg.start_soon(self._serve_endpoint, ep)
 
     async def _send(self, ep: Any, msg: wire.Message, tag: int) -> None:
         await ep.send(wire.encode_frame(msg), tag=tag)
 
-    async def _recv(self, ep: Any) -> wire.Message:
+    async def _recv(self, ep: Any) -> bytearray:
         frame = bytearray(wire.FRAME_BYTES)
         await ep.recv(frame, tag=CONTROL_TAG)
-        return wire.decode_frame(frame, self._limits)
+        return frame
 
-    async def _handshake(self, ep: Any) -> bool:
+    async def _handshake(self, ep: Any, peer: str | None) -> bool:
         secret = self.config.secret
         nonce = _auth.new_nonce()
         await self._send(ep, wire.AuthChallenge(nonce, secret is not None), CONTROL_TAG)
         with anyio.fail_after(self.config.handshake_timeout_s):
-            msg = await self._recv(ep)
+            msg = wire.decode_frame(await self._recv(ep), self._limits)
         if not isinstance(msg, wire.AuthResponse):
             reason = f"expected AUTH_RESPONSE, got {type(msg).__name__}"
         elif secret is not None and not _auth.verify(_auth.client_mac(secret, nonce, msg.nonce), msg.mac):
             reason = "bad credentials"
         else:
-            mac = _auth.server_mac(secret, nonce, msg.nonce) if secret is not None else bytes(wire.MAC_BYTES)
-            await self._send(ep, wire.AuthOk(mac), CONTROL_TAG)
+            info = self.info
+            mac = _auth.server_mac(secret, nonce, msg.nonce, wire.info_bytes(info)) if secret is not None else bytes(wire.MAC_BYTES)
+            await self._send(ep, wire.AuthOk(mac, info), CONTROL_TAG)
             return True
         self._auth_failures += 1
-        log.warning("ucx_auth_failed", reason=reason)
+        log.warning("ucx_auth_failed", peer=peer, reason=reason)
         with anyio.move_on_after(1):
             await self._send(ep, wire.AuthFail(wire.Status.AUTH_FAILED, reason), CONTROL_TAG)
         return False
 
     async def _serve_endpoint(self, ep: Any) -> None:
         self._eps.add(ep)
-        transfers: dict[int, _Go] = {}
+        peer = remote_address(ep)
+        in_flight: set[int] = set()
         try:
             try:
-                if not await self._handshake(ep):
-                    return
+                authenticated = await self._handshake(ep, peer)
             except TimeoutError:
-                log.warning("ucx_handshake_timeout")
+                log.warning("ucx_handshake_timeout", peer=peer)
+                return
+            except ProtocolViolation as exc:
+                self._auth_failures += 1
+                log.warning("ucx_auth_failed", peer=peer, reason=str(exc))
+                return
+            finally:
+                self._handshaking -= 1
+            if not authenticated:
                 return
             async with anyio.create_task_group() as tg:
                 try:
-                    await self._read_loop(ep, tg, transfers)
+                    await self._read_loop(ep, peer, tg, in_flight)
                 finally:
                     tg.cancel_scope.cancel()
-        except ProtocolViolation as exc:
-            log.warning("ucx_protocol_violation", reason=str(exc))
         except Exception as exc:  # ucxx: the peer went away
-            log.info("ucx_peer_gone", reason=f"{type(exc).__name__}: {exc}")
+            log.info("ucx_peer_gone", peer=peer, reason=f"{type(exc).__name__}: {exc}")
         finally:
             self._eps.discard(ep)
             try:
@@ -183,104 +266,120 @@ class UCXKVServer:
             except Exception:
                 pass
 
-    async def _read_loop(self, ep: Any, tg: anyio.abc.TaskGroup, transfers: dict[int, _Go]) -> None:
-        try:
-            while True:
-                msg = await self._recv(ep)
-                if isinstance(msg, wire.Pull):
-                    if msg.txid in transfers or msg.tag != 2 * msg.txid + 1:
-                        raise ProtocolViolation(f"PULL {msg.txid}: reused txid or foreign tag {msg.tag}")
-                    transfers[msg.txid] = _Go()
-                    if len(transfers) > self.config.max_pulls_per_endpoint:
-                        tg.start_soon(self._refuse, ep, msg, wire.Status.BUSY, "too many pulls in flight", transfers)
-                        continue
-                    tg.start_soon(self._serve_pull, ep, msg, transfers)
-                elif isinstance(msg, (wire.Ready, wire.Abort)):
-                    go = transfers.get(msg.txid)
-                    if go is not None:
-                        go.ready = isinstance(msg, wire.Ready)
-                        go.event.set()
-                elif isinstance(msg, wire.Release):
-                    released = self.store.release(msg.request_id)
-                    log.info("kv_released", request_id=msg.request_id, held=released)
-                    tg.start_soon(self._send_quietly, ep, wire.ReleaseOk(msg.txid, released), 2 * msg.txid)
-                else:
-                    raise ProtocolViolation(f"unexpected {type(msg).__name__} from a client")
-        except ProtocolViolation as exc:
-            log.warning("ucx_protocol_violation", reason=str(exc))
-        except Exception as exc:  # ucxx: the peer went away
-            log.info("ucx_peer_gone", reason=f"{type(exc).__name__}: {exc}")
+    async def _read_loop(self, ep: Any, peer: str | None, tg: anyio.abc.TaskGroup, in_flight: set[int]) -> None:
+        while True:
+            frame = await self._recv(ep)  # a ucxx error (peer gone) ends the endpoint
+            try:
+                msg = wire.decode_frame(frame, self._limits)
+            except ProtocolViolation as exc:
+                self._malformed += 1
+                self._answer_malformed(ep, peer, tg, exc)
+                continue
+            if isinstance(msg, wire.Pull):
+                if msg.tag != 2 * msg.txid + 1 or msg.txid in in_flight:
+                    self._malformed += 1
+                    log.warning("ucx_protocol_violation", peer=peer, reason=f"PULL {msg.txid}: reused txid or foreign tag")
+                    tg.start_soon(self._refuse, ep, msg.txid, msg.request_id, wire.Status.BAD_REQUEST, "reused txid or foreign tag")
+                    continue
+                if len(in_flight) >= self.config.max_pulls_per_endpoint:
+                    tg.start_soon(self._refuse, ep, msg.txid, msg.request_id, wire.Status.BUSY, "too many pulls in flight")
+                    continue
+                in_flight.add(msg.txid)
+                tg.start_soon(self._serve_pull, ep, peer, msg, in_flight)
+            elif isinstance(msg, wire.Release):
+                released = self.store.release(msg.request_id, handle=msg.handle)
+                log.debug("kv_released", request_id=msg.request_id, held=released)
+                tg.start_soon(self._send_quietly, ep, wire.ReleaseOk(msg.txid, released), 2 * msg.txid)
+            elif isinstance(msg, wire.Hold):
+                for rid, handle in msg.items:
+                    self.store.touch(rid, self._lease_s, handle=handle)
+            else:
+                self._malformed += 1
+                log.warning("ucx_protocol_violation", peer=peer, reason=f"unexpected {type(msg).__name__} from a client")
 
-    async def _send_quietly(self, ep: Any, msg: wire.Message, tag: int) -> None:
+    def _answer_malformed(self, ep: Any, peer: str | None, tg: anyio.abc.TaskGroup, exc: ProtocolViolation) -> None:
+        """Fail the one request a malformed frame names; drop a frame that names none."""
+        kind, txid = getattr(exc, "kind", None), getattr(exc, "txid", None)
+        log.warning("ucx_protocol_violation", peer=peer, message=kind.name if kind else None, txid=txid, reason=str(exc))
+        if txid is None:
+            return
+        if kind is wire.MsgType.PULL:
+            tg.start_soon(self._refuse, ep, txid, None, wire.Status.BAD_REQUEST, str(exc))
+        elif kind is wire.MsgType.RELEASE:
+            tg.start_soon(self._send_quietly, ep, wire.ReleaseOk(txid, False), 2 * txid)
+
+    async def _send_quietly(self, ep: Any, msg: wire.Message | bytearray, tag: int) -> None:
         try:
-            await self._send(ep, msg, tag)
+            if isinstance(msg, bytearray):
+                await ep.send(msg, tag=tag)
+            else:
+                await self._send(ep, msg, tag)
         except Exception as exc:
             log.info("ucx_send_failed", reason=f"{type(exc).__name__}: {exc}")
 
-    async def _serve_pull(self, ep: Any, msg: wire.Pull, transfers: dict[int, _Go]) -> None:
+    async def _refuse(self, ep: Any, txid: int, request_id: str | None, status: wire.Status, reason: str) -> None:
+        """PULL_ERR on the reply tag, then an empty message on the data tag: GEN's receives both end."""
+        self._refused += 1
+        log.debug("kv_pull_refused", request_id=request_id, reason=status.name)
+        await self._send_quietly(ep, wire.PullErr(txid, status, reason[:120]), 2 * txid)
+        await self._send_quietly(ep, _EMPTY, 2 * txid + 1)
+
+    async def _serve_pull(self, ep: Any, peer: str | None, msg: wire.Pull, in_flight: set[int]) -> None:
         rid = msg.request_id
-        if rid in self._busy:
-            await self._refuse(ep, msg, wire.Status.BUSY, "a pull of this request is already in flight", transfers)
-            return
-        self._busy.add(rid)
         try:
-            await self._serve_pull_locked(ep, msg, transfers)
+            if rid in self._busy:
+                await self._refuse(ep, msg.txid, rid, wire.Status.BUSY, "a pull of this request is already in flight")
+                return
+            self._busy.add(rid)
+            try:
+                await self._serve_pull_locked(ep, msg)
+            finally:
+                self._busy.discard(rid)
         except Exception as exc:  # ucxx: the endpoint broke mid-pull; the reader sees it too
-            log.info("kv_pull_failed", request_id=rid, reason=f"{type(exc).__name__}: {exc}")
+            log.info("kv_pull_failed", peer=peer, request_id=rid, reason=f"{type(exc).__name__}: {exc}")
             try:
                 ep.abort(period=10**8)
             except Exception:
                 pass
         finally:
-            self._busy.discard(rid)
-            transfers.pop(msg.txid, None)
+            in_flight.discard(msg.txid)
 
-    async def _refuse(self, ep: Any, msg: wire.Pull, status: wire.Status, reason: str, transfers: dict[int, _Go]) -> None:
-        self._refused += 1
-        transfers.pop(msg.txid, None)
-        log.info("kv_pull_refused", request_id=msg.request_id, reason=status.name)
-        await self._send_quietly(ep, wire.PullErr(msg.txid, status, reason), 2 * msg.txid)
-
-    async def _serve_pull_locked(self, ep: Any, msg: wire.Pull, transfers: dict[int, _Go]) -> None:
+    async def _serve_pull_locked(self, ep: Any, msg: wire.Pull) -> None:
         layout = self.store.layout
         try:
-            num_blocks = self.store.num_blocks(msg.request_id)
+            num_blocks = self.store.num_blocks(msg.request_id, handle=msg.handle)
         except UnknownRequest:
-            await self._refuse(ep, msg, wire.Status.UNKNOWN_REQUEST, "no KV held for this request", transfers)
+            await self._refuse(ep, msg.txid, msg.request_id, wire.Status.UNKNOWN_REQUEST, "no KV held for this request")
             return
         try:
             layout.check_slice(msg.kv_slice)
         except ValueError as exc:
-            await self._refuse(ep, msg, wire.Status.BAD_REQUEST, str(exc), transfers)
+            await self._refuse(ep, msg.txid, msg.request_id, wire.Status.BAD_REQUEST, str(exc))
             return
         want = (dtype_name(layout.dtype), layout.wire_shape(num_blocks, msg.kv_slice))
         if (msg.dtype, msg.shape) != want:
             reason = f"have {want[0]}{list(want[1])}, asked {msg.dtype}{list(msg.shape)}"
-            await self._refuse(ep, msg, wire.Status.SHAPE_MISMATCH, reason, transfers)
+            await self._refuse(ep, msg.txid, msg.request_id, wire.Status.SHAPE_MISMATCH, reason)
             return
+        self.store.touch(msg.request_id, self._lease_s, handle=msg.handle)  # a started pull renews the lease
         try:  # pinned: neither a RELEASE nor the lease can free the blocks while they are sent
             if msg.nbytes <= _INLINE_GATHER_BYTES:  # cheaper than a hop to a worker thread
-                checkout = self.store.checkout(msg.request_id, msg.kv_slice)
+                checkout = self.store.checkout(msg.request_id, msg.kv_slice, handle=msg.handle)
             else:
-                checkout = await anyio.to_thread.run_sync(self.store.checkout, msg.request_id, msg.kv_slice)
+                checkout = await anyio.to_thread.run_sync(
+                    lambda: self.store.checkout(msg.request_id, msg.kv_slice, handle=msg.handle))
         except UnknownRequest:
-            await self._refuse(ep, msg, wire.Status.UNKNOWN_REQUEST, "released while preparing", transfers)
+            await self._refuse(ep, msg.txid, msg.request_id, wire.Status.UNKNOWN_REQUEST, "released while preparing")
             return
         with checkout:
-            await self._send_checked_out(ep, msg, transfers, checkout.tensor)
+            await self._send_checked_out(ep, msg, checkout.tensor)
 
-    async def _send_checked_out(self, ep: Any, msg: wire.Pull, transfers: dict[int, _Go], staged: torch.Tensor) -> None:
-        await self._send(ep, wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes), 2 * msg.txid)
-        go = transfers[msg.txid]
-        with anyio.move_on_after(self.config.ready_timeout_s):
-            await go.event.wait()
-        if not go.ready:
-            log.info("kv_pull_aborted", request_id=msg.request_id, reason="abort" if go.event.is_set() else "ready_timeout")
-            return
+    async def _send_checked_out(self, ep: Any, msg: wire.Pull, staged: torch.Tensor) -> None:
         await self._before_send(msg)
+        await self._send(ep, wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes), 2 * msg.txid)
         await ep.send(_ucx_buffer(staged), tag=msg.tag)
         self._served += 1
         self._bytes += msg.nbytes
         if msg.release:
-            self.store.release(msg.request_id)
-        log.info("kv_pull_served", request_id=msg.request_id, bytes=msg.nbytes, released=msg.release)
+            self.store.release(msg.request_id, handle=msg.handle)
+        log.debug("kv_pull_served", request_id=msg.request_id, bytes=msg.nbytes, released=msg.release)

@@ -5,9 +5,13 @@ waiting (an anyio sleep, so the CPU stays free), and faults can be injected per 
 
     transport.fail(request_id, PeerClosed("boom"))   # the next pull of it raises that
     transport.stall(request_id)                       # its pull never completes (until cancelled)
+    transport.stall_landing(request_id)               # ... and its posted receive outlives the
+                                                      # cancellation until finish_landing(request_id)
+    transport.busy(request_id, times)                 # its next ``times`` pulls raise PeerBusy
     transport.set_peer_down(peer, True)               # connect and pull to it raise PeerUnreachable
 
-Counters (``pulls``, ``bytes_moved``, ``releases``, ``in_flight``) let tests check what moved.
+Counters (``pulls``, ``bytes_moved``, ``releases``, ``holds``, ``in_flight``) let tests check what
+moved. Handles are checked as a CTX node checks them (a wrong handle is an unknown request).
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import dataclasses
 import anyio
 import torch
 
-from ._errors import PeerUnreachable, ProtocolViolation, TransportError, UnknownRequest
+from collections.abc import Sequence
+
+from ._errors import PeerBusy, PeerUnreachable, ProtocolViolation, TransportError, UnknownRequest
 from ._layout import KVSlice
+from ._protocol import Landing
 from ._store import KVStore
 
 
@@ -28,6 +35,7 @@ class InProcCounters:
     pulls: int = 0
     bytes_moved: int = 0
     releases: int = 0
+    holds: int = 0
     in_flight: int = 0
     peak_in_flight: int = 0
 
@@ -49,6 +57,9 @@ class InProcTransport:
         self.connect_latency_s = connect_latency_s
         self._failures: dict[str, TransportError] = {}
         self._stalled: set[str] = set()
+        self._stalled_landings: dict[str, Landing | None] = {}
+        self._busy: dict[str, int] = {}
+        self.hold_lease_s = 60.0
         self._down: set[str] = set()
         self._connected: set[str] = set()
         self.counters = InProcCounters()
@@ -59,6 +70,19 @@ class InProcTransport:
 
     def stall(self, request_id: str) -> None:
         self._stalled.add(request_id)
+
+    def stall_landing(self, request_id: str) -> None:
+        self._stalled.add(request_id)
+        self._stalled_landings[request_id] = None
+
+    def finish_landing(self, request_id: str) -> None:
+        """The stalled receive of ``request_id`` ends now (as UCX would report it, late)."""
+        landing = self._stalled_landings.pop(request_id, None)
+        if landing is not None:
+            landing.end()
+
+    def busy(self, request_id: str, times: int) -> None:
+        self._busy[request_id] = times
 
     def set_peer_down(self, peer: str, down: bool) -> None:
         (self._down.add if down else self._down.discard)(peer)
@@ -80,7 +104,15 @@ class InProcTransport:
         await anyio.lowlevel.checkpoint()
 
     async def pull(
-        self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *, release: bool = True
+        self,
+        peer: str,
+        request_id: str,
+        kv_slice: KVSlice,
+        into: torch.Tensor,
+        *,
+        handle: str | None = None,
+        release: bool = True,
+        landing: Landing | None = None,
     ) -> int:
         store = self._store(peer)
         c = self.counters
@@ -89,9 +121,15 @@ class InProcTransport:
         try:
             if request_id in self._failures:
                 raise self._failures.pop(request_id)
+            if self._busy.get(request_id):
+                self._busy[request_id] -= 1
+                raise PeerBusy(f"{peer} is busy", peer=peer)
+            if request_id in self._stalled_landings and landing is not None:
+                landing.begin()  # a receive posted into `into` that cancellation cannot withdraw
+                self._stalled_landings[request_id] = landing
             if request_id in self._stalled:
                 await anyio.sleep_forever()
-            data = store.gather(request_id, kv_slice)
+            data = store.gather(request_id, kv_slice, handle=handle)
             if tuple(data.shape) != tuple(into.shape) or data.dtype != into.dtype:
                 raise ProtocolViolation(
                     f"{request_id}: peer has {tuple(data.shape)} {data.dtype}, receiver expects "
@@ -105,15 +143,28 @@ class InProcTransport:
             c.pulls += 1
             c.bytes_moved += nbytes
             if release:
-                store.release(request_id)
+                store.release(request_id, handle=handle)
             return nbytes
         finally:
             c.in_flight -= 1
 
-    async def release(self, peer: str, request_id: str) -> None:
-        store = self._store(peer)
+    async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
+        try:
+            store = self._store(peer)
+        except PeerUnreachable:
+            return
         self.counters.releases += 1
-        store.release(request_id)
+        store.release(request_id, handle=handle)
+        await anyio.lowlevel.checkpoint()
+
+    async def hold(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
+        try:
+            store = self._store(peer)
+        except PeerUnreachable:
+            return
+        self.counters.holds += 1
+        for request_id, handle in items:
+            store.touch(request_id, self.hold_lease_s, handle=handle)
         await anyio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:

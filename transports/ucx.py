@@ -4,19 +4,26 @@ One endpoint per peer, reused by every pull; control messages are ``wire`` frame
 one tagged message straight into the caller's ``into`` tensor (CPU or CUDA). Tags, per endpoint
 (ucxx hashes them with the endpoint's own tag, so endpoints never see each other's messages)::
 
-    GEN -> CTX   tag 0          every control frame (AUTH_RESPONSE, PULL, READY, ABORT, RELEASE)
+    GEN -> CTX   tag 0          every control frame (AUTH_RESPONSE, PULL, RELEASE, HOLD)
     CTX -> GEN   tag 0          handshake frames (AUTH_CHALLENGE, AUTH_OK, AUTH_FAIL)
     CTX -> GEN   tag 2*txid     the reply to the GEN request ``txid`` (PULL_OK/PULL_ERR/RELEASE_OK)
-    CTX -> GEN   tag 2*txid+1   the KV of pull ``txid`` (proposed in PULL, echoed in PULL_OK)
+    CTX -> GEN   tag 2*txid+1   the KV of pull ``txid`` (an empty message when the pull is refused)
+
+A pull is one message before the data: GEN posts the receives of the reply and of the KV, then
+sends PULL; CTX answers with the reply and the KV at once (``wire`` draws it).
 
 Life cycle of a GEN endpoint::
 
-    connect: create_endpoint -> handshake (mutual HMAC) -> usable
-    usable  --ucxx error / peer killed / bad reply--> failed: the pulls on it fail with PeerClosed
-            and it is dropped, so the next connect to that address makes a new one
-    a pull cancelled before READY sends ABORT (endpoint stays usable); a pull cancelled after
-    READY (its receive into ``into`` is posted and cannot be withdrawn) waits up to
-    ``cancel_grace_s`` for the transfer to end, and fails the endpoint only if it does not.
+    connect (one attempt per peer at a time, shared by every pull waiting for it):
+        TCP probe (a refused port fails at once) -> create_endpoint -> handshake (mutual HMAC,
+        the CTX's KV layout checked once) -> usable, at most ``max_pulls`` pulls in flight on it
+        a failed connect marks the peer down for ``dead_peer_backoff_s``: pulls to it fail at once
+    usable  --ucxx error / close callback / bad reply--> failed: its pulls fail with PeerClosed, it
+            is dropped; a pull that fails on a reused endpoint before any KV moved (a CTX that
+            restarted while idle) reconnects once
+    a cancelled pull returns at once; its posted receive into ``into`` cannot be withdrawn, so its
+    ``Landing`` stays busy until UCX ends it: the CTX answers every PULL, and a receive still busy
+    ``cancel_grace_s`` later costs the endpoint (closing it cancels the receive).
 
 ucxx reads its settings from the environment when its context is created, so ``apply_ucx_defaults``
 (called by both constructors) sets measured defaults with ``os.environ.setdefault``; a user's
@@ -31,6 +38,8 @@ import itertools
 import math
 import os
 import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -40,13 +49,17 @@ import torch
 from . import _auth, wire
 from ._errors import (
     AuthenticationFailed,
+    IncompatiblePeer,
+    PeerBusy,
     PeerClosed,
     PeerUnreachable,
     ProtocolViolation,
     TransportError,
     UnknownRequest,
 )
-from ._layout import KVSlice, dtype_name
+from ._ids import InvalidRequestId, check_handle, check_request_id
+from ._layout import KVLayout, KVSlice, dtype_name
+from ._protocol import Landing
 
 log = structlog.get_logger("transports.ucx")
 
@@ -115,11 +128,14 @@ class UCXConfig:
     allow_insecure: bool = False
     connect_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
-    ready_timeout_s: float = 30.0  # CTX: how long a PULL_OK waits for READY/ABORT
     release_timeout_s: float = 2.0
-    cancel_grace_s: float = 2.0  # GEN: a pull cancelled mid-transfer waits this long for it to end
+    cancel_grace_s: float = 2.0  # GEN: a cancelled pull's receive may stay posted this long before the endpoint goes
+    dead_peer_backoff_s: float = 1.0  # GEN: after a failed connect, pulls to that peer fail at once this long
+    max_peers: int = 256  # GEN: distinct CTX peers with an endpoint (or a connect) at once
     expire_interval_s: float = 1.0  # CTX: lease expiry period
-    max_pulls_per_endpoint: int = 256  # CTX: more in flight on one endpoint are refused (BUSY)
+    max_pulls_per_endpoint: int = 256  # CTX: pulls served at once on one endpoint (told to GEN, which keeps below)
+    max_unauthenticated: int = 64  # CTX: endpoints still in their handshake; more are closed at once
+    summary_interval_s: float = 60.0  # CTX: period of the kv_pulls_summary log line
     limits: wire.WireLimits = dataclasses.field(default_factory=wire.WireLimits)
     ucx_env: tuple[tuple[str, str], ...] = ()  # extra UCX defaults, e.g. (("UCX_TLS", "tcp"),)
 
@@ -163,6 +179,21 @@ def _consume(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+def _again(exc: TransportError, peer: str) -> TransportError:
+    """A fresh copy of a shared failure (one connect attempt fails every pull that waited for it)."""
+    copy = type(exc)(str(exc), peer=peer)
+    copy.__cause__ = exc
+    return copy
+
+
+class _NothingMoved(Exception):
+    """Internal: the endpoint failed before any of this pull's KV could have moved."""
+
+    def __init__(self, error: TransportError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Endpoint:
     """One authenticated ucxx endpoint to a CTX peer, and the failure that ended it (if any)."""
 
@@ -171,7 +202,21 @@ class _Endpoint:
         self.ep = ep
         self.limits = limits
         self.error: TransportError | None = None
-        self._orphans: list[bytearray] = []  # frames of cancelled receives that UCX may still fill
+        self.info: wire.PeerInfo | None = None
+        self.slots: anyio.Semaphore | None = None  # pulls in flight, at most what the CTX serves
+        self.pulls = 0  # pulls started on it (a reused endpoint may have gone stale)
+
+    def watch_close(self) -> None:
+        """Fail this endpoint when UCX reports the peer gone (the callback may run on any thread)."""
+        loop = asyncio.get_running_loop()
+
+        def closed() -> None:
+            try:
+                loop.call_soon_threadsafe(self.fail, PeerClosed(f"{self.peer} closed the connection", peer=self.peer))
+            except RuntimeError:  # the loop is gone
+                pass
+
+        self.ep.set_close_callback(closed)
 
     def _check(self) -> None:
         if self.error is not None:
@@ -192,40 +237,17 @@ class _Endpoint:
         await self._io(self.ep.send(wire.encode_frame(msg), tag=CONTROL_TAG))
 
     async def recv(self, tag: int) -> wire.Message:
-        self._check()
         frame = bytearray(wire.FRAME_BYTES)
-        try:
-            await self._io(self.ep.recv(frame, tag=tag))
-        except _cancelled():
-            self._orphans.append(frame)  # the posted receive cannot be withdrawn; keep its memory
-            raise
+        fut = self.post_recv(frame, tag)
+        await asyncio.shield(fut)  # a cancelled caller leaves it posted: the peer answers every request
         return wire.decode_frame(frame, self.limits)
 
-    async def receive_data(self, ready: wire.Ready, buf: Any, tag: int, grace_s: float) -> None:
-        """Post the receive of the KV into ``buf``, send READY, wait for the KV.
-
-        Once READY may have left, the receive cannot be withdrawn, and with a put-based transport
-        (cma, RDMA) the CTX writes straight into ``buf``. So a cancelled caller waits, shielded,
-        up to ``grace_s`` for the transfer to end (the endpoint stays usable); only a transfer
-        that does not end in time costs the endpoint. ``buf`` is never written after this returns,
-        except by a peer that stalls past ``grace_s`` and then resumes (documented limitation).
-        """
+    def post_recv(self, buf: Any, tag: int) -> asyncio.Future[Any]:
+        """Post a receive now; the returned future ends when UCX ends it (its outcome is always retrieved)."""
         self._check()
-        task = asyncio.ensure_future(self._io(self.ep.recv(buf, tag=tag)))
-        try:
-            await self.send(ready)
-            await asyncio.shield(task)
-        except BaseException as exc:
-            if not task.done():
-                with anyio.CancelScope(shield=True), anyio.move_on_after(grace_s):
-                    await asyncio.wait([task])
-            if not task.done():
-                task.add_done_callback(_consume)
-                self.fail(PeerClosed(f"receive on {self.peer} still busy {grace_s}s after {type(exc).__name__}; "
-                                     "endpoint dropped", peer=self.peer))
-            else:
-                _consume(task)
-            raise
+        fut = asyncio.ensure_future(self._io(self.ep.recv(buf, tag=tag)))
+        fut.add_done_callback(_consume)
+        return fut
 
     def fail(self, err: TransportError) -> None:
         if self.error is None:
@@ -234,6 +256,7 @@ class _Endpoint:
         self.abort()
 
     def abort(self) -> None:
+        """Close the endpoint; UCX cancels every receive still posted on it."""
         ep, self.ep = self.ep, None
         if ep is not None:
             try:
@@ -249,29 +272,42 @@ class UCXTransportStatistics:
     endpoints: int
     pulls_ok: int
     pulls_failed: int
+    pulls_retried: int
     bytes_moved: int
+    peers_down: int
 
 
 class UCXTransport:
-    """GEN side of the data plane (implements ``transports.Transport``)."""
+    """GEN side of the data plane (implements ``transports.Transport``).
+
+    ``layout``: this node's KV layout; a peer whose layout differs (layers, head size, block size,
+    dtype, or a different number of KV heads in the model than ``total_kv_heads``, default
+    ``layout.num_kv_heads``) is refused once at connect with ``IncompatiblePeer``.
+    """
 
     name = "ucx"
 
-    def __init__(self, config: UCXConfig) -> None:
+    def __init__(self, config: UCXConfig, *, layout: KVLayout | None = None, total_kv_heads: int | None = None) -> None:
         self.config = config
+        self.layout = layout
+        self.total_kv_heads = total_kv_heads if total_kv_heads is not None else (layout.num_kv_heads if layout else None)
         apply_ucx_defaults(dict(config.ucx_env))
         config._warn_if_insecure("gen")
         self._ucxx: Any = None
         self._eps: dict[str, _Endpoint] = {}
-        self._locks: dict[str, anyio.Lock] = {}
+        self._connecting: dict[str, asyncio.Future[_Endpoint]] = {}
+        self._down: dict[str, tuple[float, TransportError]] = {}  # peer -> (until, why)
+        self._background: set[asyncio.Future[Any]] = set()
         self._txids = itertools.count(1)
         self._pulls_ok = 0
         self._pulls_failed = 0
+        self._retried = 0
         self._bytes = 0
         self._closed = False
 
     def statistics(self) -> UCXTransportStatistics:
-        return UCXTransportStatistics(len(self._eps), self._pulls_ok, self._pulls_failed, self._bytes)
+        return UCXTransportStatistics(len(self._eps), self._pulls_ok, self._pulls_failed, self._retried, self._bytes,
+                                      len(self._down))
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -284,26 +320,63 @@ class UCXTransport:
         if self._closed:
             raise PeerClosed("transport is closed", peer=peer)
         conn = self._eps.get(peer)
-        if conn is not None and conn.error is None:
-            return conn
-        lock = self._locks.setdefault(peer, anyio.Lock())
-        async with lock:
-            conn = self._eps.get(peer)
-            if conn is not None and conn.error is None:
+        if conn is not None:
+            if conn.error is None:
                 return conn
-            self._eps.pop(peer, None)
-            conn = await self._open(peer)
-            self._eps[peer] = conn
-            return conn
+            del self._eps[peer]
+        down = self._down.get(peer)
+        if down is not None:
+            until, why = down
+            if time.monotonic() < until:
+                raise _again(why, peer)
+            del self._down[peer]
+        attempt = self._connecting.get(peer)
+        if attempt is None:
+            if len(self._eps) + len(self._connecting) >= self.config.max_peers:
+                raise PeerUnreachable(f"too many KV peers: {self.config.max_peers} already connected", peer=peer)
+            attempt = asyncio.ensure_future(self._open(peer))
+            self._connecting[peer] = attempt
+            attempt.add_done_callback(lambda fut: self._connected(peer, fut))
+        try:
+            return await asyncio.shield(attempt)  # one attempt per peer, whoever started it is cancelled
+        except TransportError as exc:
+            raise _again(exc, peer) from exc
+
+    def _connected(self, peer: str, fut: asyncio.Future[_Endpoint]) -> None:
+        self._connecting.pop(peer, None)
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None:
+            if self._closed:
+                fut.result().abort()
+            else:
+                self._eps[peer] = fut.result()
+            return
+        if isinstance(exc, TransportError):
+            now = time.monotonic()
+            self._down = {p: d for p, d in self._down.items() if d[0] > now}  # bounded: expired ones go
+            if len(self._down) < self.config.max_peers:
+                self._down[peer] = (now + self.config.dead_peer_backoff_s, exc)
 
     async def _open(self, peer: str) -> _Endpoint:
         try:
             host, port = parse_peer(peer)
         except ValueError as exc:
             raise PeerUnreachable(str(exc), peer=peer) from None
+        timeout = self.config.connect_timeout_s
+        try:  # a refused port fails here at once (ucxx itself would wait out the whole timeout)
+            with anyio.fail_after(timeout):
+                probe = await anyio.connect_tcp(host, port)
+            await probe.aclose()
+        except TimeoutError as exc:
+            raise PeerUnreachable(f"connect to {peer} timed out after {timeout}s", peer=peer) from exc
+        except OSError as exc:
+            cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc  # anyio wraps the last attempt's error
+            why = os.strerror(cause.errno) if cause.errno else str(cause)  # e.g. "Connection refused"
+            raise PeerUnreachable(f"connect to {peer} failed: {why}", peer=peer) from exc
         if self._ucxx is None:
             self._ucxx = _ucx_acquire()
-        timeout = self.config.connect_timeout_s
         try:
             with anyio.fail_after(timeout):
                 ep = await self._ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=timeout)
@@ -313,18 +386,35 @@ class UCXTransport:
             raise PeerUnreachable(f"connect to {peer} failed: {type(exc).__name__}: {exc}", peer=peer) from exc
         conn = _Endpoint(peer, ep, self.config.limits)
         try:
+            conn.watch_close()
             with anyio.fail_after(self.config.handshake_timeout_s):
-                await self._handshake(conn)
+                info = await self._handshake(conn)
+            self._check_layout(peer, info)
         except TimeoutError as exc:
             conn.abort()
             raise PeerUnreachable(f"handshake with {peer} timed out", peer=peer) from exc
         except BaseException:
             conn.abort()
             raise
-        log.info("ucx_connected", peer=peer)
+        conn.info = info
+        conn.slots = anyio.Semaphore(info.max_pulls)
+        log.info("ucx_connected", peer=peer, max_pulls=info.max_pulls, lease_ms=info.lease_ms)
         return conn
 
-    async def _handshake(self, conn: _Endpoint) -> None:
+    def _check_layout(self, peer: str, info: wire.PeerInfo) -> None:
+        layout = self.layout
+        if layout is None:
+            return
+        theirs = (info.num_layers, info.total_kv_heads, info.head_dim, info.block_size, info.dtype)
+        ours = (layout.num_layers, self.total_kv_heads, layout.head_dim, layout.block_size, dtype_name(layout.dtype))
+        if theirs != ours:
+            names = ("layers", "kv_heads", "head_dim", "block_size", "dtype")
+            diff = ", ".join(f"{n} {t} vs {o}" for n, t, o in zip(names, theirs, ours) if t != o)
+            err = IncompatiblePeer(f"{peer} serves KV of another layout (CTX vs this GEN: {diff})", peer=peer)
+            log.error("ucx_incompatible_peer", peer=peer, reason=str(err))
+            raise err
+
+    async def _handshake(self, conn: _Endpoint) -> wire.PeerInfo:
         peer, secret = conn.peer, self.config.secret
         challenge = await conn.recv(CONTROL_TAG)
         if not isinstance(challenge, wire.AuthChallenge):
@@ -345,21 +435,28 @@ class UCXTransport:
             raise AuthenticationFailed(f"{peer} rejected us: {reply.reason}", peer=peer)
         if not isinstance(reply, wire.AuthOk):
             raise ProtocolViolation(f"expected AUTH_OK from {peer}, got {type(reply).__name__}", peer=peer)
-        if use_secret and not _auth.verify(_auth.server_mac(secret, challenge.nonce, nonce), reply.mac):
+        expected = _auth.server_mac(secret, challenge.nonce, nonce, wire.info_bytes(reply.info)) if use_secret else None
+        if expected is not None and not _auth.verify(expected, reply.mac):
             raise AuthenticationFailed(f"{peer} did not prove it holds the shared secret", peer=peer)
+        return reply.info
 
-    def _pull_message(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor) -> wire.Pull:
+    def _pull_message(
+        self, peer: str, request_id: str, handle: str | None, kv_slice: KVSlice, into: torch.Tensor, release: bool
+    ) -> wire.Pull:
         """Build (and so validate) the PULL locally; a bad request never reaches the network."""
         try:
+            check_request_id(request_id)
+            check_handle(handle)
             dtype = dtype_name(into.dtype)
-        except ValueError as exc:
-            raise ProtocolViolation(str(exc), peer=peer) from None
+        except (InvalidRequestId, ValueError) as exc:
+            raise ProtocolViolation(f"cannot pull {request_id!r}: {exc}", peer=peer) from None
         shape = tuple(int(d) for d in into.shape)
         if not into.is_contiguous():
             raise ProtocolViolation("`into` must be contiguous", peer=peer)
         if len(shape) != 6 or shape[1] != kv_slice.num_layers or shape[2] != 2 or shape[3] != kv_slice.num_heads:
             raise ProtocolViolation(f"`into` of shape {shape} does not hold slice {kv_slice}", peer=peer)
-        msg = wire.Pull(0, request_id, kv_slice, dtype, shape, math.prod(shape) * into.element_size(), 0)
+        msg = wire.Pull(0, request_id, handle, kv_slice, dtype, shape, math.prod(shape) * into.element_size(), 0,  # type: ignore[arg-type]
+                        release)
         try:
             wire.decode(wire.encode(msg), self.config.limits)
         except (ValueError, UnicodeError) as exc:
@@ -369,13 +466,22 @@ class UCXTransport:
         return msg
 
     async def pull(
-        self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *, release: bool = True
+        self,
+        peer: str,
+        request_id: str,
+        kv_slice: KVSlice,
+        into: torch.Tensor,
+        *,
+        handle: str | None = None,
+        release: bool = True,
+        landing: Landing | None = None,
     ) -> int:
         """Pull into ``into``; with ``release`` (the default) the CTX frees the entry once it is sent,
         without it (every chunk of a chunked receive but the last) the CTX keeps it."""
-        template = dataclasses.replace(self._pull_message(peer, request_id, kv_slice, into), release=release)
+        template = self._pull_message(peer, request_id, handle, kv_slice, into, release)
+        landing = landing if landing is not None else Landing()
         try:
-            n = await self._pull(peer, template, into)
+            n = await self._pull(peer, template, into, landing)
         except BaseException:
             self._pulls_failed += 1
             raise
@@ -383,71 +489,146 @@ class UCXTransport:
         self._bytes += n
         return n
 
-    async def _pull(self, peer: str, template: wire.Pull, into: torch.Tensor) -> int:
+    async def _pull(self, peer: str, template: wire.Pull, into: torch.Tensor, landing: Landing) -> int:
         conn = await self._endpoint(peer)
-        txid = next(self._txids)
-        msg = dataclasses.replace(template, txid=txid, tag=2 * txid + 1)
-        phase = "request"
+        reused = conn.pulls > 0  # it served before: the peer may have restarted since
         try:
-            await conn.send(msg)
-            reply = await conn.recv(2 * txid)
-            if isinstance(reply, wire.PullErr):
-                phase = "refused"  # a refusal, not a broken peer: the endpoint stays
-                raise _pull_error(reply, peer, msg.request_id)
-            if not isinstance(reply, wire.PullOk) or reply.txid != txid:
-                raise ProtocolViolation(f"unexpected reply to PULL {txid}: {reply!r}", peer=peer)
-            expected = (msg.tag, msg.dtype, msg.shape, msg.nbytes)
-            if (reply.tag, reply.dtype, reply.shape, reply.nbytes) != expected:
-                await conn.send(wire.Abort(txid))
-                raise ProtocolViolation(
-                    f"PULL_OK {reply.dtype}{list(reply.shape)} ({reply.nbytes} B, tag {reply.tag}) does not match "
-                    f"`into` {msg.dtype}{list(msg.shape)} ({msg.nbytes} B, tag {msg.tag})",
-                    peer=peer,
-                )
-            phase = "data"
-            await conn.receive_data(wire.Ready(txid), _ucx_buffer(into), msg.tag, self.config.cancel_grace_s)
-            phase = "done"
-        except _cancelled():
+            return await self._pull_once(conn, template, into, landing)
+        except _NothingMoved as nothing:
+            if not reused:
+                raise nothing.error from None
+            self._retried += 1
+            log.info("ucx_pull_retry", peer=peer, request_id=template.request_id, reason=str(nothing.error))
+        await self._until_idle(landing)  # the dropped endpoint cancels the old receive
+        conn = await self._endpoint(peer)
+        try:
+            return await self._pull_once(conn, template, into, landing)
+        except _NothingMoved as nothing:
+            raise nothing.error from None
+
+    async def _until_idle(self, landing: Landing) -> None:
+        idle = anyio.Event()
+        landing.when_idle(idle.set)
+        await idle.wait()
+
+    async def _pull_once(self, conn: _Endpoint, template: wire.Pull, into: torch.Tensor, landing: Landing) -> int:
+        peer = conn.peer
+        assert conn.slots is not None
+        async with conn.slots:
+            txid = next(self._txids)
+            msg = dataclasses.replace(template, txid=txid, tag=2 * txid + 1)
+            frame = bytearray(wire.FRAME_BYTES)
+            # Post both receives and send the PULL as one unit that cancellation cannot split:
+            # the CTX then answers every receive posted here (or the endpoint closes and cancels them).
             with anyio.CancelScope(shield=True):
-                await self._after_cancel(conn, txid, phase)
-            raise
-        except ProtocolViolation as exc:
-            if phase != "refused":
+                try:
+                    conn.pulls += 1
+                    reply = conn.post_recv(frame, 2 * txid)
+                    landing.begin()
+                    try:
+                        data = conn.post_recv(_ucx_buffer(into), msg.tag)
+                    except BaseException:
+                        landing.end()
+                        raise
+                    data.add_done_callback(lambda _: landing.end())
+                    with anyio.fail_after(self.config.release_timeout_s):
+                        await conn.send(msg)
+                except TimeoutError:
+                    conn.fail(PeerClosed(f"PULL to {peer} not sent within {self.config.release_timeout_s}s", peer=peer))
+                    raise _NothingMoved(conn.error) from None  # type: ignore[arg-type]
+                except PeerClosed as exc:
+                    raise _NothingMoved(exc) from None
+            try:
+                try:
+                    await asyncio.shield(reply)
+                except PeerClosed as exc:
+                    raise _NothingMoved(exc) from None  # the reply comes before any KV
+                answer = wire.decode_frame(frame, self.config.limits)
+                if isinstance(answer, wire.PullErr):
+                    await asyncio.shield(data)  # the empty message that ends our posted receive
+                    refusal = _pull_error(answer, peer, msg.request_id)
+                elif not isinstance(answer, wire.PullOk) or answer.txid != txid:
+                    raise ProtocolViolation(f"unexpected reply to PULL {txid}: {answer!r}", peer=peer)
+                elif (answer.tag, answer.dtype, answer.shape, answer.nbytes) != (msg.tag, msg.dtype, msg.shape, msg.nbytes):
+                    raise ProtocolViolation(
+                        f"PULL_OK {answer.dtype}{list(answer.shape)} ({answer.nbytes} B) does not match "
+                        f"`into` {msg.dtype}{list(msg.shape)} ({msg.nbytes} B)", peer=peer)
+                else:
+                    await asyncio.shield(data)
+                    refusal = None
+            except _cancelled():
+                self._reap(conn, data)
+                raise
+            except ProtocolViolation as exc:
                 conn.fail(exc)  # the peer broke the protocol: do not trust this endpoint again
-            raise
-        finally:
-            if conn.error is not None and self._eps.get(peer) is conn:
-                del self._eps[peer]
+                raise
+            finally:
+                if conn.error is not None and self._eps.get(peer) is conn:
+                    del self._eps[peer]
+        if refusal is not None:  # a refusal, not a broken peer: the endpoint stays
+            raise refusal
         log.debug("ucx_pull_done", peer=peer, request_id=msg.request_id, bytes=msg.nbytes)
         return msg.nbytes
 
-    async def _after_cancel(self, conn: _Endpoint, txid: int, phase: str) -> None:
-        """A pull cancelled after PULL left and before READY: tell the CTX not to send (best effort)."""
-        if phase == "request" and conn.error is None:
-            with anyio.move_on_after(self.config.release_timeout_s):
-                try:
-                    await conn.send(wire.Abort(txid))
-                except TransportError:
-                    pass
+    def _reap(self, conn: _Endpoint, data: asyncio.Future[Any]) -> None:
+        """A cancelled pull's receive is still posted: give the CTX ``cancel_grace_s`` to finish
+        sending (it always answers), then close the endpoint, which cancels the receive."""
+        if data.done():
+            return
 
-    async def release(self, peer: str, request_id: str) -> None:
+        async def reap() -> None:
+            await asyncio.wait([data], timeout=self.config.cancel_grace_s)
+            if not data.done():
+                conn.fail(PeerClosed(f"a receive from {conn.peer} was still busy {self.config.cancel_grace_s}s "
+                                     "after its pull was cancelled; endpoint dropped", peer=conn.peer))
+
+        task = asyncio.ensure_future(reap())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
         """Best effort: tell ``peer`` to free ``request_id``; failures are logged, not raised."""
+        try:
+            check_request_id(request_id)
+            check_handle(handle)
+        except (InvalidRequestId, ValueError) as exc:
+            log.warning("ucx_release_failed", peer=peer, request_id=str(request_id)[:40], reason=str(exc))
+            return
         try:
             with anyio.fail_after(self.config.release_timeout_s + self.config.connect_timeout_s):
                 conn = await self._endpoint(peer)
                 txid = next(self._txids)
-                await conn.send(wire.Release(txid, request_id))
-                reply = await conn.recv(2 * txid)
+                frame = bytearray(wire.FRAME_BYTES)
+                answered = conn.post_recv(frame, 2 * txid)
+                await conn.send(wire.Release(txid, request_id, handle))  # type: ignore[arg-type]
+                await asyncio.shield(answered)
+            reply = wire.decode_frame(frame, self.config.limits)
             if not isinstance(reply, wire.ReleaseOk) or reply.txid != txid:
                 raise ProtocolViolation(f"unexpected reply to RELEASE: {reply!r}", peer=peer)
             log.debug("ucx_released", peer=peer, request_id=request_id, held=reply.released)
         except (TransportError, TimeoutError) as exc:
-            log.warning("ucx_release_failed", peer=peer, request_id=request_id, reason=str(exc))
+            log.warning("ucx_release_failed", peer=peer, request_id=request_id, reason=str(exc) or type(exc).__name__)
+
+    async def hold(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
+        """Best effort: ask ``peer`` to renew these requests' leases (no reply is awaited)."""
+        valid = [(rid, h) for rid, h in items if h is not None]
+        if not valid:
+            return
+        try:
+            conn = await self._endpoint(peer)
+            for frame in wire.hold_frames(valid, next(self._txids)):  # type: ignore[arg-type]
+                await conn.send(frame)
+        except TransportError as exc:
+            log.info("ucx_hold_failed", peer=peer, requests=len(valid), reason=str(exc))
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
+        for task in list(self._background):
+            task.cancel()
+        for attempt in list(self._connecting.values()):
+            attempt.cancel()
         for conn in list(self._eps.values()):
             conn.abort()
         self._eps.clear()
@@ -471,6 +652,8 @@ def _pull_error(reply: wire.PullErr, peer: str, request_id: str) -> TransportErr
             return ProtocolViolation(text, peer=peer)
         case wire.Status.AUTH_FAILED:
             return AuthenticationFailed(text, peer=peer)
+        case wire.Status.BUSY:
+            return PeerBusy(text, peer=peer)
         case _:
             return TransportError(text, peer=peer)
 

@@ -9,19 +9,26 @@ each message travels in one fixed-size frame of ``FRAME_BYTES`` (the message, ze
 receiver always posts a recv of exactly that size, so nothing is ever allocated from a field that a
 peer declared.
 
-Life cycle of one pull (after the handshake)::
+Life cycle of one pull (after the handshake): one message before the data ("push")::
 
-    GEN                                      CTX
-    PULL(txid, id, slice, dtype, shape, nbytes, tag[, KEEP]) ->
-                                          <- PULL_OK(txid, tag, dtype, shape, nbytes) | PULL_ERR
-    (checks the reply against ``into``, posts the receive on ``tag``)
-    READY(txid) ->                        (or ABORT(txid): nothing is sent, the entry is kept)
-                                          <- KV bytes on the data tag, then CTX releases the
-                                             entry (unless the PULL had FLAG_KEEP: a chunk)
-    RELEASE(txid, id) ->                  <- RELEASE_OK(txid, released)
+    GEN                                                  CTX
+    posts the receive of the KV (data tag 2*txid+1) and of the reply (tag 2*txid), then
+    PULL(txid, id, handle, slice, dtype, shape, nbytes, tag[, KEEP]) ->
+                                          validates it (handle, slice, dtype, shape, bytes), then
+                                       <- PULL_OK(txid, ...) on the reply tag, the KV on the data tag,
+                                          then releases the entry (unless FLAG_KEEP: a chunk)
+                                       or PULL_ERR(txid, status) on the reply tag and an empty
+                                          message on the data tag (so GEN's posted receive ends)
+    RELEASE(txid, id, handle) ->       <- RELEASE_OK(txid, released)
+    HOLD(txid, [(id, handle), ...]) ->    (no reply) renews the leases of requests GEN holds waiting
+
+UCX tag matching keeps an early message until its receive is posted, and GEN posts before it asks,
+so nothing waits for a READY. Every PULL gets exactly one reply and one data message, whatever
+happens, so every receive GEN posts ends (or the endpoint closes, which cancels it).
 
 Handshake (mutual HMAC, see ``_auth``): CTX sends AUTH_CHALLENGE(nonce), GEN answers AUTH_RESPONSE
-(nonce, mac), CTX answers AUTH_OK(mac) or AUTH_FAIL and closes.
+(nonce, mac), CTX answers AUTH_OK(mac, PeerInfo: its KV layout, head range, pull limit, lease) or
+AUTH_FAIL and closes. GEN checks the layout once there, not at every pull.
 
 ``decode``/``decode_frame`` validate every field against a ``WireLimits`` before building anything,
 and raise ``ProtocolViolation`` (never another exception) for anything malformed.
@@ -39,21 +46,24 @@ from ._errors import ProtocolViolation
 from ._layout import KVSlice, _DTYPES
 
 MAGIC = b"KVOW"
-VERSION = 1
+VERSION = 2
 FRAME_BYTES = 1024
 NONCE_BYTES = 32
 MAC_BYTES = 32
 
 _HEADER = struct.Struct("!4sBBHIQ")
 HEADER_BYTES = _HEADER.size  # 20
-_PULL_FIXED = struct.Struct("!HBBIIIIQQ")  # id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag
+_PULL_FIXED = struct.Struct("!HBBIIIIQQ")  # id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag (+ handle)
+_INFO_FIXED = struct.Struct("!IIIIIIIIB")  # layers, total heads, h0, h1, head_dim, block_size, max_pulls, lease_ms, dtype_len
+HANDLE_BYTES = 32
 _PULL_OK_FIXED = struct.Struct("!BBQQ")  # dtype_len, rank, nbytes, tag
 _ERR_FIXED = struct.Struct("!HH")  # status, reason_len
 _U16 = struct.Struct("!H")
 _U8 = struct.Struct("!B")
 _DIM = struct.Struct("!Q")
 
-_REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:\-]+")
+_REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:\-]+")  # the rule of transports._ids, on bytes
+_HANDLE_RE = re.compile(rb"[0-9a-f]{32}")
 _REASON_RE = re.compile(rb"[\x20-\x7e]*")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 assert set(_ITEMSIZE) == set(_DTYPES)
@@ -71,10 +81,9 @@ class MsgType(enum.IntEnum):
     PULL = 10
     PULL_OK = 11
     PULL_ERR = 12
-    READY = 13
-    ABORT = 14
     RELEASE = 20
     RELEASE_OK = 21
+    HOLD = 22
 
 
 class Status(enum.IntEnum):
@@ -105,7 +114,7 @@ class WireLimits:
         for f in dataclasses.fields(self):
             if getattr(self, f.name) <= 0:
                 raise ValueError(f"WireLimits.{f.name} must be positive")
-        worst = HEADER_BYTES + _PULL_FIXED.size + self.max_request_id_len + 16 + 8 * self.max_rank
+        worst = HEADER_BYTES + _PULL_FIXED.size + self.max_request_id_len + HANDLE_BYTES + 16 + 8 * self.max_rank
         if worst > FRAME_BYTES:
             raise ValueError(f"WireLimits allow a PULL of {worst} bytes, more than a frame ({FRAME_BYTES})")
         if HEADER_BYTES + _ERR_FIXED.size + self.max_reason_len > FRAME_BYTES:
@@ -130,8 +139,28 @@ class AuthResponse:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeerInfo:
+    """What a CTX node tells a GEN node in AUTH_OK: the KV it serves and its limits."""
+
+    num_layers: int
+    total_kv_heads: int
+    """KV heads of the whole model."""
+    head_start: int
+    head_end: int
+    """The KV heads this node holds (all of them unless the CTX runs tensor-parallel)."""
+    head_dim: int
+    block_size: int
+    dtype: str
+    max_pulls: int
+    """Pulls it serves at once on one endpoint; more are refused BUSY."""
+    lease_ms: int
+    """How long it holds a request's KV that nobody pulls, renews or releases."""
+
+
+@dataclasses.dataclass(frozen=True)
 class AuthOk:
     mac: bytes
+    info: PeerInfo
     txid: int = 0
 
 
@@ -146,6 +175,7 @@ class AuthFail:
 class Pull:
     txid: int
     request_id: str
+    handle: str
     kv_slice: KVSlice
     dtype: str
     shape: tuple[int, ...]
@@ -171,19 +201,10 @@ class PullErr:
 
 
 @dataclasses.dataclass(frozen=True)
-class Ready:
-    txid: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Abort:
-    txid: int
-
-
-@dataclasses.dataclass(frozen=True)
 class Release:
     txid: int
     request_id: str
+    handle: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +213,34 @@ class ReleaseOk:
     released: bool
 
 
-Message = AuthChallenge | AuthResponse | AuthOk | AuthFail | Pull | PullOk | PullErr | Ready | Abort | Release | ReleaseOk
+@dataclasses.dataclass(frozen=True)
+class Hold:
+    txid: int
+    items: tuple[tuple[str, str], ...]
+    """(request id, handle) pairs whose leases GEN asks to renew."""
+
+
+Message = AuthChallenge | AuthResponse | AuthOk | AuthFail | Pull | PullOk | PullErr | Release | ReleaseOk | Hold
+
+_HOLD_ITEM_OVERHEAD = 1 + HANDLE_BYTES  # id_len u8, handle
+
+
+def hold_frames(items: list[tuple[str, str]], txid: int = 0) -> list[Hold]:
+    """``items`` split into as few HOLD messages as fit one frame each."""
+    out: list[Hold] = []
+    room = FRAME_BYTES - HEADER_BYTES - _U16.size
+    batch: list[tuple[str, str]] = []
+    used = 0
+    for rid, handle in items:
+        need = _HOLD_ITEM_OVERHEAD + len(rid)
+        if batch and used + need > room:
+            out.append(Hold(txid, tuple(batch)))
+            batch, used = [], 0
+        batch.append((rid, handle))
+        used += need
+    if batch:
+        out.append(Hold(txid, tuple(batch)))
+    return out
 
 
 # -- encoding -------------------------------------------------------------------------------------
@@ -200,6 +248,19 @@ Message = AuthChallenge | AuthResponse | AuthOk | AuthFail | Pull | PullOk | Pul
 
 def _shape_bytes(dtype: str, shape: tuple[int, ...]) -> bytes:
     return dtype.encode("ascii") + b"".join(_DIM.pack(d) for d in shape)
+
+
+def _handle_bytes(handle: str) -> bytes:
+    raw = handle.encode("ascii")
+    _check_len("handle", raw, HANDLE_BYTES)
+    return raw
+
+
+def info_bytes(info: PeerInfo) -> bytes:
+    """The wire form of ``info`` (also what the server's MAC covers)."""
+    d = info.dtype.encode("ascii")
+    return _INFO_FIXED.pack(info.num_layers, info.total_kv_heads, info.head_start, info.head_end, info.head_dim,
+                            info.block_size, info.max_pulls, info.lease_ms, len(d)) + d
 
 
 def _reason_bytes(reason: str) -> bytes:
@@ -220,33 +281,37 @@ def encode(msg: Message) -> bytes:
             _check_len("nonce", nonce, NONCE_BYTES)
             _check_len("mac", mac, MAC_BYTES)
             mtype, body = MsgType.AUTH_RESPONSE, bytes(nonce) + bytes(mac)
-        case AuthOk(mac=mac):
+        case AuthOk(mac=mac, info=info):
             _check_len("mac", mac, MAC_BYTES)
-            mtype, body = MsgType.AUTH_OK, bytes(mac)
+            mtype, body = MsgType.AUTH_OK, bytes(mac) + info_bytes(info)
         case AuthFail(status=status, reason=reason) | PullErr(status=status, reason=reason):
             mtype = MsgType.AUTH_FAIL if isinstance(msg, AuthFail) else MsgType.PULL_ERR
             r = _reason_bytes(reason)
             body = _ERR_FIXED.pack(int(status), len(r)) + r
-        case Pull(request_id=rid, kv_slice=s, dtype=dtype, shape=shape, nbytes=nbytes, tag=tag, release=release):
+        case Pull(request_id=rid, handle=handle, kv_slice=s, dtype=dtype, shape=shape, nbytes=nbytes, tag=tag,
+                  release=release):
             r = rid.encode("ascii")
             flags = 0 if release else FLAG_KEEP
             body = (
                 _PULL_FIXED.pack(len(r), len(dtype), len(shape), s.layer_start, s.layer_end,
                                  s.head_start, s.head_end, nbytes, tag)
                 + r
+                + _handle_bytes(handle)
                 + _shape_bytes(dtype, shape)
             )
             mtype = MsgType.PULL
         case PullOk(tag=tag, dtype=dtype, shape=shape, nbytes=nbytes):
             mtype = MsgType.PULL_OK
             body = _PULL_OK_FIXED.pack(len(dtype), len(shape), nbytes, tag) + _shape_bytes(dtype, shape)
-        case Ready():
-            mtype, body = MsgType.READY, b""
-        case Abort():
-            mtype, body = MsgType.ABORT, b""
-        case Release(request_id=rid):
+        case Release(request_id=rid, handle=handle):
             r = rid.encode("ascii")
-            mtype, body = MsgType.RELEASE, _U16.pack(len(r)) + r
+            mtype, body = MsgType.RELEASE, _U16.pack(len(r)) + r + _handle_bytes(handle)
+        case Hold(items=items):
+            parts = [_U16.pack(len(items))]
+            for rid, handle in items:
+                r = rid.encode("ascii")
+                parts.append(_U8.pack(len(r)) + r + _handle_bytes(handle))
+            mtype, body = MsgType.HOLD, b"".join(parts)
         case ReleaseOk(released=released):
             mtype, body = MsgType.RELEASE_OK, _U8.pack(1 if released else 0)
         case _:
@@ -332,15 +397,22 @@ def decode(buf: bytes | bytearray | memoryview, limits: WireLimits) -> Message:
 
 
 def decode_frame(frame: bytes | bytearray | memoryview, limits: WireLimits) -> Message:
-    """Decode a ``FRAME_BYTES`` frame: one message, then only zero padding."""
+    """Decode a ``FRAME_BYTES`` frame: one message, then only zero padding.
+
+    A ``ProtocolViolation`` raised after the header was read carries ``.kind`` and ``.txid``, so a
+    server can fail that one request instead of the connection."""
     if len(frame) != FRAME_BYTES:
         raise _bad(f"frame of {len(frame)} bytes, expected {FRAME_BYTES}")
     kind, flags, body_len, txid = decode_header(frame)
-    end = HEADER_BYTES + body_len
-    view = memoryview(frame)
-    if bytes(view[end:]).lstrip(b"\0"):
-        raise _bad(f"{kind.name}: non-zero bytes after the declared length")
-    return _decode_body(kind, flags, txid, view[HEADER_BYTES:end], limits)
+    try:
+        end = HEADER_BYTES + body_len
+        view = memoryview(frame)
+        if bytes(view[end:]).lstrip(b"\0"):
+            raise _bad(f"{kind.name}: non-zero bytes after the declared length")
+        return _decode_body(kind, flags, txid, view[HEADER_BYTES:end], limits)
+    except ProtocolViolation as exc:
+        exc.kind, exc.txid = kind, txid  # type: ignore[attr-defined]
+        raise
 
 
 def _request_id(raw: bytes, limits: WireLimits, what: str) -> str:
@@ -350,6 +422,13 @@ def _request_id(raw: bytes, limits: WireLimits, what: str) -> str:
         raise _bad(f"{what}: request id of {len(raw)} bytes exceeds {limits.max_request_id_len}")
     if not _REQUEST_ID_RE.fullmatch(raw):
         raise _bad(f"{what}: request id has characters outside [A-Za-z0-9._:-]")
+    return raw.decode("ascii")
+
+
+def _handle(r: _Reader) -> str:
+    raw = r.take(HANDLE_BYTES)
+    if not _HANDLE_RE.fullmatch(raw):
+        raise _bad(f"{r.what}: KV handle is not {HANDLE_BYTES} lowercase hex characters")
     return raw.decode("ascii")
 
 
@@ -400,7 +479,17 @@ def _decode_body(kind: MsgType, flags: int, txid: int, body: memoryview, limits:
     elif kind is MsgType.AUTH_RESPONSE:
         msg = AuthResponse(r.take(NONCE_BYTES), r.take(MAC_BYTES), txid)
     elif kind is MsgType.AUTH_OK:
-        msg = AuthOk(r.take(MAC_BYTES), txid)
+        mac = r.take(MAC_BYTES)
+        layers, heads, h0, h1, head_dim, block_size, max_pulls, lease_ms, dtype_len = r.unpack(_INFO_FIXED)
+        if not 0 < dtype_len <= 16:
+            raise _bad(f"AUTH_OK: dtype name length {dtype_len} out of range")
+        dtype = r.take(dtype_len).decode("ascii", "replace")
+        if dtype not in _ITEMSIZE:
+            raise _bad(f"AUTH_OK: unknown dtype {dtype!r}")
+        if not (0 < layers <= limits.max_layers and 0 <= h0 < h1 <= heads <= limits.max_heads
+                and head_dim > 0 and block_size > 0 and max_pulls > 0):
+            raise _bad("AUTH_OK: peer info out of range")
+        msg = AuthOk(mac, PeerInfo(layers, heads, h0, h1, head_dim, block_size, dtype, max_pulls, lease_ms), txid)
     elif kind in (MsgType.AUTH_FAIL, MsgType.PULL_ERR):
         status, reason = _reason(r, limits)
         msg = AuthFail(status, reason, txid) if kind is MsgType.AUTH_FAIL else PullErr(txid, status, reason)
@@ -413,21 +502,29 @@ def _decode_body(kind: MsgType, flags: int, txid: int, body: memoryview, limits:
         if not 0 < id_len <= limits.max_request_id_len:
             raise _bad(f"PULL: request id length {id_len} outside 1..{limits.max_request_id_len}")
         rid = _request_id(r.take(id_len), limits, "PULL")
+        handle = _handle(r)
         dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
-        msg = Pull(txid, rid, KVSlice(l0, l1, h0, h1), dtype, shape, nbytes, tag, not flags & FLAG_KEEP)
+        msg = Pull(txid, rid, handle, KVSlice(l0, l1, h0, h1), dtype, shape, nbytes, tag, not flags & FLAG_KEEP)
     elif kind is MsgType.PULL_OK:
         dtype_len, rank, nbytes, tag = r.unpack(_PULL_OK_FIXED)
         dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
         msg = PullOk(txid, tag, dtype, shape, nbytes)
-    elif kind is MsgType.READY:
-        msg = Ready(txid)
-    elif kind is MsgType.ABORT:
-        msg = Abort(txid)
     elif kind is MsgType.RELEASE:
         (id_len,) = r.unpack(_U16)
         if not 0 < id_len <= limits.max_request_id_len:
             raise _bad(f"RELEASE: request id length {id_len} outside 1..{limits.max_request_id_len}")
-        msg = Release(txid, _request_id(r.take(id_len), limits, "RELEASE"))
+        msg = Release(txid, _request_id(r.take(id_len), limits, "RELEASE"), _handle(r))
+    elif kind is MsgType.HOLD:
+        (count,) = r.unpack(_U16)
+        if count < 1:
+            raise _bad("HOLD: no items")
+        items = []
+        for _ in range(count):
+            (id_len,) = r.unpack(_U8)
+            if not 0 < id_len <= limits.max_request_id_len:
+                raise _bad(f"HOLD: request id length {id_len} outside 1..{limits.max_request_id_len}")
+            items.append((_request_id(r.take(id_len), limits, "HOLD"), _handle(r)))
+        msg = Hold(txid, tuple(items))
     elif kind is MsgType.RELEASE_OK:
         (flag,) = r.unpack(_U8)
         if flag > 1:
