@@ -49,6 +49,7 @@ import numpy as np
 from examples import _report
 from examples.two_node import control
 from examples.two_node.client import LoadResult, make_prompts, run_load, summarize
+from examples.two_node.launch import env_secret
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("ideal", "inline", "orchestrated")
@@ -72,6 +73,8 @@ class Node:
     def __init__(self, role: str, args: list[str], env: dict[str, str], log_dir: Path, timeout: float = 90.0,
                  log_level: str = "warning"):
         self.role = role
+        self.secret = env_secret(env)
+        """The shared secret the node holds: every control call authenticates with it."""
         self.log_path = log_dir / f"{role}-{secrets.token_hex(3)}.log"
         with open(self.log_path, "w") as err:
             self.proc = subprocess.Popen(
@@ -141,7 +144,8 @@ def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: li
     with contextlib.ExitStack() as stack:
         ctx = Node("ctx", ["--host", "127.0.0.1", "--port", "0", "--ucx-port", "0",
                            "--num-blocks", str(cfg["ctx_num_blocks"]), "--lease-s", str(cfg["ctx_lease_s"]),
-                           "--max-seq-len", str(cfg["max_seq_len"])], env, log_dir)
+                           "--max-seq-len", str(cfg["max_seq_len"]),
+                           "--kv-checksums" if cfg["kv_checksums"] else "--no-kv-checksums"], env, log_dir)
         stack.callback(ctx.stop)
         if pids is not None:
             pids.append(ctx.pid)
@@ -178,7 +182,7 @@ def _proc_cpu_s(pid: int) -> float:
 async def _warmup(mode: str, ctx: Node, gen: Node, cfg: dict[str, Any], progress: bool) -> None:
     if cfg["warmup"]:
         warm = make_prompts(cfg["warmup"], cfg["isl"], seed=cfg["seed"] + 1_000_003)
-        await run_load(ctx=[ctx.info["ctrl"]], gen=gen.info["ctrl"], prompts=warm, max_tokens=cfg["osl"],
+        await run_load(ctx=[ctx.info["ctrl"]], gen=gen.info["ctrl"], secret=gen.secret, prompts=warm, max_tokens=cfg["osl"],
                        concurrency=min(cfg["concurrency"], cfg["warmup"]), progress=progress,
                        timeout_s=cfg["request_timeout_s"], release=mode == "ideal", id_prefix=f"warm-{mode}",
                        label=f"{mode} warm-up")
@@ -192,16 +196,16 @@ async def _segment(mode: str, ctx: Node, gen: Node, cfg: dict[str, Any], prompts
     """One measured segment on a warm pair: clear GEN's loop statistics, run ``prompts``; returns
     (LoadResult, GEN stats with the engine's cumulative counters turned into this segment's, CPU s)."""
     ctx_addr, gen_addr = ctx.info["ctrl"], gen.info["ctrl"]
-    before = (await control.call(gen_addr, {"op": "stats"}))["engine"]
-    await control.call(gen_addr, {"op": "reset_stats"})
+    before = (await control.call(gen_addr, {"op": "stats"}, secret=gen.secret))["engine"]
+    await control.call(gen_addr, {"op": "reset_stats"}, secret=gen.secret)
     cpu0 = {"ctx": _proc_cpu_s(ctx.pid), "gen": _proc_cpu_s(gen.pid), "client": time.process_time()}
-    result = await run_load(ctx=[ctx_addr], gen=gen_addr, prompts=prompts, max_tokens=cfg["osl"],
+    result = await run_load(ctx=[ctx_addr], gen=gen_addr, secret=gen.secret, prompts=prompts, max_tokens=cfg["osl"],
                             concurrency=cfg["concurrency"], progress=progress, timeout_s=cfg["request_timeout_s"],
                             release=mode == "ideal",  # an ideal GEN never pulls: the client frees CTX's copy
                             id_prefix=f"run-{tag}", label=f"{mode} ({tag})")
     cpu = {"ctx": _proc_cpu_s(ctx.pid) - cpu0["ctx"], "gen": _proc_cpu_s(gen.pid) - cpu0["gen"],
            "client": time.process_time() - cpu0["client"]}
-    stats = await control.call(gen_addr, {"op": "stats"})
+    stats = await control.call(gen_addr, {"op": "stats"}, secret=gen.secret)
     eng = stats["engine"]
     for key in _COUNTERS:
         eng[key] = {k: v - (before.get(key) or {}).get(k, 0) for k, v in (eng.get(key) or {}).items()}

@@ -4,6 +4,7 @@ CTX + GEN pair with the tiny model, whose tokens must equal the single-process r
 from __future__ import annotations
 
 import array
+import functools
 import math
 
 import anyio
@@ -12,6 +13,9 @@ import pytest
 
 from examples.two_node import control
 from examples.two_node.client import LoadResult, RequestRecord, make_prompts, prompts_from_text, run_load, summarize
+
+SECRET = b"test-control-secret-0123456789"
+serve = functools.partial(control.serve, secret=SECRET)  # fake nodes, authenticated like real ones
 
 
 def _rec(i: int, times: list[float], *, state: str = "finished", failure: str | None = None, ttft: float = 0.1,
@@ -97,9 +101,9 @@ async def _fake_gen(msg: dict, stream: control.JsonStream) -> None:
 async def test_run_load_fake_nodes(anyio_backend: str) -> None:
     prompts = make_prompts(40, 12, seed=3)
     async with anyio.create_task_group() as tg:
-        ctx_port = await tg.start(control.serve, "127.0.0.1", 0, _fake_ctx)
-        gen_port = await tg.start(control.serve, "127.0.0.1", 0, _fake_gen)
-        res = await run_load(ctx=[f"127.0.0.1:{ctx_port}"], gen=f"127.0.0.1:{gen_port}", prompts=prompts,
+        ctx_port = await tg.start(serve, "127.0.0.1", 0, _fake_ctx)
+        gen_port = await tg.start(serve, "127.0.0.1", 0, _fake_gen)
+        res = await run_load(ctx=[f"127.0.0.1:{ctx_port}"], gen=f"127.0.0.1:{gen_port}", secret=SECRET, prompts=prompts,
                              max_tokens=5, concurrency=8, progress=False, timeout_s=10)
         tg.cancel_scope.cancel()
     assert len(res.records) == 40 and [r.index for r in res.records] == list(range(40))
@@ -128,8 +132,8 @@ async def test_run_load_unreachable_gen_and_timeout(anyio_backend: str) -> None:
 
     prompts = [p for p in make_prompts(30, 6, seed=5) if p[1] != 33][:6]
     async with anyio.create_task_group() as tg:
-        ctx_port = await tg.start(control.serve, "127.0.0.1", 0, slow_ctx)
-        res = await run_load(ctx=[f"127.0.0.1:{ctx_port}"], gen="127.0.0.1:1", prompts=prompts,
+        ctx_port = await tg.start(serve, "127.0.0.1", 0, slow_ctx)
+        res = await run_load(ctx=[f"127.0.0.1:{ctx_port}"], gen="127.0.0.1:1", secret=SECRET, prompts=prompts,
                              max_tokens=3, concurrency=6, progress=False, timeout_s=0.5)
         tg.cancel_scope.cancel()
     for r, p in zip(res.records, prompts):
@@ -154,15 +158,15 @@ def test_two_nodes_match_reference(tmp_path, staging_blocks: int) -> None:
     ctx = Node("ctx", ["--host", "127.0.0.1", "--port", "0", "--ucx-port", "0", "--num-blocks", "512"], env, tmp_path)
     try:
         gen = Node("gen", ["--ctx", ctx.info["ctrl"], "--host", "127.0.0.1", "--port", "0", "--mode", "orchestrated",
-                           "--step", "model", "--num-blocks", "256", "--staging-bytes", str(staging_blocks * 16 * 1024),
+                           "--step", "model", "--num-blocks", "256", "--transfer-budget-bytes", str(staging_blocks * 16 * 1024),
                            "--max-num-seqs", "8", "--kv-transfer-timeout-ms", "20000"], env, tmp_path)
         try:
             # varied prompt lengths (partial last blocks): 1..8 blocks each
             prompts = [p[: 9 + 7 * i] for i, p in enumerate(make_prompts(16, 120, seed=11))]
-            res = anyio.run(lambda: run_load(ctx=[ctx.info["ctrl"]], gen=gen.info["ctrl"], prompts=prompts,
+            res = anyio.run(lambda: run_load(ctx=[ctx.info["ctrl"]], gen=gen.info["ctrl"], secret=gen.secret, prompts=prompts,
                                              max_tokens=6, concurrency=8, progress=False, timeout_s=60),
                             backend="asyncio")
-            stats = anyio.run(lambda: control.call(gen.info["ctrl"], {"op": "stats"}), backend="asyncio")
+            stats = anyio.run(lambda: control.call(gen.info["ctrl"], {"op": "stats"}, secret=gen.secret), backend="asyncio")
         finally:
             gen.stop()
     finally:

@@ -19,7 +19,7 @@ import torch
 from examples.two_node import control
 from examples.two_node.launch import NodeProcess, node_env
 from orchestrator import DecodeBatch, FailureReason, GenEngine, GenRequest, OrchestratorConfig, RequestState
-from tests._ucx_peer import LAYOUT
+from tests._ucx_peer import LAYOUT, handle_for
 from tests.test_ucx_transport import SECRET, Peer, expected, wait_released
 from transports.ucx import UCXConfig, UCXTransport
 
@@ -57,7 +57,8 @@ class Gen:
         self.ended_at: dict[str, float] = {}
 
     def submit(self, rid: str, peer: Peer, max_tokens: int = 3) -> None:
-        self.engine.submit(GenRequest(rid, prompt_len=TOKENS, first_token=1, max_tokens=max_tokens, peer=peer.address))
+        self.engine.submit(GenRequest(rid, prompt_len=TOKENS, first_token=1, max_tokens=max_tokens, peer=peer.address,
+                                      kv_handle=handle_for(rid)))
 
     async def step_until(self, done, timeout: float = 20.0) -> None:
         with anyio.fail_after(timeout):
@@ -194,12 +195,13 @@ def test_gen_killed_while_ctx_holds_kv_ctx_frees_it_when_the_lease_expires() -> 
         async def scenario() -> dict:
             for i in range(3):
                 await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": f"held-{i}",
-                                                      "prompt_ids": list(range(40, 90)), "max_tokens": 4})
-            held = await control.call(ctx.info["ctrl"], {"op": "stats"})
+                                                      "prompt_ids": list(range(40, 90)), "max_tokens": 4},
+                                   secret=ctx.secret)
+            held = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
             assert held["store"]["held_requests"] == 3 and held["pool"]["used_blocks"] > 0
             gen_node.kill(signal.SIGKILL)  # the GEN dies before pulling anything
             with anyio.fail_after(10):
-                while (s := await control.call(ctx.info["ctrl"], {"op": "stats"}))["store"]["held_requests"]:
+                while (s := await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret))["store"]["held_requests"]:
                     await anyio.sleep(0.1)
             return s
 
@@ -211,10 +213,12 @@ def test_gen_killed_while_ctx_holds_kv_ctx_frees_it_when_the_lease_expires() -> 
 async def open_generation(ctx: NodeProcess, gen_node: NodeProcess, rid: str, prompt_len: int) -> control.JsonStream:
     """Prefill ``rid`` on CTX, start a long generation on GEN, return the stream once tokens flow."""
     r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
-                                              "prompt_ids": list(range(40, 40 + prompt_len)), "max_tokens": 1500})
-    stream = await control.connect(gen_node.info["ctrl"])
+                                              "prompt_ids": list(range(40, 40 + prompt_len)), "max_tokens": 1500},
+                           secret=ctx.secret)
+    stream = await control.connect(gen_node.info["ctrl"], secret=gen_node.secret)
     await stream.send({"op": "generate", "request_id": rid, "prompt_len": r["prompt_len"],
-                       "first_token": r["first_token"], "max_tokens": 1500, "kv_peer": r["kv_peer"]})
+                       "first_token": r["first_token"], "max_tokens": 1500, "kv_peer": r["kv_peer"],
+                       "kv_handle": r["kv_handle"]})
     assert "tokens" in await stream.receive()
     return stream
 
@@ -222,7 +226,7 @@ async def open_generation(ctx: NodeProcess, gen_node: NodeProcess, rid: str, pro
 async def wait_aborted_and_at_rest(gen_node: NodeProcess, aborted: int, timeout: float) -> dict:
     with anyio.fail_after(timeout):
         while True:
-            s = await control.call(gen_node.info["ctrl"], {"op": "stats"})
+            s = await control.call(gen_node.info["ctrl"], {"op": "stats"}, secret=gen_node.secret)
             if s["engine"]["aborted"] == aborted and not s["rest_problems"]:
                 return s
             await anyio.sleep(0.05)

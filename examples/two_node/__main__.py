@@ -17,6 +17,7 @@ def _configure_logging(level: str) -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,  # log.exception: the traceback, as one string field
             structlog.processors.JSONRenderer(),
         ],
     )
@@ -42,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         module.add_args(p)
         common.add_model_args(p)
         common.add_security_args(p)
+        common.add_control_args(p)
     sub.add_parser("client", help="drive a load (see: client --help)")
     sub.add_parser("demo", help="start CTX and GEN, drive a load, check parity (see: demo --help)")
     args = parser.parse_args(argv)
+    common.node_secret(args)  # a missing or bad secret: one line on stderr, before anything starts
     _configure_logging(args.log_level)
     return {"ctx": ctx.main, "gen": gen.main}[args.role](args)
 

@@ -2,10 +2,13 @@
 
 For every prompt (round-robin over the CTX nodes) a request
 
-1. sends ``prefill`` to its CTX node; the reply carries the first token. **TTFT** is the time from
-   sending the prefill to receiving that reply;
-2. opens a ``generate`` connection to the GEN node and reads the streamed tokens to ``done``,
-   recording the arrival time of every token message.
+1. sends ``prefill`` to its CTX node; the reply carries the first token and the KV handle. **TTFT**
+   is the time from sending the prefill to receiving that reply;
+2. opens a ``generate`` connection to the GEN node (passing the KV handle on) and reads the streamed
+   tokens to ``done``, recording the arrival time of every token message.
+
+Every control connection authenticates with the nodes' shared secret (``KVO_SHARED_SECRET`` or
+``--secret-file``, as the nodes read it).
 
 At most ``concurrency`` requests are in flight (a closed loop: ``concurrency`` workers, each starts
 its next request when its last one ends, as the serving benchmarks of the field do). A failure of
@@ -47,6 +50,7 @@ import numpy as np
 
 from examples import _report
 from examples.two_node import control
+from examples.two_node.common import add_security_args, node_secret
 from examples.two_node.control import ControlError
 
 BOS_ID = 256  # the byte tokenizer's BOS (examples.tiny_model.ByteTokenizer.bos_id)
@@ -179,6 +183,7 @@ async def run_load(
     *,
     ctx: list[str],
     gen: str,
+    secret: bytes | None,
     prompts: list[list[int]],
     max_tokens: int | list[int],
     concurrency: int,
@@ -190,7 +195,9 @@ async def run_load(
 ) -> LoadResult:
     """Run every prompt once through CTX then GEN, at most ``concurrency`` at a time.
 
-    ``max_tokens`` is one value for all prompts or one per prompt. ``timeout_s`` bounds each request
+    ``secret`` is the nodes' shared secret (every control connection authenticates with it; None
+    only for ``--insecure`` nodes). ``max_tokens`` is one value for all prompts or one per prompt.
+    ``timeout_s`` bounds each request
     (prefill + generate). With ``release`` the client also tells the CTX node to release the
     request's KV once the request ended (only needed when GEN never pulls, e.g. an ``ideal`` GEN
     on a CTX without a lease). Request ids are ``{id_prefix}-{index}`` (a random prefix by default).
@@ -215,24 +222,27 @@ async def run_load(
         rec = RequestRecord(f"{prefix}-{i}", i, ctx_addr, len(prompts[i]), mts[i])
         rec.t_start = time.perf_counter() - t_run
         phase = "prefill"
+        handle: str | None = None
         try:
             with anyio.fail_after(timeout_s):
                 reply = await control.call(
                     ctx_addr,
                     {"op": "prefill", "request_id": rec.request_id, "prompt_ids": prompts[i], "max_tokens": mts[i]},
-                    timeout=timeout_s,
+                    secret=secret, timeout=timeout_s,
                 )
+                handle = reply.get("kv_handle")
                 now = time.perf_counter() - t_run
                 rec.ttft_s = now - rec.t_start
                 rec.tokens.append(int(reply["first_token"]))
                 rec.token_times.append(now)
                 rec.ctx_checksums = list(reply.get("block_checksums") or [])
                 phase = "generate"
-                stream = await control.connect(gen)
+                stream = await control.connect(gen, secret=secret)
                 try:
                     await stream.send({
                         "op": "generate", "request_id": rec.request_id, "prompt_len": int(reply["prompt_len"]),
                         "first_token": int(reply["first_token"]), "max_tokens": mts[i], "kv_peer": reply["kv_peer"],
+                        "kv_handle": handle,
                     })
                     while True:
                         msg = await stream.receive()
@@ -262,9 +272,10 @@ async def run_load(
             rec.state, rec.failure, rec.message = "error", f"{phase}_closed", "the node closed the connection"
         except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError, KeyError, ValueError, TypeError) as exc:
             rec.state, rec.failure, rec.message = "error", f"{phase}_error", f"{type(exc).__name__}: {exc}"
-        if release:
+        if release and handle is not None:
             try:
-                await control.call(ctx_addr, {"op": "release", "request_id": rec.request_id}, timeout=10)
+                await control.call(ctx_addr, {"op": "release", "request_id": rec.request_id, "kv_handle": handle},
+                                   secret=secret, timeout=10)
             except (TimeoutError, ControlError, OSError, anyio.EndOfStream, anyio.BrokenResourceError):
                 pass
         rec.t_end = time.perf_counter() - t_run
@@ -354,16 +365,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the summary and per-request records here")
     p.add_argument("--show", type=int, default=0, metavar="N", help="print the text of the first N answers")
     p.add_argument("--no-progress", action="store_true")
+    add_security_args(p)
     a = p.parse_args(argv)
     for addr in [*a.ctx, a.gen]:
         control.parse_addr(addr)
+    secret = node_secret(a)  # like the nodes: KVO_SHARED_SECRET or --secret-file; one line if wrong
     if a.prompt:
         base = prompts_from_text(a.prompt)
         prompts = [base[i % len(base)] for i in range(a.requests)]
     else:
         prompts = make_prompts(a.requests, a.isl, a.seed)
     result = anyio.run(
-        lambda: run_load(ctx=a.ctx, gen=a.gen, prompts=prompts, max_tokens=a.osl, concurrency=a.concurrency,
+        lambda: run_load(ctx=a.ctx, gen=a.gen, secret=secret, prompts=prompts, max_tokens=a.osl, concurrency=a.concurrency,
                          progress=not a.no_progress, timeout_s=a.timeout, release=a.release),
         backend="asyncio",
     )

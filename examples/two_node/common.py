@@ -1,4 +1,4 @@
-"""What both nodes share: model flags, the UCX config from the environment, checksums, READY."""
+"""What both nodes share: model flags, the secret and the UCX config, the control server, checksums, READY."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import structlog
 import torch
 
 from examples.tiny_model import ModelConfig, TinyModel
+from examples.two_node import control
+from examples.two_node.control import ControlLimits
 from transports._auth import SECRET_ENV, load_secret
 from transports.ucx import UCXConfig
 
@@ -34,6 +36,14 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--insecure", action="store_true", help="run without peer authentication (logs a warning)")
 
 
+def add_control_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("control plane")
+    g.add_argument("--max-connections", type=int, default=ControlLimits.max_connections,
+                   help="control connections open at once; more are closed when accepted")
+    g.add_argument("--handshake-timeout-s", type=float, default=ControlLimits.handshake_timeout_s,
+                   help="a control connection must authenticate and send its request within this")
+
+
 def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(
         num_layers=args.layers,
@@ -50,20 +60,39 @@ def build_model(args: argparse.Namespace) -> TinyModel:
     return TinyModel(model_config(args))
 
 
-def ucx_config(args: argparse.Namespace) -> UCXConfig:
-    secret = load_secret(path=args.secret_file)
+def node_secret(args: argparse.Namespace) -> bytes | None:
+    """The shared secret (``--secret-file`` or ``KVO_SHARED_SECRET``); None only with ``--insecure``.
+
+    Raises ``SystemExit`` with one line saying what is wrong (too short, unreadable, missing)."""
+    try:
+        secret = load_secret(path=args.secret_file)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc} (from {args.secret_file or SECRET_ENV})") from None
+    except OSError as exc:
+        raise SystemExit(f"error: cannot read --secret-file {args.secret_file}: {exc.strerror or exc}") from None
     if secret is None and not args.insecure:
-        raise SystemExit(f"no shared secret: set {SECRET_ENV} or --secret-file (or pass --insecure)")
-    return UCXConfig(secret=secret, allow_insecure=args.insecure)
+        raise SystemExit(f"error: no shared secret: set {SECRET_ENV} or --secret-file (or pass --insecure)")
+    return secret
+
+
+def ucx_config(args: argparse.Namespace) -> UCXConfig:
+    return UCXConfig(secret=node_secret(args), allow_insecure=args.insecure)
+
+
+def control_server(args: argparse.Namespace, handler: control.Handler, model: ModelConfig) -> control.ControlServer:
+    """The node's control server: its secret, and limits sized for a prefill of a whole context."""
+    limits = ControlLimits(max_connections=args.max_connections, handshake_timeout_s=args.handshake_timeout_s,
+                           max_line=control.max_line_for(model.max_seq_len, model.vocab_size - 1))
+    return control.ControlServer(handler, secret=node_secret(args), insecure=args.insecure, limits=limits)
 
 
 def block_checksums(pool: torch.Tensor, block_ids: torch.Tensor) -> list[int]:
-    """CRC32 of each block's bytes, in block-table order (compared end to end CTX -> GEN)."""
-    out = []
-    for i in block_ids.tolist():
-        block = pool[i]
-        out.append(zlib.crc32(block.contiguous().view(torch.uint8).numpy().data))
-    return out
+    """CRC32 of each block's bytes, in block-table order (compared end to end CTX -> GEN).
+
+    A debugging aid that the nodes run only when asked (``--kv-checksums``); on a CUDA pool the
+    request's blocks are copied to the host once (one gather), then checksummed."""
+    blocks = pool.index_select(0, block_ids.to(pool.device)).contiguous().cpu().view(torch.uint8)
+    return [zlib.crc32(block.numpy().data) for block in blocks]
 
 
 def announce_ready(**fields: object) -> None:

@@ -1,34 +1,64 @@
-"""The control plane: newline-delimited JSON over TCP (one request per connection).
+"""The control plane: newline-delimited JSON over TCP, authenticated, one request per connection.
 
-Addresses are ``host:port``. Every message is one JSON object on one line, at most
-``MAX_LINE`` bytes; a longer line, invalid JSON, a non-object or a missing/ill-typed field closes
-the connection with ``{"ok": false, "error": ...}``.
+Addresses are ``host:port``. Every message is one JSON object on one line. Life cycle of one
+connection, as the server (``ControlServer``) sees it::
+
+    accept ── max_connections already open? ──> closed at once (counted: refused)
+      │  deadline: handshake_timeout_s for everything down to the request (counted: timed_out)
+      S -> {"kvo": 1, "nonce": hex | null, "insecure": bool}            lines here: <= 4 KiB
+      C -> {"auth": {"nonce": hex, "mac": hex}}
+      S -> {"ok": true, "mac": hex}     or {"ok": false, "error": ...} and close (counted: auth_failed)
+      C -> the request                                                   lines from here: <= max_line
+      │  end of the deadline
+    handler(request, stream): one answer, or a stream of them (a generate stream has no deadline)
+
+Authentication is mutual, with the data plane's shared secret (``KVO_SHARED_SECRET`` or
+``--secret-file``) and nonces (``transports._auth``) but labels of its own, so a MAC seen on the data
+plane cannot be replayed here (nor a client's MAC as a server's)::
+
+    client mac = HMAC-SHA256(secret, b"kvo-ctl-v1-client" + server nonce + client nonce)
+    server mac = HMAC-SHA256(secret, b"kvo-ctl-v1-server" + server nonce + client nonce)
+
+A node started with ``--insecure`` says ``"insecure": true`` and takes a request without ``auth``
+(its ``nonce`` is null when it has no secret at all; its line limit is ``max_line`` from the start);
+a client that holds a secret insists on the node proving it, a client without one talks only to
+insecure nodes.
+
+A longer line, invalid JSON, a non-object or a missing/ill-typed field closes the connection with
+``{"ok": false, "error": ...}``. Request ids follow the one rule of ``transports.check_request_id``.
 
 CTX node (``ctx`` subcommand)::
 
     -> {"op": "prefill", "request_id": str, "prompt_ids": [int, ...], "max_tokens": int}
     <- {"ok": true, "request_id": str, "first_token": int, "prompt_len": int,
-        "kv_peer": "host:port" (its UCX listener), "block_checksums": [int, ...]}
-    -> {"op": "release", "request_id": str}      <- {"ok": true, "released": bool}
-    -> {"op": "stats"}                            <- {"ok": true, ...store/pool statistics...}
+        "kv_peer": "host:port" (its UCX listener), "kv_handle": str, "block_checksums": [int, ...]}
+       kv_handle: the unguessable token that GEN must present to pull or release this KV
+    -> {"op": "release", "request_id": str, "kv_handle": str}   <- {"ok": true, "released": bool}
+       (a wrong handle releases nothing: "released": false)
+    -> {"op": "stats"}                            <- {"ok": true, ...store/pool/control statistics...}
 
 GEN node (``gen`` subcommand)::
 
     -> {"op": "generate", "request_id": str, "prompt_len": int, "first_token": int,
-        "max_tokens": int, "kv_peer": "host:port"}
+        "max_tokens": int, "kv_peer": "host:port", "kv_handle": str}
     <- {"tokens": [int, ...]}                     zero or more, as decode produces them
     <- {"done": true, "state": "finished"|"failed"|"aborted", "failure": str|null,
         "message": str, "kv_checksums": [int, ...]}   (checksums of the blocks GEN received)
        closing the connection before "done" aborts the request (blocks and budget come back,
-       the CTX node is told to free its copy)
-    -> {"op": "stats"}                            <- {"ok": true, ...engine and loop statistics...}
+       the CTX node is told to free its copy). A request id that is already live, or an unhealthy
+       engine, is refused with {"ok": false, "error": ...}.
+    -> {"op": "stats"}                            <- {"ok": true, "healthy": bool, "health": str|null, ...}
     -> {"op": "reset_stats"}                      <- {"ok": true}
 
-Both nodes answer {"op": "ping"} with {"ok": true, "role": "ctx"|"gen"}.
+Both nodes answer {"op": "ping"} with {"ok": true, "role": "ctx"|"gen", ...} (GEN adds its health).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import hashlib
+import hmac
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,13 +67,28 @@ import anyio
 import anyio.abc
 import structlog
 
+from transports import InvalidRequestId, check_handle, check_request_id
+from transports._auth import SECRET_ENV, new_nonce, verify
+from transports.wire import MAC_BYTES, NONCE_BYTES
+
 log = structlog.get_logger("examples.control")
 
+VERSION = 1
 MAX_LINE = 1 << 20
+"""The line limit of a client reading answers (answers come from an authenticated node)."""
+PREAUTH_LINE = 4096
+"""The line limit before a connection is authenticated."""
+
+_CLIENT_LABEL = b"kvo-ctl-v1-client"
+_SERVER_LABEL = b"kvo-ctl-v1-server"
 
 
 class ControlError(Exception):
     """A malformed control message, or a peer that answered with ``ok: false``."""
+
+
+class AuthError(ControlError):
+    """The two ends of a control connection could not authenticate each other."""
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -53,12 +98,21 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class JsonStream:
-    """Line-delimited JSON over a byte stream."""
+def max_line_for(max_ids: int, max_value: int) -> int:
+    """A line limit that fits the largest legal request: ``max_ids`` ints of up to ``max_value``
+    (a prefill of a whole context), with a separator and a space each, plus 4 KiB for the rest."""
+    return PREAUTH_LINE + max_ids * (len(str(max_value)) + 2)
 
-    def __init__(self, stream: anyio.abc.ByteStream) -> None:
+
+class JsonStream:
+    """Line-delimited JSON over a byte stream; a line longer than ``max_line`` is refused before
+    it is buffered, so one connection holds at most ``max_line`` bytes of input."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, max_line: int = MAX_LINE) -> None:
         self._stream = stream
         self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already known to hold no newline
+        self.max_line = max_line
 
     async def send(self, obj: dict[str, Any]) -> None:
         await self._stream.send(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
@@ -66,23 +120,28 @@ class JsonStream:
     async def receive(self) -> dict[str, Any]:
         """The next message; raises ``anyio.EndOfStream`` when the peer closed cleanly."""
         while True:
-            nl = self._buf.find(b"\n")
+            nl = self._buf.find(b"\n", self._scanned)
             if nl >= 0:
                 line = bytes(self._buf[:nl])
                 del self._buf[: nl + 1]
-                return _decode(line)
-            if len(self._buf) > MAX_LINE:
-                raise ControlError(f"control line longer than {MAX_LINE} bytes")
-            chunk = await self._stream.receive(65536)
+                self._scanned = 0
+                return _decode(line, self.max_line)
+            self._scanned = len(self._buf)
+            if len(self._buf) > self.max_line:
+                raise ControlError(f"control line longer than {self.max_line} bytes")
+            chunk = await self._stream.receive(min(65536, self.max_line + 1 - len(self._buf)))
             self._buf += chunk
+
+    def extra(self, attribute: Any, default: Any = None) -> Any:
+        return self._stream.extra(attribute, default)
 
     async def aclose(self) -> None:
         await self._stream.aclose()
 
 
-def _decode(line: bytes) -> dict[str, Any]:
-    if len(line) > MAX_LINE:
-        raise ControlError(f"control line longer than {MAX_LINE} bytes")
+def _decode(line: bytes, max_line: int) -> dict[str, Any]:
+    if len(line) > max_line:
+        raise ControlError(f"control line longer than {max_line} bytes")
     try:
         obj = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -92,8 +151,12 @@ def _decode(line: bytes) -> dict[str, Any]:
     return obj
 
 
+# -- fields ---------------------------------------------------------------------------------------
+
 def field(msg: dict[str, Any], name: str, kind: type, *, lo: int | None = None, hi: int | None = None) -> Any:
-    """``msg[name]``, checked to be of ``kind`` (and within [lo, hi] for ints); raises ControlError."""
+    """``msg[name]``, checked to be of ``kind`` (and within [lo, hi] for ints, 1..256 characters
+    for strings); raises ControlError. Request ids and KV handles have their own rules:
+    ``request_id``, ``kv_handle``."""
     value = msg.get(name)
     if kind is int and isinstance(value, bool) or not isinstance(value, kind):
         raise ControlError(f"field {name!r} must be {kind.__name__}")
@@ -102,6 +165,22 @@ def field(msg: dict[str, Any], name: str, kind: type, *, lo: int | None = None, 
     if kind is str and not 0 < len(value) <= 256:
         raise ControlError(f"field {name!r} must be 1..256 characters")
     return value
+
+
+def request_id(msg: dict[str, Any]) -> str:
+    """``msg["request_id"]`` if it follows ``transports.check_request_id``; raises ControlError."""
+    try:
+        return check_request_id(msg.get("request_id"))
+    except InvalidRequestId as exc:
+        raise ControlError(str(exc)) from None
+
+
+def kv_handle(msg: dict[str, Any]) -> str:
+    """``msg["kv_handle"]`` if it is a well-formed KV handle; raises ControlError."""
+    try:
+        return check_handle(msg.get("kv_handle"))
+    except InvalidRequestId as exc:
+        raise ControlError(str(exc)) from None
 
 
 def int_list(msg: dict[str, Any], name: str, *, max_len: int, lo: int, hi: int) -> list[int]:
@@ -114,50 +193,215 @@ def int_list(msg: dict[str, Any], name: str, *, max_len: int, lo: int, hi: int) 
     return value
 
 
-Handler = Callable[[dict[str, Any], JsonStream], Awaitable[None]]
+# -- authentication -------------------------------------------------------------------------------
+
+def _mac(label: bytes, secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-async def serve(host: str, port: int, handler: Handler, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
-    """Serve connections: read one message, call ``handler(msg, stream)``; report the bound port."""
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
-    bound = listener.extra(anyio.abc.SocketAttribute.local_port)
-
-    async def on_connect(raw: anyio.abc.SocketStream) -> None:
-        stream = JsonStream(raw)
-        async with raw:
-            try:
-                msg = await stream.receive()
-                await handler(msg, stream)
-            except ControlError as exc:
-                log.info("control_rejected", error=str(exc))
-                try:
-                    await stream.send({"ok": False, "error": str(exc)})
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    pass
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
-                pass
-            except Exception:  # one connection's failure must never take the node down
-                log.exception("control_handler_failed")
-
-    task_status.started(bound)
-    async with listener:
-        await listener.serve(on_connect)
+def _hex_field(obj: object, name: str, size: int) -> bytes:
+    value = obj.get(name) if isinstance(obj, dict) else None
+    try:
+        raw = bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != size:
+        raise AuthError(f"authentication field {name!r} must be {size} bytes of hex")
+    return raw
 
 
-async def connect(addr: str) -> JsonStream:
+async def _authenticate(stream: JsonStream, secret: bytes | None, addr: str) -> None:
+    """The client's side of the handshake (see the module docstring)."""
+    hello = await stream.receive()
+    if hello.get("kvo") != VERSION:
+        raise ControlError(f"{addr} is not a kvo control port (version {VERSION}): it said {str(hello)[:80]}")
+    if secret is None:
+        if hello.get("insecure") is not True:
+            raise AuthError(f"{addr} requires authentication: no shared secret given "
+                            f"(set {SECRET_ENV} or --secret-file)")
+        return
+    if hello.get("nonce") is None:
+        raise AuthError(f"{addr} cannot authenticate (an --insecure node without a secret): "
+                        "refusing to talk to it with a secret")
+    server_nonce = _hex_field(hello, "nonce", NONCE_BYTES)
+    client_nonce = new_nonce()
+    await stream.send({"auth": {"nonce": client_nonce.hex(),
+                                "mac": _mac(_CLIENT_LABEL, secret, server_nonce, client_nonce).hex()}})
+    reply = await stream.receive()
+    if reply.get("ok") is not True:
+        raise AuthError(f"{addr}: {reply.get('error') or 'authentication refused'}")
+    if not verify(_mac(_SERVER_LABEL, secret, server_nonce, client_nonce), _hex_field(reply, "mac", MAC_BYTES)):
+        raise AuthError(f"{addr} failed to prove it holds the shared secret (a different secret?)")
+
+
+async def connect(addr: str, *, secret: bytes | None) -> JsonStream:
+    """An authenticated connection to a node, ready for one request. ``secret`` None talks only to
+    an ``--insecure`` node. Raises ``AuthError`` (a ControlError) when authentication fails."""
     host, port = parse_addr(addr)
-    return JsonStream(await anyio.connect_tcp(host, port))
+    stream = JsonStream(await anyio.connect_tcp(host, port))
+    try:
+        await _authenticate(stream, secret, addr)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
+    return stream
 
 
-async def call(addr: str, msg: dict[str, Any], *, timeout: float = 30.0) -> dict[str, Any]:
+async def call(addr: str, msg: dict[str, Any], *, secret: bytes | None, timeout: float = 30.0) -> dict[str, Any]:
     """One request, one answer; raises ControlError if the answer is ``ok: false``."""
     with anyio.fail_after(timeout):
-        stream = await connect(addr)
+        stream = await connect(addr, secret=secret)
         try:
             await stream.send(msg)
             reply = await stream.receive()
         finally:
-            await stream.aclose()
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
     if reply.get("ok") is False:
         raise ControlError(str(reply.get("error")))
     return reply
+
+
+# -- the server -----------------------------------------------------------------------------------
+
+Handler = Callable[[dict[str, Any], JsonStream], Awaitable[None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlLimits:
+    max_connections: int = 4096
+    """Connections open at once; one more is closed as soon as it is accepted."""
+    handshake_timeout_s: float = 10.0
+    """From accept to the request read: hello, authentication and the request itself."""
+    max_line: int = max_line_for(2048, 257)
+    """Line limit once authenticated (``max_line_for`` the node's largest request)."""
+    preauth_line: int = PREAUTH_LINE
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlStatistics:
+    active: int
+    peak_active: int
+    accepted: int
+    refused: int
+    """Closed at accept: ``max_connections`` were open."""
+    timed_out: int
+    """Closed because the request had not arrived within ``handshake_timeout_s``."""
+    auth_failed: int
+    rejected: int
+    """Malformed or refused requests (``ok: false`` answers, authentication failures excluded)."""
+
+
+class ControlServer:
+    """Serves control connections for one node: ``port = await tg.start(server.serve, host, port)``."""
+
+    def __init__(self, handler: Handler, *, secret: bytes | None, insecure: bool = False,
+                 limits: ControlLimits = ControlLimits()) -> None:
+        if secret is None and not insecure:
+            raise ValueError("a control server needs the shared secret (or insecure=True)")
+        self.handler = handler
+        self.secret = secret
+        self.insecure = insecure
+        self.limits = limits
+        self._active = self._peak = self._accepted = self._refused = 0
+        self._timed_out = self._auth_failed = self._rejected = 0
+
+    def statistics(self) -> ControlStatistics:
+        return ControlStatistics(self._active, self._peak, self._accepted, self._refused, self._timed_out,
+                                 self._auth_failed, self._rejected)
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (f"<ControlServer [{s.active} open (cap {self.limits.max_connections}), {s.refused} refused, "
+                f"{s.timed_out} timed out, {s.auth_failed} failed authentication]>")
+
+    async def serve(self, host: str, port: int, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen, report the bound port, serve until cancelled."""
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
+        bound = listener.extra(anyio.abc.SocketAttribute.local_port)
+        if self.insecure:
+            log.warning("control_insecure", port=bound, detail="accepting unauthenticated control connections")
+        async with listener, anyio.create_task_group() as tg:
+            for one in listener.listeners:
+                tg.start_soon(self._accept_loop, one, tg)
+            task_status.started(bound)
+
+    async def _accept_loop(self, listener: anyio.abc.Listener[anyio.abc.SocketStream], tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            try:
+                raw = await listener.accept()
+            except OSError as exc:  # out of descriptors: back off, never stop serving
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED):
+                    raise
+                log.warning("control_accept_failed", error=str(exc))
+                await anyio.sleep(0.1)
+                continue
+            self._accepted += 1
+            if self._active >= self.limits.max_connections:
+                self._refused += 1
+                log.debug("control_refused", open=self._active)
+                await raw.aclose()
+                continue
+            self._active += 1
+            self._peak = max(self._peak, self._active)
+            tg.start_soon(self._connection, raw)
+
+    async def _connection(self, raw: anyio.abc.SocketStream) -> None:
+        stream = JsonStream(raw, max_line=self.limits.max_line if self.insecure else self.limits.preauth_line)
+        try:
+            async with raw:
+                try:
+                    msg: dict[str, Any] | None = None
+                    with anyio.move_on_after(self.limits.handshake_timeout_s):
+                        msg = await self._open(stream)
+                    if msg is None:
+                        self._timed_out += 1
+                        log.info("control_timed_out", timeout_s=self.limits.handshake_timeout_s)
+                        return
+                    await self.handler(msg, stream)  # past the deadline: a stream may last
+                except ControlError as exc:
+                    if isinstance(exc, AuthError):
+                        self._auth_failed += 1
+                        log.info("control_auth_failed", error=str(exc))
+                    else:
+                        self._rejected += 1
+                        log.info("control_rejected", error=str(exc))
+                    try:
+                        await stream.send({"ok": False, "error": str(exc)})
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+                        pass
+                except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+                    pass
+                except Exception:  # one connection's failure must never take the node down
+                    log.exception("control_handler_failed")
+        finally:
+            self._active -= 1
+
+    async def _open(self, stream: JsonStream) -> dict[str, Any]:
+        """Hello, authentication; returns the request. Raises AuthError."""
+        server_nonce = new_nonce() if self.secret is not None else None
+        await stream.send({"kvo": VERSION, "nonce": server_nonce.hex() if server_nonce else None,
+                           "insecure": self.insecure})
+        msg = await stream.receive()
+        auth = msg.get("auth")
+        if auth is None:
+            if not self.insecure:
+                raise AuthError("authentication required: this control port takes only clients holding "
+                                "the shared secret")
+            return msg
+        if self.secret is None or server_nonce is None:
+            raise AuthError("this node has no shared secret (--insecure): connect without one")
+        client_nonce = _hex_field(auth, "nonce", NONCE_BYTES)
+        if not verify(_mac(_CLIENT_LABEL, self.secret, server_nonce, client_nonce), _hex_field(auth, "mac", MAC_BYTES)):
+            raise AuthError("authentication failed: wrong shared secret")
+        await stream.send({"ok": True, "mac": _mac(_SERVER_LABEL, self.secret, server_nonce, client_nonce).hex()})
+        stream.max_line = self.limits.max_line
+        return await stream.receive()
+
+
+async def serve(host: str, port: int, handler: Handler, *, secret: bytes | None, insecure: bool = False,
+                limits: ControlLimits = ControlLimits(),
+                task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+    """``ControlServer(handler, ...).serve(host, port)``: for servers whose statistics nobody reads."""
+    await ControlServer(handler, secret=secret, insecure=insecure, limits=limits).serve(host, port, task_status=task_status)

@@ -1,10 +1,11 @@
 """The CTX node: prefill prompts into paged KV, hold it, serve it over UCX until pulled.
 
-    control "prefill" ─> allocate KV blocks (waits while the pool is full, bounded)
-                     ─> prefill on the execution thread (one at a time) ─> KVStore.put(lease)
-                     ─> reply first_token, prompt_len, kv_peer, block checksums
+    control "prefill" ─> check the request id (before anything is allocated)
+                     ─> allocate KV blocks (waits while the pool is full, bounded)
+                     ─> prefill on the execution thread (one at a time) ─> KVStore.put(lease) -> handle
+                     ─> reply first_token, prompt_len, kv_peer, kv_handle, block checksums
     UCX PULL from GEN ─> UCXKVServer serves the blocks, then the store frees them
-    GEN's RELEASE, or the lease expiring ─> the store frees them
+    GEN's RELEASE, a control "release" with the handle, or the lease expiring ─> the store frees them
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import structlog
 import torch
 
 from examples.two_node import control
-from examples.two_node.common import announce_ready, block_checksums, build_model, ucx_config
+from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, ucx_config
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
 from transports import KVStore
 from transports.ucx import UCXKVServer
@@ -38,6 +39,7 @@ class CtxNode:
         self._freed = anyio.Event()
         self._exec = anyio.CapacityLimiter(1)  # the CTX execution thread: one prefill at a time
         self._prefills = 0
+        self.control = control_server(args, self.handle, self.model.config)
 
     def _on_free(self, block_ids: torch.Tensor) -> None:
         """Any thread: give the blocks back and wake every prefill waiting for blocks."""
@@ -61,15 +63,16 @@ class CtxNode:
         op = msg.get("op")
         if op == "prefill":
             await stream.send(await self._prefill(msg))
-        elif op == "release":
-            rid = control.field(msg, "request_id", str)
-            await stream.send({"ok": True, "released": self.store.release(rid)})
+        elif op == "release":  # only with the handle of the prefill: a wrong one releases nothing
+            rid, handle = control.request_id(msg), control.kv_handle(msg)
+            await stream.send({"ok": True, "released": self.store.release(rid, handle=handle)})
         elif op == "stats":
             s, p = self.store.statistics(), self.pool.statistics()
             await stream.send({"ok": True, "role": "ctx", "prefills": self._prefills,
                                "store": dataclasses.asdict(s),
                                "pool": {"num_blocks": p.num_blocks, "used_blocks": p.used_blocks,
-                                        "peak_used_blocks": p.peak_used_blocks}})
+                                        "peak_used_blocks": p.peak_used_blocks},
+                               "control": dataclasses.asdict(self.control.statistics())})
         elif op == "ping":
             await stream.send({"ok": True, "role": "ctx"})
         else:
@@ -77,7 +80,7 @@ class CtxNode:
 
     async def _prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
         cfg = self.model.config
-        rid = control.field(msg, "request_id", str)
+        rid = control.request_id(msg)  # before anything is allocated for it
         max_tokens = control.field(msg, "max_tokens", int, lo=1, hi=cfg.max_seq_len)
         prompt = control.int_list(msg, "prompt_ids", max_len=cfg.max_seq_len - max_tokens, lo=0, hi=cfg.vocab_size - 1)
         n = self.layout.blocks_for(len(prompt))
@@ -90,9 +93,9 @@ class CtxNode:
         try:
             t0 = time.perf_counter()
             first = await anyio.to_thread.run_sync(self.model.prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
-            checksums = block_checksums(self.pool.kv, block_ids)
-            self.store.put(rid, block_ids, num_tokens=len(prompt), lease_s=self.args.lease_s,
-                           on_release=lambda: self._on_free(block_ids))
+            checksums = block_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
+            handle = self.store.put(rid, block_ids, num_tokens=len(prompt), lease_s=self.args.lease_s,
+                                    on_release=lambda: self._on_free(block_ids))
         except ValueError as exc:  # duplicate id
             self.pool.free(block_ids)
             raise control.ControlError(str(exc)) from None
@@ -102,14 +105,14 @@ class CtxNode:
         self._prefills += 1
         log.debug("prefill_done", request_id=rid, tokens=len(prompt), ms=round((time.perf_counter() - t0) * 1e3, 2))
         return {"ok": True, "request_id": rid, "first_token": first, "prompt_len": len(prompt),
-                "kv_peer": self.ucx_addr, "block_checksums": checksums}
+                "kv_peer": self.ucx_addr, "kv_handle": handle, "block_checksums": checksums}
 
     async def run(self) -> None:
         self._call = loop_caller()
-        async with UCXKVServer(self.store, ucx_config(self.args), port=self.args.ucx_port) as server:
+        async with UCXKVServer(self.store, ucx_config(self.args), port=self.args.ucx_port, lease_s=self.args.lease_s) as server:
             self.ucx_addr = f"{self.args.advertise or self.args.host}:{server.port}"
             async with anyio.create_task_group() as tg:
-                port = await tg.start(control.serve, self.args.host, self.args.port, self.handle)
+                port = await tg.start(self.control.serve, self.args.host, self.args.port)
                 announce_ready(role="ctx", ctrl=f"{self.args.host}:{port}", ucx=self.ucx_addr)
                 log.info("ctx_ready", ctrl_port=port, ucx=self.ucx_addr)
 
@@ -122,6 +125,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the CTX pool")
     p.add_argument("--lease-s", type=float, default=30.0, help="free a request's KV if GEN has not pulled it by then")
     p.add_argument("--alloc-wait-s", type=float, default=30.0, help="how long a prefill waits for free KV blocks")
+    p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
+                   help="CRC32 of each prefilled KV block in the prefill reply (a parity check; costs CPU per request)")
 
 
 def main(args: argparse.Namespace) -> int:

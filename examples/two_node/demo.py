@@ -26,7 +26,7 @@ import anyio
 
 from examples.tiny_model import ModelConfig, TinyModel
 from examples.two_node import client, control
-from examples.two_node.launch import Netns, NodeProcess, node_env
+from examples.two_node.launch import Netns, NodeProcess, env_secret, node_env
 from transports.ucx import UCX_DEFAULTS
 
 
@@ -58,6 +58,7 @@ def reference_tokens(prompts: list[list[int]], osl: int) -> list[list[int]]:
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the client's summary, the report)."""
     env = node_env()
+    secret = env_secret(env)
     with contextlib.ExitStack() as stack:
         ns = stack.enter_context(Netns()) if args.netns else None
         ctx_host = ns.addr_a if ns else "127.0.0.1"
@@ -78,17 +79,18 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         prompts = client.make_prompts(args.requests, args.isl, seed=args.seed)
 
         async def drive() -> tuple[client.LoadResult, dict[str, Any]]:
-            result = await client.run_load(ctx=ctx_addrs, gen=gen.info["ctrl"], prompts=prompts,
+            result = await client.run_load(ctx=ctx_addrs, gen=gen.info["ctrl"], secret=secret, prompts=prompts,
                                            max_tokens=args.osl, concurrency=args.concurrency,
                                            progress=not args.no_progress, label="demo")
             with anyio.fail_after(30):  # the last completions reach GEN's engine asynchronously
-                while (stats := await control.call(gen.info["ctrl"], {"op": "stats"}))["rest_problems"]:
+                while (stats := await control.call(gen.info["ctrl"], {"op": "stats"}, secret=secret))["rest_problems"]:
                     await anyio.sleep(0.05)
             return result, stats
 
         t0 = time.perf_counter()
         result, gen_stats = anyio.run(drive, backend="asyncio")
-        ctx_stats = [anyio.run(control.call, a, {"op": "stats"}, backend="asyncio") for a in ctx_addrs]
+        ctx_stats = [anyio.run(lambda a=a: control.call(a, {"op": "stats"}, secret=secret), backend="asyncio")
+                     for a in ctx_addrs]
         load_s = time.perf_counter() - t0
     summary = client.summarize(result)
     reference = reference_tokens(prompts, args.osl)

@@ -4,8 +4,9 @@
                                  the output pump (engine outputs -> each request's connection)
     execution thread:            DecodeLoop: engine.step() -> model decode step (or device step)
 
-A "generate" connection submits one request and streams its tokens; closing it early aborts the
-request (blocks and budget come back; CTX is told to free its copy).
+A "generate" connection submits one request (with the KV handle its CTX issued) and streams its
+tokens; closing it early aborts the request (blocks and budget come back; CTX is told to free its
+copy). A request id that is already live, or an unhealthy engine, is refused and touches nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import structlog
 import torch
 
 from examples.two_node import control
-from examples.two_node.common import announce_ready, block_checksums, build_model, ucx_config
+from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, ucx_config
 from orchestrator import (
     DecodeBatch,
     DecodeLoop,
@@ -33,6 +34,7 @@ from orchestrator import (
     Mode,
     OrchestratorConfig,
     RequestOutput,
+    Unavailable,
     loop_caller,
 )
 from transports.ucx import UCXTransport
@@ -68,6 +70,7 @@ class GenNode:
             max_num_seqs=args.max_num_seqs,
             max_prefetch_seqs=args.max_prefetch_seqs,
             max_model_len=self.model.config.max_seq_len,
+            kv_hold_interval_s=args.kv_hold_interval_s,
         )
         if args.step == "device":
             self.step_fn: Any = DeviceStep(args.device_step_ms, args.device_step_us_per_seq, self.model.config.vocab_size)
@@ -81,6 +84,7 @@ class GenNode:
         self._call: Any = None
         self.engine: GenEngine | None = None
         self.loop: DecodeLoop | None = None
+        self.control = control_server(args, self.handle, self.model.config)
 
     # -- output routing: execution thread -> event loop, one wake-up per burst ---------------------
     def _on_output(self, out: RequestOutput) -> None:
@@ -90,12 +94,17 @@ class GenNode:
             self._call(self._pump)
 
     def _pump(self) -> None:
+        """Event loop: hand every pending output to its request's stream. A stream whose reader is
+        gone (its client went away) drops the output; it never stops the outputs behind it."""
         self._pump_flag.clear()
         while self._pending:
             out = self._pending.popleft()
             send = self._streams.get(out.request_id)
             if send is not None:
-                send.send_nowait(out)
+                try:
+                    send.send_nowait(out)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    log.debug("output_dropped", request_id=out.request_id)
 
     def _on_received(self, request_id: str, block_ids: torch.Tensor) -> None:
         if self.args.kv_checksums:
@@ -113,28 +122,32 @@ class GenNode:
             self.loop.reset_statistics()
             await stream.send({"ok": True})
         elif op == "ping":
-            await stream.send({"ok": True, "role": "gen", "mode": self.config.mode.value})
+            await stream.send({"ok": True, "role": "gen", "mode": self.config.mode.value, **self._health()})
         else:
             raise control.ControlError(f"unknown op {op!r}")
 
     async def _generate(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
         assert self.engine is not None
         limit = self.config.max_model_len
-        rid = control.field(msg, "request_id", str)
+        rid = control.request_id(msg)  # before anything is allocated for it
+        pulls = self.config.mode is not Mode.IDEAL
         request = GenRequest(
             request_id=rid,
             prompt_len=control.field(msg, "prompt_len", int, lo=1, hi=limit),
             first_token=control.field(msg, "first_token", int, lo=0, hi=self.model.config.vocab_size - 1),
             max_tokens=control.field(msg, "max_tokens", int, lo=1, hi=limit),
-            peer=None if self.config.mode is Mode.IDEAL else control.field(msg, "kv_peer", str),
+            peer=control.field(msg, "kv_peer", str) if pulls else None,
+            kv_handle=control.kv_handle(msg) if pulls else None,
         )
-        send, receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
-        self._streams[rid] = send
+        # submit first (it refuses a live id), then own the stream: no await in between, so no
+        # output of this request can reach the pump before its stream is there, and a refused
+        # duplicate never touches the live request's stream
         try:
             self.engine.submit(request)
-        except InvalidRequest as exc:
-            self._streams.pop(rid, None)
+        except (InvalidRequest, Unavailable) as exc:
             raise control.ControlError(str(exc)) from None
+        send, receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
+        self._streams[rid] = send
         done = False
         try:
             async with anyio.create_task_group() as tg:
@@ -157,8 +170,9 @@ class GenNode:
             if not done:  # the one place a request whose client is gone (or node stopping) is aborted
                 log.info("client_gone", request_id=rid)
                 self.engine.abort(rid)
-            self._streams.pop(rid, None)
-            self.checksums.pop(rid, None)
+            if self._streams.get(rid) is send:  # not a later request that reuses the finished id
+                del self._streams[rid]
+                self.checksums.pop(rid, None)
             send.close()
 
     async def _stream_tokens(self, rid: str, receive: Any, stream: control.JsonStream) -> bool:
@@ -183,6 +197,10 @@ class GenNode:
                 await stream.send({"tokens": tokens})
         return False
 
+    def _health(self) -> dict[str, Any]:
+        why = self.engine.health() if self.engine is not None else "starting"
+        return {"healthy": why is None, "health": why}
+
     def stats(self) -> dict[str, Any]:
         assert self.engine is not None and self.loop is not None
         s = self.engine.statistics()
@@ -191,6 +209,8 @@ class GenNode:
             "ok": True,
             "role": "gen",
             "mode": self.config.mode.value,
+            **self._health(),
+            "control": dataclasses.asdict(self.control.statistics()),
             "engine": {
                 "waiting": s.waiting, "receiving": s.receiving, "ready": s.ready, "running": s.running,
                 "finished": s.finished, "aborted": s.aborted,
@@ -214,7 +234,7 @@ class GenNode:
     async def run(self) -> None:
         args = self.args
         self._call = loop_caller()
-        transport = UCXTransport(ucx_config(args)) if self.config.mode is not Mode.IDEAL else None
+        transport = UCXTransport(ucx_config(args), layout=self.config.layout) if self.config.mode is not Mode.IDEAL else None
         try:
             self.engine = GenEngine(self.config, transport, self.step_fn, on_output=self._on_output,
                                     on_received=self._on_received)
@@ -225,7 +245,7 @@ class GenNode:
                 exec_thread = threading.Thread(target=self.loop.run, args=(stop,), name="execution", daemon=True)
                 exec_thread.start()
                 try:
-                    port = await tg.start(control.serve, args.host, args.port, self.handle)
+                    port = await tg.start(self.control.serve, args.host, args.port)
                     announce_ready(role="gen", ctrl=f"{args.host}:{port}", mode=self.config.mode.value)
                     log.info("gen_ready", ctrl_port=port, mode=self.config.mode.value,
                              transfer_budget_bytes=self.config.transfer_budget_bytes, num_blocks=self.config.num_blocks)
@@ -259,8 +279,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="sys.setswitchinterval for this process: how long a thread may hold the GIL "
                         "while another waits (Python's default: 5 ms)")
     p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
-    p.add_argument("--no-kv-checksums", dest="kv_checksums", action="store_false",
-                   help="skip the per-block CRC of received KV (saves event-loop CPU in benchmarks)")
+    p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
+                   help="CRC32 of each received KV block, reported at the end of a generate stream (a parity "
+                        "check; --no-kv-checksums saves event-loop CPU in benchmarks)")
+    p.add_argument("--kv-hold-interval-s", type=float, default=OrchestratorConfig.kv_hold_interval_s,
+                   help="how often CTX nodes are asked to renew the leases of requests still waiting here "
+                        "(keep it well below the CTX's --lease-s)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -2,7 +2,9 @@
 
     with NodeProcess.start(["ctx", ...], env=...) as ctx:    # waits for its READY line
         ctx.info["ctrl"], ctx.info["ucx"]
-    # on exit: SIGTERM, then SIGKILL after a grace period; never leaves a stray process
+        control.call(ctx.info["ctrl"], ..., secret=ctx.secret)  # the secret it was started with
+    # on exit: SIGTERM, then SIGKILL after a grace period; never leaves a stray process, nor the
+    # temporary folder of its log (made when no log_dir is given): log_tail() still answers
 
 ``Netns`` builds two network namespaces joined by a veth pair (root only), each with its own
 address and loopback: real separate network stacks on one machine.
@@ -21,14 +23,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 from transports._auth import SECRET_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def env_secret(env: Mapping[str, str]) -> bytes | None:
+    """The shared secret of nodes started with ``env``: what a client needs to talk to them."""
+    raw = env.get(SECRET_ENV, "").strip()
+    return raw.encode() if raw else None
 
 
 def node_env(secret: str | None = None, **extra: str) -> dict[str, str]:
@@ -41,10 +49,15 @@ def node_env(secret: str | None = None, **extra: str) -> dict[str, str]:
 
 
 class NodeProcess:
-    def __init__(self, proc: subprocess.Popen[str], info: dict[str, Any], log_path: Path) -> None:
+    def __init__(self, proc: subprocess.Popen[str], info: dict[str, Any], log_path: Path, *,
+                 secret: bytes | None, owned_dir: Path | None = None) -> None:
         self.proc = proc
         self.info = info
         self.log_path = log_path
+        self.secret = secret
+        """The shared secret the node holds (from its environment), for ``control.call``."""
+        self._owned_dir = owned_dir
+        self._last_log: str | None = None  # the log's end, kept when the folder is removed
 
     @classmethod
     def start(
@@ -59,18 +72,26 @@ class NodeProcess:
         cmd = [sys.executable, "-m", "examples.two_node", *args]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
-        log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvo-"))
+        owned_dir: Path | None = None  # a folder made here is removed when the node stops
+        if log_dir is None:
+            log_dir = owned_dir = Path(tempfile.mkdtemp(prefix="kvo-"))
         log_path = log_dir / f"{args[0]}-{secrets.token_hex(3)}.log"
-        stderr: IO[str] = open(log_path, "w")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                start_new_session=True)
-        stderr.close()
+        try:
+            with open(log_path, "w") as stderr:
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                        start_new_session=True)
+        except BaseException:
+            _remove(owned_dir)
+            raise
         try:
             info = _wait_ready(proc, timeout)
         except BaseException:
             _stop(proc)
-            raise RuntimeError(f"{args[0]} node did not start; its log {log_path}:\n{_tail(log_path)}") from None
-        return cls(proc, info, log_path)
+            tail = _tail(log_path)
+            _remove(owned_dir)
+            where = "the end of its log" if owned_dir else f"its log {log_path}"
+            raise RuntimeError(f"{args[0]} node did not start; {where}:\n{tail}") from None
+        return cls(proc, info, log_path, secret=env_secret(env), owned_dir=owned_dir)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -82,6 +103,10 @@ class NodeProcess:
 
     def stop(self) -> None:
         _stop(self.proc)
+        if self._owned_dir is not None:
+            self._last_log = _tail(self.log_path, 200)
+            _remove(self._owned_dir)
+            self._owned_dir = None
 
     def __enter__(self) -> NodeProcess:
         return self
@@ -90,6 +115,8 @@ class NodeProcess:
         self.stop()
 
     def log_tail(self, lines: int = 20) -> str:
+        if self._last_log is not None:
+            return "\n".join(self._last_log.splitlines()[-lines:])
         return _tail(self.log_path, lines)
 
 
@@ -123,6 +150,11 @@ def _stop(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
             proc.wait(10)
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+def _remove(folder: Path | None) -> None:
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -1,0 +1,560 @@
+"""The control plane of the two-node example: authentication, bounds, the request-id rule at the
+edge, KV handles, duplicate ids at GEN, the output pump, health, and what operators see.
+
+In-process tests run a ``ControlServer`` with a fake handler; the integration tests run a real CTX
+node and a real GEN node (``ideal`` mode with a device step: no data plane needed) once per module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+
+from examples.two_node import common, control, gen
+from examples.two_node.control import AuthError, ControlError, ControlLimits, ControlServer
+from examples.two_node.launch import ROOT, NodeProcess, node_env
+from orchestrator import InvalidRequest, RequestOutput, RequestState, Unavailable
+from transports import _auth
+
+pytestmark = pytest.mark.anyio
+
+SECRET = b"control-test-secret-0123456789ab"
+BAD_IDS = ["é-ü", "a b", "x" * 129]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Recorder:
+    """A handler that answers ``{"ok": true, "echo": msg}`` (or streams for ``op: stream``)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    async def __call__(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
+        self.seen.append(msg)
+        if msg.get("op") == "stream":  # outlives the handshake deadline
+            for i in range(int(msg["n"])):
+                await anyio.sleep(0.05)
+                await stream.send({"tokens": [i]})
+            await stream.send({"done": True})
+            return
+        if msg.get("op") == "boom":
+            raise RuntimeError("boom in the handler")
+        await stream.send({"ok": True, "echo": msg})
+
+
+async def start(tg: Any, server: ControlServer) -> str:
+    port = await tg.start(server.serve, "127.0.0.1", 0)
+    return f"127.0.0.1:{port}"
+
+
+async def raw_exchange(addr: str, *lines: bytes) -> list[dict[str, Any]]:
+    """Send ``lines`` without authenticating; every message the server sent before it closed."""
+    host, port = control.parse_addr(addr)
+    async with await anyio.connect_tcp(host, port) as sock:
+        for line in lines:
+            await sock.send(line)
+        stream, got = control.JsonStream(sock), []
+        with anyio.fail_after(5):
+            try:
+                while True:
+                    got.append(await stream.receive())
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+                return got
+
+
+# -- authentication (in process) ------------------------------------------------------------------
+
+async def test_only_a_client_with_the_secret_gets_its_request_served() -> None:
+    handler = Recorder()
+    server = ControlServer(handler, secret=SECRET)
+    async with anyio.create_task_group() as tg:
+        addr = await start(tg, server)
+        with pytest.raises(AuthError, match="requires authentication: no shared secret"):
+            await control.call(addr, {"op": "ping"}, secret=None)
+        with pytest.raises(AuthError, match="authentication failed: wrong shared secret"):
+            await control.call(addr, {"op": "ping"}, secret=b"another-secret-0123456789abcdef")
+        # a client that skips authentication and sends its request straight away
+        got = await raw_exchange(addr, b'{"op": "ping"}\n')
+        assert got[0]["kvo"] == 1 and len(bytes.fromhex(got[0]["nonce"])) == 32
+        assert got[1] == {"ok": False, "error": got[1]["error"]} and "authentication required" in got[1]["error"]
+        assert handler.seen == []  # none of them reached the handler
+        assert (await control.call(addr, {"op": "ping"}, secret=SECRET))["echo"] == {"op": "ping"}
+        assert server.statistics().auth_failed == 2
+        tg.cancel_scope.cancel()
+
+
+async def test_a_data_plane_mac_is_not_accepted_on_the_control_plane() -> None:
+    handler = Recorder()
+    async with anyio.create_task_group() as tg:
+        addr = await start(tg, ControlServer(handler, secret=SECRET))
+        host, port = control.parse_addr(addr)
+        async with await anyio.connect_tcp(host, port) as sock:
+            stream = control.JsonStream(sock)
+            server_nonce = bytes.fromhex((await stream.receive())["nonce"])
+            client_nonce = _auth.new_nonce()
+            mac = _auth.client_mac(SECRET, server_nonce, client_nonce)  # right secret, data-plane label
+            await stream.send({"auth": {"nonce": client_nonce.hex(), "mac": mac.hex()}})
+            reply = await stream.receive()
+        assert reply["ok"] is False and "authentication failed" in reply["error"]
+        assert handler.seen == []
+        tg.cancel_scope.cancel()
+
+
+async def test_a_client_with_a_secret_does_not_trust_a_node_that_cannot_prove_it() -> None:
+    async with anyio.create_task_group() as tg:
+        addr = await start(tg, ControlServer(Recorder(), secret=None, insecure=True))
+        with pytest.raises(AuthError, match="cannot authenticate"):
+            await control.call(addr, {"op": "ping"}, secret=SECRET)
+        assert (await control.call(addr, {"op": "ping"}, secret=None))["ok"] is True
+        tg.cancel_scope.cancel()
+
+
+# -- bounds (in process) --------------------------------------------------------------------------
+
+async def test_idle_connections_are_closed_at_the_deadline_while_requests_are_served() -> None:
+    server = ControlServer(Recorder(), secret=SECRET, limits=ControlLimits(handshake_timeout_s=0.5))
+    async with anyio.create_task_group() as tg:
+        addr = await start(tg, server)
+        host, port = control.parse_addr(addr)
+        idle = [await anyio.connect_tcp(host, port) for _ in range(100)]
+        slow = await anyio.connect_tcp(host, port)
+        await slow.send(b'{"auth": ')  # a slow client: a part of a line, then nothing
+        t0 = time.monotonic()
+        assert (await control.call(addr, {"op": "ping"}, secret=SECRET))["ok"] is True  # served meanwhile
+        assert server.statistics().active == 101
+        for sock in [*idle, slow]:
+            with anyio.fail_after(5):
+                hello = await control.JsonStream(sock).receive()
+                assert hello["kvo"] == 1
+                with pytest.raises((anyio.EndOfStream, ConnectionError)):  # closed by the node
+                    await sock.receive()
+            await sock.aclose()
+        assert 0.45 <= time.monotonic() - t0 < 5
+        s = server.statistics()
+        assert s.timed_out == 101 and s.active == 0
+        tg.cancel_scope.cancel()
+
+
+async def test_a_stream_outlives_the_handshake_deadline() -> None:
+    server = ControlServer(Recorder(), secret=SECRET, limits=ControlLimits(handshake_timeout_s=0.2))
+    async with anyio.create_task_group() as tg:
+        addr = await start(tg, server)
+        stream = await control.connect(addr, secret=SECRET)
+        await stream.send({"op": "stream", "n": 12})  # 0.6 s of messages
+        got = []
+        while not (msg := await stream.receive()).get("done"):
+            got += msg["tokens"]
+        await stream.aclose()
+        assert got == list(range(12)) and server.statistics().timed_out == 0
+        tg.cancel_scope.cancel()
+
+
+async def test_connections_above_the_cap_are_refused_at_once() -> None:
+    server = ControlServer(Recorder(), secret=SECRET, limits=ControlLimits(max_connections=5, handshake_timeout_s=30))
+    async with anyio.create_task_group() as tg:
+        addr = await start(tg, server)
+        host, port = control.parse_addr(addr)
+        held = [await anyio.connect_tcp(host, port) for _ in range(5)]
+        for sock in held:  # each was accepted: it got the hello
+            assert (await control.JsonStream(sock).receive())["kvo"] == 1
+        extra = await anyio.connect_tcp(host, port)
+        with anyio.fail_after(2), pytest.raises((anyio.EndOfStream, ConnectionError)):
+            await extra.receive()  # closed without a hello, long before the 30 s deadline
+        await extra.aclose()
+        assert server.statistics().refused == 1
+        for sock in held:
+            await sock.aclose()
+        with anyio.fail_after(5):
+            while server.statistics().active:
+                await anyio.sleep(0.01)
+        assert (await control.call(addr, {"op": "ping"}, secret=SECRET))["ok"] is True
+        tg.cancel_scope.cancel()
+
+
+async def test_lines_are_bounded_before_and_after_authentication() -> None:
+    limits = ControlLimits(max_line=10_000)
+    server = ControlServer(Recorder(), secret=SECRET, limits=limits)
+    async with anyio.create_task_group() as tg:
+        addr = await start(tg, server)
+        got = await raw_exchange(addr, b"x" * (limits.preauth_line + 100))  # no newline, ever
+        assert "longer than 4096 bytes" in got[-1]["error"]
+        with pytest.raises(ControlError, match="longer than 10000 bytes"):
+            await control.call(addr, {"op": "prefill", "prompt_ids": [100] * 3000}, secret=SECRET)
+        ok = await control.call(addr, {"op": "prefill", "prompt_ids": [100] * 2000}, secret=SECRET)
+        assert len(ok["echo"]["prompt_ids"]) == 2000  # 8 KiB: over the pre-auth limit, fine after it
+        tg.cancel_scope.cancel()
+
+
+def test_the_line_limit_fits_a_prefill_of_a_whole_context() -> None:
+    limit = control.max_line_for(2048, 257)
+    msg = {"op": "prefill", "request_id": "r" * 128, "prompt_ids": [257] * 2048, "max_tokens": 2048}
+    assert len(json.dumps(msg).encode()) < limit < 64 * 1024
+
+
+# -- request ids and handles: the field rules -----------------------------------------------------
+
+@pytest.mark.parametrize("rid", BAD_IDS)
+def test_request_id_rule_at_the_edge(rid: str) -> None:
+    with pytest.raises(ControlError, match="request id"):
+        control.request_id({"request_id": rid})
+
+
+def test_request_id_and_handle_fields() -> None:
+    assert control.request_id({"request_id": "a" * 128}) == "a" * 128
+    with pytest.raises(ControlError, match="request id must be a string"):
+        control.request_id({})
+    assert control.kv_handle({"kv_handle": "0f" * 16}) == "0f" * 16
+    for bad in (None, "0F" * 16, "0f" * 15):
+        with pytest.raises(ControlError, match="KV handle"):
+            control.kv_handle({"kv_handle": bad})
+
+
+# -- GEN in process: the pump, handles, health, duplicates -----------------------------------------
+
+def gen_args(*extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    gen.add_args(p)
+    common.add_model_args(p)
+    common.add_security_args(p)
+    common.add_control_args(p)
+    return p.parse_args(["--insecure", *extra])
+
+
+class FakeEngine:
+    def __init__(self, health: str | None = None) -> None:
+        self.why = health
+        self.submitted: list[Any] = []
+        self.live: set[str] = set()
+        self.aborted: list[str] = []
+
+    def health(self) -> str | None:
+        return self.why
+
+    def submit(self, request: Any) -> None:
+        if self.why is not None:
+            raise Unavailable(f"GEN engine unavailable: {self.why}")
+        if request.request_id in self.live:
+            raise InvalidRequest(f"request id {request.request_id!r} is already live")
+        self.live.add(request.request_id)
+        self.submitted.append(request)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+class FakeStream:
+    """A client connection: what the node sent; ``receive`` waits until closed."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.closed = anyio.Event()
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        self.sent.append(obj)
+
+    async def receive(self) -> dict[str, Any]:
+        await self.closed.wait()
+        raise anyio.EndOfStream
+
+
+def out(rid: str, *tokens: int, done: bool = False) -> RequestOutput:
+    return RequestOutput(rid, tokens, RequestState.FINISHED if done else RequestState.RUNNING)
+
+
+@pytest.fixture
+def gen_node() -> gen.GenNode:
+    node = gen.GenNode(gen_args("--num-blocks", "64"))
+    node._call = lambda fn: fn()
+    return node
+
+
+def test_pump_goes_on_past_a_client_that_went_away(gen_node: gen.GenNode) -> None:
+    gone_send, gone_receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
+    live_send, live_receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
+    gone_receive.close()  # its client went away: send_nowait raises BrokenResourceError
+    gen_node._streams.update({"gone": gone_send, "live": live_send})
+    gen_node._pending.extend([out("gone", 1), out("live", 2), out("gone", 3), out("live", 4)])
+    gen_node._pump()
+    assert [o.new_tokens for o in (live_receive.receive_nowait(), live_receive.receive_nowait())] == [(2,), (4,)]
+    assert not gen_node._pending
+    gone_send.close()
+    live_send.close()
+    live_receive.close()
+
+
+async def test_generate_passes_the_kv_handle_and_refuses_when_unhealthy(gen_node: gen.GenNode) -> None:
+    gen_node.engine = engine = FakeEngine()  # type: ignore[assignment]
+    msg = {"op": "generate", "request_id": "h-1", "prompt_len": 20, "first_token": 5, "max_tokens": 3,
+           "kv_peer": "127.0.0.1:9", "kv_handle": "ab" * 16}
+    stream = FakeStream()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(gen_node._generate, msg, stream)
+        await anyio.wait_all_tasks_blocked()
+        assert engine.submitted[0].kv_handle == "ab" * 16
+        gen_node._on_output(out("h-1", 7, done=True))
+    assert stream.sent[-1]["done"] is True
+    with pytest.raises(ControlError, match="KV handle"):
+        await gen_node._generate({**msg, "request_id": "h-2", "kv_handle": None}, FakeStream())
+    engine.why = "decode loop died: RuntimeError"
+    with pytest.raises(ControlError, match="unavailable: decode loop died"):
+        await gen_node._generate({**msg, "request_id": "h-3"}, FakeStream())
+    ping = FakeStream()
+    await gen_node.handle({"op": "ping"}, ping)  # type: ignore[arg-type]
+    assert ping.sent == [{"ok": True, "role": "gen", "mode": "orchestrated", "healthy": False,
+                          "health": "decode loop died: RuntimeError"}]
+
+
+async def test_a_duplicate_generate_leaves_the_first_stream_alone(gen_node: gen.GenNode) -> None:
+    gen_node.engine = FakeEngine()  # type: ignore[assignment]
+    msg = {"op": "generate", "request_id": "dup", "prompt_len": 20, "first_token": 5, "max_tokens": 3,
+           "kv_peer": "127.0.0.1:9", "kv_handle": "ab" * 16}
+    first = FakeStream()
+    with anyio.fail_after(5):  # before the fix, the refused duplicate took the first one's stream: a hang
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gen_node._generate, msg, first)
+            await anyio.wait_all_tasks_blocked()
+            with pytest.raises(ControlError, match="already live"):
+                await gen_node._generate(msg, FakeStream())
+            gen_node._on_output(out("dup", 1))
+            gen_node._on_output(out("dup", 2, done=True))
+    assert first.sent[0] == {"tokens": [1, 2]} and first.sent[-1]["state"] == "finished"
+    assert gen_node.engine.aborted == []  # type: ignore[attr-defined]
+
+
+# -- operators ------------------------------------------------------------------------------------
+
+async def test_handler_failures_render_the_traceback_in_the_json_log(capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.two_node.__main__ import _configure_logging
+
+    _configure_logging("info")
+    try:
+        async with anyio.create_task_group() as tg:
+            addr = await start(tg, ControlServer(Recorder(), secret=SECRET))
+            with pytest.raises(anyio.EndOfStream):
+                await control.call(addr, {"op": "boom"}, secret=SECRET)
+            tg.cancel_scope.cancel()
+    finally:
+        structlog.reset_defaults()
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    failed = [e for e in events if e["event"] == "control_handler_failed"]
+    assert len(failed) == 1
+    assert "Traceback" in failed[0]["exception"] and "RuntimeError: boom in the handler" in failed[0]["exception"]
+
+
+@pytest.mark.parametrize("setting", ["short", "missing-file"])
+def test_a_bad_secret_is_one_clear_line(setting: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != _auth.SECRET_ENV}
+    args = [sys.executable, "-m", "examples.two_node", "ctx"]
+    if setting == "short":
+        env[_auth.SECRET_ENV] = "too-short"
+    else:
+        args += ["--secret-file", str(tmp_path / "nope")]
+    res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert ("at least 16 bytes" if setting == "short" else "cannot read --secret-file") in lines[0]
+
+
+# -- integration: a real CTX and a real GEN ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def nodes() -> Any:
+    env = node_env()
+    flags = ["--num-blocks", "64", "--handshake-timeout-s", "1", "--max-connections", "40"]
+    with NodeProcess.start(["ctx", *flags], env=env) as ctx, \
+            NodeProcess.start(["gen", *flags, "--mode", "ideal", "--step", "device", "--device-step-ms", "20"],
+                              env=env) as gen_node:
+        yield ctx, gen_node
+
+
+def run(fn: Any, *args: Any) -> Any:
+    return anyio.run(fn, *args, backend="asyncio")
+
+
+async def prefill(ctx: NodeProcess, rid: str, *, secret: bytes | None = None, n: int = 40) -> dict[str, Any]:
+    return await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
+                                                 "prompt_ids": list(range(40, 40 + n)), "max_tokens": 100},
+                              secret=ctx.secret if secret is None else secret)
+
+
+def generate_msg(rid: str, reply: dict[str, Any], max_tokens: int = 100) -> dict[str, Any]:
+    return {"op": "generate", "request_id": rid, "prompt_len": reply["prompt_len"], "max_tokens": max_tokens,
+            "first_token": reply["first_token"], "kv_peer": reply["kv_peer"], "kv_handle": reply["kv_handle"]}
+
+
+async def at_rest(ctx: NodeProcess, gen_node: NodeProcess) -> tuple[dict[str, Any], dict[str, Any]]:
+    c = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+    with anyio.fail_after(10):
+        while (g := await control.call(gen_node.info["ctrl"], {"op": "stats"}, secret=gen_node.secret))["rest_problems"]:
+            await anyio.sleep(0.05)
+    return c, g
+
+
+@pytest.mark.integration
+def test_nodes_refuse_bad_request_ids_before_allocating_anything(nodes: Any) -> None:
+    ctx, gen_node = nodes
+    fake_reply = {"prompt_len": 40, "first_token": 1, "kv_peer": "127.0.0.1:9", "kv_handle": "ab" * 16}
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        before = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+        for rid in BAD_IDS:
+            with pytest.raises(ControlError, match="request id"):
+                await prefill(ctx, rid, n=600)  # 38 of the 64 blocks: more than the other tests hold
+            with pytest.raises(ControlError, match="request id"):
+                await control.call(gen_node.info["ctrl"], generate_msg(rid, fake_reply), secret=gen_node.secret)
+            with pytest.raises(ControlError, match="request id"):
+                await control.call(ctx.info["ctrl"], {"op": "release", "request_id": rid, "kv_handle": "ab" * 16},
+                                   secret=ctx.secret)
+        return (before, *await at_rest(ctx, gen_node))
+
+    before, c, g = run(scenario)
+    assert c["pool"]["used_blocks"] == 0 and c["store"]["held_requests"] == 0 and c["prefills"] == before["prefills"]
+    assert c["pool"]["peak_used_blocks"] == before["pool"]["peak_used_blocks"] < 38  # never allocated
+    assert g["engine"]["pool"]["used_blocks"] == 0 and g["engine"]["waiting"] == 0 and g["engine"]["budget"]["in_use"] == 0
+    assert g["engine"]["budget"]["capacity"] == g["engine"]["transfer_budget_bytes"]
+
+
+@pytest.mark.integration
+def test_a_node_bounds_a_line_by_its_largest_request(nodes: Any) -> None:
+    ctx, _ = nodes
+    limit = control.max_line_for(2048, 257)  # the tiny model: a context of 2048 ids below 258
+
+    async def scenario() -> None:
+        big = {"op": "prefill", "request_id": "big", "prompt_ids": [100] * (limit // 4), "max_tokens": 4}
+        with pytest.raises(ControlError, match=f"longer than {limit} bytes"):
+            await control.call(ctx.info["ctrl"], big, secret=ctx.secret)
+
+    run(scenario)
+
+
+@pytest.mark.integration
+def test_release_needs_the_handle_of_the_prefill(nodes: Any) -> None:
+    ctx, _ = nodes
+
+    async def scenario() -> None:
+        r = await prefill(ctx, "handle-1")
+        assert len(r["kv_handle"]) == 32 and int(r["kv_handle"], 16) >= 0
+        release = {"op": "release", "request_id": "handle-1"}
+        with pytest.raises(ControlError, match="KV handle"):
+            await control.call(ctx.info["ctrl"], release, secret=ctx.secret)
+        wrong = "0" * 32 if r["kv_handle"] != "0" * 32 else "1" * 32
+        assert (await control.call(ctx.info["ctrl"], {**release, "kv_handle": wrong}, secret=ctx.secret))["released"] is False
+        held = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+        assert held["store"]["held_requests"] == 1 and held["pool"]["used_blocks"] > 0
+        ok = await control.call(ctx.info["ctrl"], {**release, "kv_handle": r["kv_handle"]}, secret=ctx.secret)
+        assert ok["released"] is True
+        s = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+        assert s["store"]["held_requests"] == 0 and s["pool"]["used_blocks"] == 0
+
+    run(scenario)
+
+
+@pytest.mark.integration
+def test_without_the_secret_nothing_can_be_prefilled_released_or_generated(nodes: Any) -> None:
+    ctx, gen_node = nodes
+
+    async def scenario() -> None:
+        r = await prefill(ctx, "auth-1")  # held by CTX: an intruder must not be able to free it
+        for secret, error in [(None, "requires authentication"), (b"W" * 32, "authentication failed")]:
+            with pytest.raises(AuthError, match=error):
+                await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": "intruder",
+                                                      "prompt_ids": [40] * 40, "max_tokens": 4}, secret=secret)
+            with pytest.raises(AuthError, match=error):
+                await control.call(ctx.info["ctrl"], {"op": "release", "request_id": "auth-1",
+                                                      "kv_handle": r["kv_handle"]}, secret=secret)
+            with pytest.raises(AuthError, match=error):
+                await control.call(gen_node.info["ctrl"], generate_msg("auth-1", r), secret=secret)
+        s = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+        # (a client without a secret gives up before sending anything: the node counts the wrong ones)
+        assert s["store"]["held_requests"] == 1 and s["prefills"] >= 1 and s["control"]["auth_failed"] == 2
+        g = await control.call(gen_node.info["ctrl"], {"op": "stats"}, secret=gen_node.secret)
+        assert g["control"]["auth_failed"] == 1 and g["engine"]["finished"] + g["engine"]["waiting"] == 0
+        assert (await control.call(ctx.info["ctrl"], {"op": "release", "request_id": "auth-1",
+                                                      "kv_handle": r["kv_handle"]}, secret=ctx.secret))["released"]
+
+    run(scenario)
+
+
+@pytest.mark.integration
+def test_a_duplicate_generate_is_refused_and_the_first_stream_finishes(nodes: Any) -> None:
+    ctx, gen_node = nodes
+
+    async def scenario() -> dict[str, Any]:
+        r = await prefill(ctx, "dup-1")
+        first = await control.connect(gen_node.info["ctrl"], secret=gen_node.secret)
+        await first.send(generate_msg("dup-1", r, max_tokens=60))  # 60 steps of 20 ms
+        tokens = (await first.receive())["tokens"]
+        with pytest.raises(ControlError, match="already live"):
+            await control.call(gen_node.info["ctrl"], generate_msg("dup-1", r), secret=gen_node.secret)
+        with anyio.fail_after(30):
+            while not (msg := await first.receive()).get("done"):
+                tokens += msg["tokens"]
+        await first.aclose()
+        await control.call(ctx.info["ctrl"], {"op": "release", "request_id": "dup-1", "kv_handle": r["kv_handle"]},
+                           secret=ctx.secret)  # an ideal GEN never pulls
+        return {"done": msg, "tokens": tokens}
+
+    res = run(scenario)
+    assert res["done"]["state"] == "finished" and len(res["tokens"]) == 59  # the first token came from CTX
+
+
+@pytest.mark.integration
+def test_idle_connections_to_a_node_are_closed_and_the_cap_holds(nodes: Any) -> None:
+    _, gen_node = nodes
+
+    async def scenario() -> dict[str, Any]:
+        host, port = control.parse_addr(gen_node.info["ctrl"])
+        socks = [await anyio.connect_tcp(host, port) for _ in range(60)]  # the cap is 40
+        pong = None
+        with anyio.fail_after(10):
+            while pong is None:  # once the idle ones are closed (1 s) the node serves again
+                try:
+                    pong = await control.call(gen_node.info["ctrl"], {"op": "ping"}, secret=gen_node.secret)
+                except (anyio.EndOfStream, ConnectionError):
+                    await anyio.sleep(0.1)
+        closed = 0
+        for sock in socks:
+            with anyio.fail_after(5):
+                try:
+                    while await sock.receive():
+                        pass
+                except (anyio.EndOfStream, ConnectionError):
+                    closed += 1
+            await sock.aclose()
+        assert closed == 60 and pong["healthy"] is True and pong["health"] is None
+        return await control.call(gen_node.info["ctrl"], {"op": "stats"}, secret=gen_node.secret)
+
+    s = run(scenario)["control"]
+    assert s["refused"] >= 20 and s["timed_out"] >= 40 and s["peak_active"] <= 40
+
+
+@pytest.mark.integration
+def test_an_insecure_node_says_so_once_and_leaves_no_folder(tmp_path: Path) -> None:
+    env = {k: v for k, v in node_env().items() if k != _auth.SECRET_ENV}
+    before = set(Path("/tmp").glob("kvo-*"))
+    with NodeProcess.start(["ctx", "--insecure", "--num-blocks", "16"], env=env) as ctx:
+        folder = ctx.log_path.parent
+        assert ctx.secret is None
+        assert run(lambda: control.call(ctx.info["ctrl"], {"op": "ping"}, secret=None))["role"] == "ctx"
+        with pytest.raises(AuthError, match="cannot authenticate"):
+            run(lambda: control.call(ctx.info["ctrl"], {"op": "ping"}, secret=SECRET))
+    assert not folder.exists() and set(Path("/tmp").glob("kvo-*")) <= before
+    assert ctx.log_tail(200).count('"control_insecure"') == 1
+    with pytest.raises(RuntimeError, match="unrecognized arguments"):
+        NodeProcess.start(["ctx", "--no-such-flag"], env=env)
+    assert set(Path("/tmp").glob("kvo-*")) <= before
