@@ -11,7 +11,8 @@ final RMSNorm and an untied LM head. Each block::
 with grouped-query attention (``num_heads`` query heads share ``num_kv_heads`` K/V heads, query
 head ``i`` reads K/V head ``i // (num_heads // num_kv_heads)``) and rotary position embeddings.
 Weights come from ``torch.Generator().manual_seed(config.seed)`` on the CPU, so every process
-that builds ``TinyModel(config)`` holds bit-identical weights.
+that builds ``TinyModel(config)`` holds bit-identical weights (a tensor-parallel rank: the
+bit-identical slices of them).
 
 Life cycle in disaggregated serving
 -----------------------------------
@@ -52,6 +53,20 @@ in the tensor. Both were observed with torch 2.13 / MKL here. The model therefor
 The price is fixed-point rounding of activations (2**-16 for linear inputs, 2**-12 for Q/K/V,
 2**-20 for attention probabilities), irrelevant for a test model.
 
+Tensor parallelism
+------------------
+``TinyModel(config, device, tp=TensorParallel(rank, size, group))`` is one rank of a Megatron /
+vLLM-style group; the split (``examples.tp.plan_shards``): query heads evenly, KV heads evenly or
+replicated when ``size > num_kv_heads``, QKV and gate/up column-parallel, o and down row-parallel,
+embeddings, norms and LM head replicated; a combination that does not split is a ``ValueError``.
+Every rank generates the full weights and keeps its slices. A row-parallel accumulator is an
+integer-valued float64 partial sum, all-reduced (SUM) *before* scaling, so the sum is exact and
+every rank gets the single-process bits: two all-reduces per layer per step, none per head or per
+sequence. All ranks call ``prefill`` / ``decode`` / ``reference_logits`` in lockstep with the same
+inputs. A rank's pool holds only its KV heads (``kv_layout``, global heads ``kv_head_range()``);
+a GEN rank fed by a CTX TP1 node pulls ``kv_slice()`` of the CTX blocks. On this 2-core VM TP is
+slower than TP1 (the ranks share the cores; costs in ``examples.tp``).
+
 Cost (defaults, one CPU thread, ``python -m examples.tiny_model``; 2-core VM, torch 2.13 CPU):
 a decode step over ~200-token contexts takes ~1.4 ms for B=1, ~3.3 ms for B=16, ~8 ms for
 B=64; a 512-token prefill ~28 ms. At B=64 most of the step is reading the paged KV (gather of
@@ -63,13 +78,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from transports._layout import KVLayout
+from examples.tp import ShardPlan, Span, TensorParallel, plan_shards
+from transports._layout import KVLayout, KVSlice
 
-__all__ = ["BOS_ID", "EOS_ID", "ByteTokenizer", "ModelConfig", "TinyModel"]
+__all__ = ["BOS_ID", "EOS_ID", "ByteTokenizer", "ModelConfig", "TensorParallel", "TinyModel"]
 
 BOS_ID = 256
 EOS_ID = 257
@@ -196,15 +212,37 @@ def _to_grid(x: torch.Tensor, frac: int, limit: float) -> torch.Tensor:
 
 
 class _Linear:
-    """y = x @ W, exact: integer weights, fixed-point input, integer-valued float64 accumulation."""
+    """y = x @ W, exact: integer weights, fixed-point input, integer-valued float64 accumulation.
 
-    def __init__(self, in_features: int, out_features: int, gen: torch.Generator, gain: float, device: torch.device):
+    A row-parallel shard has ``reduce`` (the group's in-place SUM all-reduce): its partial
+    accumulator is integer-valued below 2**53, so summing it over the ranks *before* the scaling is
+    exact and gives the single-process accumulator bit for bit."""
+
+    def __init__(self, weight: torch.Tensor, scale: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.weight = weight
+        self.scale = scale
+        self._reduce = reduce
+
+    @classmethod
+    def generate(cls, in_features: int, out_features: int, gen: torch.Generator, gain: float) -> _Linear:
+        """The full layer on the CPU (the generator sequence of the single-process model)."""
         w = torch.randn(in_features, out_features, generator=gen, dtype=torch.float32)
-        self.weight = torch.round(w * _W_UNIT).clamp_(-_W_MAX, _W_MAX).to(torch.float64).to(device)
-        self.scale = gain / math.sqrt(in_features) / _W_UNIT * 2.0**-_X_FRAC
+        weight = torch.round(w * _W_UNIT).clamp_(-_W_MAX, _W_MAX).to(torch.float64)
+        return cls(weight, gain / math.sqrt(in_features) / _W_UNIT * 2.0**-_X_FRAC)
+
+    def shard(self, device: torch.device, *, columns: torch.Tensor | None = None, rows: Span | None = None,
+              reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> _Linear:
+        """This layer's ``columns`` (column-parallel) or ``rows`` (row-parallel, with ``reduce``) on
+        ``device``, or all of it; the scale stays the full layer's."""
+        w = self.weight if columns is None else self.weight.index_select(1, columns)
+        if rows is not None:
+            w = w[rows.start : rows.stop].contiguous()
+        return _Linear(w.to(device), self.scale, reduce)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         acc = _to_grid_int(x, _X_FRAC, _X_LIMIT) @ self.weight
+        if self._reduce is not None:
+            self._reduce(acc)
         return (acc * self.scale).to(torch.float32)
 
 
@@ -233,29 +271,44 @@ class _Layer:
 
 
 class TinyModel:
-    """See the module docstring. Not an ``nn.Module``: inference only, no autograd."""
+    """See the module docstring. Not an ``nn.Module``: inference only, no autograd.
 
-    def __init__(self, config: ModelConfig | None = None, device: str | torch.device = "cpu"):
+    ``tp`` (default: the single process) makes this object one rank of a tensor-parallel group:
+    it holds its shard of the weights and of the KV heads, and every ``prefill`` / ``decode`` /
+    ``reference_logits`` call all-reduces inside, so all ranks must make the same calls with the
+    same inputs in the same order. A combination that cannot be split is a ``ValueError`` here.
+    """
+
+    def __init__(self, config: ModelConfig | None = None, device: str | torch.device = "cpu", tp: TensorParallel | None = None):
         self.config = c = config or ModelConfig()
         self.device = torch.device(device)
+        self.tp = tp = tp or TensorParallel()
+        self.shard: ShardPlan = plan_shards(c, tp)
+        tp.check_group()
+        self._hq, self._hkv, self._ffn = self.shard.q_heads.count, self.shard.kv_heads.count, self.shard.ffn.count
         gen = torch.Generator(device="cpu").manual_seed(c.seed)
         dev = self.device
         residual_gain = 1.0 / math.sqrt(2 * c.num_layers)
         self.embed = torch.randn(c.vocab_size, c.hidden_size, generator=gen, dtype=torch.float32).to(dev)
-        kv_dim = c.num_kv_heads * c.head_dim
+        hidden, kv_dim = c.hidden_size, c.num_kv_heads * c.head_dim
+        # Every rank generates every full layer (the single-process generator sequence), then keeps
+        # its slice: QKV and gate/up by columns, o and down by rows (all-reduced); the rest whole.
+        plan = self.shard
+        qkv_cols, gate_up_cols, o_rows = plan.qkv_columns(c), plan.gate_up_columns(c), plan.o_rows(c)
+        reduce = tp.all_reduce_ if tp.size > 1 else None
         self.layers = [
             _Layer(
-                attn_norm=_RMSNorm(c.hidden_size, gen, c.norm_eps, dev),
-                qkv=_Linear(c.hidden_size, c.hidden_size + 2 * kv_dim, gen, 1.0, dev),
-                o=_Linear(c.hidden_size, c.hidden_size, gen, residual_gain, dev),
-                mlp_norm=_RMSNorm(c.hidden_size, gen, c.norm_eps, dev),
-                gate_up=_Linear(c.hidden_size, 2 * c.ffn_dim, gen, 1.0, dev),
-                down=_Linear(c.ffn_dim, c.hidden_size, gen, residual_gain, dev),
+                attn_norm=_RMSNorm(hidden, gen, c.norm_eps, dev),
+                qkv=_Linear.generate(hidden, hidden + 2 * kv_dim, gen, 1.0).shard(dev, columns=qkv_cols),
+                o=_Linear.generate(hidden, hidden, gen, residual_gain).shard(dev, rows=o_rows, reduce=reduce),
+                mlp_norm=_RMSNorm(hidden, gen, c.norm_eps, dev),
+                gate_up=_Linear.generate(hidden, 2 * c.ffn_dim, gen, 1.0).shard(dev, columns=gate_up_cols),
+                down=_Linear.generate(c.ffn_dim, hidden, gen, residual_gain).shard(dev, rows=plan.ffn, reduce=reduce),
             )
             for _ in range(c.num_layers)
         ]
-        self.final_norm = _RMSNorm(c.hidden_size, gen, c.norm_eps, dev)
-        self.lm_head = _Linear(c.hidden_size, c.vocab_size, gen, 4.0, dev)
+        self.final_norm = _RMSNorm(hidden, gen, c.norm_eps, dev)
+        self.lm_head = _Linear.generate(hidden, c.vocab_size, gen, 4.0).shard(dev)
         # RoPE tables: built once, same shape in every process, indexed by position.
         half = c.head_dim // 2
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
@@ -268,11 +321,21 @@ class TinyModel:
     # --- public API --------------------------------------------------------------------------
 
     def kv_layout(self, block_size: int) -> KVLayout:
+        """This rank's pool layout: its own KV heads only (all of them at TP1)."""
         c = self.config
-        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, c.dtype)
+        return KVLayout(c.num_layers, self._hkv, c.head_dim, block_size, c.dtype)
+
+    def kv_head_range(self) -> Span:
+        """The global KV heads ``(start, stop)`` this rank's pool holds, in pool order."""
+        return self.shard.kv_heads
+
+    def kv_slice(self) -> KVSlice:
+        """What this rank pulls from a CTX TP1 node's blocks: all layers, heads ``kv_head_range()``."""
+        h0, h1 = self.shard.kv_heads
+        return KVSlice(0, self.config.num_layers, h0, h1)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """All weights by name (for checks: same seed -> equal tensors)."""
+        """All weights by name (for checks: same seed -> equal tensors); a TP rank's own shards."""
         out = {"embed": self.embed, "final_norm": self.final_norm.gain, "lm_head": self.lm_head.weight}
         for i, layer in enumerate(self.layers):
             for f in dataclasses.fields(layer):
@@ -348,7 +411,7 @@ class TinyModel:
         new_slot = positions % block_size
         span = max_need * block_size
         mask = (torch.arange(span, device=dev)[None, :] <= positions[:, None])[:, None, :]  # [B, 1, T]
-        hkv, d = self.config.num_kv_heads, self.config.head_dim
+        hkv, d = self._hkv, self.config.head_dim
 
         def attend(li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             layer_pool = pool[:, li]  # [N, 2, Hkv, bs, D] view
@@ -399,8 +462,8 @@ class TinyModel:
         dev = self.device
         # Contiguous cache: cache[layer] = (K [1, Hkv, max_seq_len, D], V [...]) filled up to `length`.
         cache = [
-            (torch.zeros(1, c.num_kv_heads, c.max_seq_len, c.head_dim, dtype=c.dtype, device=dev),
-             torch.zeros(1, c.num_kv_heads, c.max_seq_len, c.head_dim, dtype=c.dtype, device=dev))
+            (torch.zeros(1, self._hkv, c.max_seq_len, c.head_dim, dtype=c.dtype, device=dev),
+             torch.zeros(1, self._hkv, c.max_seq_len, c.head_dim, dtype=c.dtype, device=dev))
             for _ in range(c.num_layers)
         ]
         state = {"start": 0}
@@ -443,7 +506,7 @@ class TinyModel:
 
     def _check_pool(self, pool: torch.Tensor) -> int:
         c = self.config
-        if pool.dim() != 6 or tuple(pool.shape[1:4]) != (c.num_layers, 2, c.num_kv_heads) or pool.shape[5] != c.head_dim:
+        if pool.dim() != 6 or tuple(pool.shape[1:4]) != (c.num_layers, 2, self._hkv) or pool.shape[5] != c.head_dim:
             raise ValueError(f"pool shape {tuple(pool.shape)} does not match the model's KV layout")
         if pool.dtype != c.dtype:
             raise ValueError(f"pool dtype {pool.dtype} != model dtype {c.dtype}")
@@ -480,10 +543,11 @@ class TinyModel:
 
     def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, attend) -> torch.Tensor:
         """tokens, pos [B, Q] -> final hidden [B, Q, hidden]. ``attend(layer, k, v)`` stores the new
-        K/V ([B, Q, Hkv, D] float32, on the grid) and returns (K, V [B, Hkv, T, D] float64, mask [B, Q, T])."""
+        K/V ([B, Q, Hkv, D] float32, on the grid) and returns (K, V [B, Hkv, T, D] float64, mask [B, Q, T]).
+        Head counts are this rank's; ``o`` and ``down`` all-reduce, so ``h`` is the same on every rank."""
         c = self.config
         b, q_len = tokens.shape
-        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        hq, hkv, d, ffn = self._hq, self._hkv, c.head_dim, self._ffn
         h = self.embed[tokens]  # [B, Q, hidden]
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv(layer.attn_norm(h))
@@ -496,7 +560,7 @@ class TinyModel:
             keys, values, mask = attend(li, k, v)
             h = h + layer.o(self._attention(q, keys, values, mask))
             gu = layer.gate_up(layer.mlp_norm(h))
-            h = h + layer.down(_silu(gu[..., : c.ffn_dim]) * gu[..., c.ffn_dim :])
+            h = h + layer.down(_silu(gu[..., :ffn]) * gu[..., ffn:])
         return h
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -517,9 +581,9 @@ class TinyModel:
                 span = int(cols.max()) + 1 if cols.numel() else 1
                 parts.append(self._attention(q[:, start : start + _Q_CHUNK], keys[:, :, :span], values[:, :, :span], sub[..., :span]))
             return torch.cat(parts, dim=1)
-        c = self.config
         b = q.shape[0]
-        g, hkv, d = c.group_size, c.num_kv_heads, c.head_dim
+        hkv, d = self._hkv, self.config.head_dim
+        g = self._hq // hkv
         scale = float(2**_KV_FRAC)
         qi = (q.to(torch.float64) * scale).reshape(b, q_len, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * q_len, d)
         s = (qi @ keys.transpose(-1, -2)).view(b, hkv, g, q_len, -1)  # exact, multiples of 2**-12
