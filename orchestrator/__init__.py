@@ -38,11 +38,16 @@ from ._requests import ReceiveResult as ReceiveResult
 from ._requests import RequestOutput as RequestOutput
 from ._requests import RequestState as RequestState
 from ._threads import loop_caller as loop_caller
+from ._tp import LocalGroup as LocalGroup
+from ._tp import StepMessage as StepMessage
+from ._tp import StepSync as StepSync
+from ._tp import TorchStepSync as TorchStepSync
+from ._tp import TPGenEngine as TPGenEngine
 
 __all__ = [
     "BudgetStatistics", "DecodeBatch", "DecodeLoop", "DeferReason", "EngineStatistics", "EngineThreads",
     "FailureReason", "GenEngine", "GenRequest", "Grant", "InvalidRequest", "KVBlockPool", "KVExhausted",
-    "KVLayout", "KVSlice", "LoopStatistics", "Mode", "NotRunning", "OrchestratorConfig", "OrchestratorError",
+    "KVLayout", "KVSlice", "LocalGroup", "LoopStatistics", "Mode", "NotRunning", "OrchestratorConfig", "OrchestratorError",
     "Percentiles", "PoolStatistics", "ReceiveGroup", "ReceiveJob", "ReceiveResult", "RequestOutput",
-    "RequestState", "StepReport", "TransferBudget", "Unavailable", "WouldBlock", "loop_caller", "plan_chunks",
+    "RequestState", "StepMessage", "StepReport", "StepSync", "TPGenEngine", "TorchStepSync", "TransferBudget", "Unavailable", "WouldBlock", "loop_caller", "plan_chunks",
 ]

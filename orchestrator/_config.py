@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from transports import KVLayout
+from transports import KVLayout, KVSlice
 
 
 class Mode(enum.Enum):
@@ -43,6 +43,9 @@ class OrchestratorConfig:
     30 s by default; a pull also renews the lease when it starts)."""
     inline_reserve_timeout_s: float = 0.2
     """``inline`` mode only: how long the execution thread waits for staging before the slow fallback."""
+    kv_head_offset: int = 0
+    """Tensor parallelism: the model-wide index of this rank's first KV head. The pool holds
+    ``layout.num_kv_heads`` heads from there; requests pull that head range from their CTX."""
     device: str = "cpu"
     debug_poison_freed_blocks: bool = False
     """Fill every freed KV block with NaN, so that a read of a freed block cannot go unnoticed."""
@@ -52,10 +55,18 @@ class OrchestratorConfig:
             raise ValueError("num_blocks, transfer_budget_bytes and max_num_seqs must be positive")
         if self.kv_transfer_timeout_ms <= 0:
             raise ValueError("kv_transfer_timeout_ms must be positive")
+        if self.kv_head_offset < 0:
+            raise ValueError("kv_head_offset must be >= 0")
         if self.kv_hold_interval_s <= 0:
             raise ValueError("kv_hold_interval_s must be positive")
         if self.max_prefetch_seqs is not None and self.max_prefetch_seqs < 1:
             raise ValueError("max_prefetch_seqs must be >= 1")
+
+    @property
+    def kv_slice(self) -> KVSlice:
+        """What a request pulls by default: every layer of this rank's KV heads (model numbering)."""
+        off = self.kv_head_offset
+        return KVSlice(0, self.layout.num_layers, off, off + self.layout.num_kv_heads)
 
     @property
     def prefetch_seqs(self) -> int:

@@ -45,7 +45,7 @@ from ._config import Mode, OrchestratorConfig
 from ._errors import InvalidRequest, Unavailable, WouldBlock
 from ._kvpool import KVBlockPool, PoolStatistics
 from ._budget import BudgetStatistics
-from ._receiver import ReceiveGroup, ReceiveJob, plan_chunks
+from ._receiver import ReceiveGroup, ReceiveJob, plan_chunks, shift_heads
 from ._requests import (
     DeferReason,
     FailureReason,
@@ -269,19 +269,25 @@ class GenEngine:
                 return
             if isinstance(item, str):
                 self._abort(item)
-                continue
-            layout = self.layout
-            prompt_blocks = layout.blocks_for(item.prompt_len)
-            kv_slice = item.kv_slice or layout.full_slice()
-            seq = Sequence(
-                request=item,
-                arrival=self._clock(),
-                num_blocks=layout.blocks_for(item.prompt_len + item.max_tokens),
-                num_prompt_blocks=prompt_blocks,
-                cost=layout.wire_bytes(prompt_blocks, kv_slice),
-                tokens=[item.first_token],
-            )
-            self.scheduler.add(seq)
+            else:
+                self._enqueue(item)
+
+    def _enqueue(self, item: GenRequest) -> None:
+        layout = self.layout
+        prompt_blocks = layout.blocks_for(item.prompt_len)
+        self.scheduler.add(Sequence(
+            request=item,
+            arrival=self._clock(),
+            num_blocks=layout.blocks_for(item.prompt_len + item.max_tokens),
+            num_prompt_blocks=prompt_blocks,
+            cost=layout.wire_bytes(prompt_blocks, item.kv_slice or self.config.kv_slice),
+            tokens=[item.first_token],
+        ))
+
+    def _tell_ctx(self, seq: Sequence) -> None:
+        """The CTX may free its copy of ``seq``'s KV now (best effort, on the event loop)."""
+        if self.receiver is not None and seq.request.peer:
+            self.receiver.release_soon(seq.request.peer, seq.request_id, seq.request.kv_handle)
 
     def _drain_completions(self) -> None:
         while True:
@@ -313,19 +319,19 @@ class GenEngine:
         assert seq.block_ids is not None
         if mode is Mode.IDEAL:
             if seq.request.local_kv is not None:
-                slice_ = seq.request.kv_slice or self.layout.full_slice()
+                slice_ = shift_heads(seq.request.kv_slice or self.config.kv_slice, -self.config.kv_head_offset)
                 scatter(self.pool.kv, seq.block_ids[: seq.num_prompt_blocks], seq.request.local_kv, slice_)
             self._run(seq)
             return 0.0
         assert self.receiver is not None and seq.request.peer is not None
-        kv_slice = seq.request.kv_slice or self.layout.full_slice()
+        kv_slice = seq.request.kv_slice or self.config.kv_slice
         prompt_ids = seq.block_ids[: seq.num_prompt_blocks]
         chunks = plan_chunks(self.layout, seq.num_prompt_blocks, kv_slice, self.budget.capacity)
         self._receiving[seq.request_id] = seq
         handle = seq.request.kv_handle
         if mode is Mode.ORCHESTRATED:
             self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, admission.grant,
-                                            handle=handle))
+                                            handle=handle, head_offset=self.config.kv_head_offset))
             return 0.0
         # INLINE: the original path, on this thread, kept as the benchmark's baseline.
         t0 = self._clock()
@@ -342,7 +348,8 @@ class GenEngine:
             )
             chunks = (kv_slice,)
         self.receiver.connect_blocking(seq.request.peer, self.config.kv_transfer_timeout_ms / 1e3)
-        self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, grant, staging, handle))
+        self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, grant, staging, handle,
+                                        head_offset=self.config.kv_head_offset))
         return self._clock() - t0
 
     def _decode(self) -> None:
@@ -387,8 +394,7 @@ class GenEngine:
     def _abort(self, request_id: str) -> None:
         seq = self.scheduler.remove(request_id)
         if seq is not None:
-            if self.receiver is not None and seq.request.peer:  # the CTX may free its copy now
-                self.receiver.release_soon(seq.request.peer, request_id, seq.request.kv_handle)
+            self._tell_ctx(seq)  # the CTX may free its copy now
             self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted while waiting")
             return
         seq = self._receiving.get(request_id)
@@ -462,8 +468,7 @@ class GenEngine:
         cancelled here, reports back)."""
         failure = (FailureReason.INTERNAL, f"GEN engine unavailable: {why}")
         for seq in self.scheduler.pop_all():
-            if self.receiver is not None and seq.request.peer:
-                self.receiver.release_soon(seq.request.peer, seq.request_id, seq.request.kv_handle)
+            self._tell_ctx(seq)
             self._end(seq, RequestState.FAILED, *failure)
         for seq in list(self._ready.values()) + list(self._running.values()):
             self._end(seq, RequestState.FAILED, *failure)
@@ -501,9 +506,9 @@ class GenEngine:
         need = layout.blocks_for(r.prompt_len + r.max_tokens)
         if need > cfg.num_blocks:
             raise InvalidRequest(f"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}")
-        kv_slice = r.kv_slice or layout.full_slice()
+        kv_slice = r.kv_slice or cfg.kv_slice
         try:
-            layout.check_slice(kv_slice)
+            layout.check_slice(shift_heads(kv_slice, -cfg.kv_head_offset))
             plan_chunks(layout, layout.blocks_for(r.prompt_len), kv_slice, cfg.transfer_budget_bytes)
         except ValueError as exc:
             raise InvalidRequest(f"{r.request_id}: {exc}") from None

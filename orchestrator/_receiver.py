@@ -85,6 +85,13 @@ def failure_reason(exc: TransportError) -> FailureReason:
     return FailureReason.PEER_ERROR
 
 
+def shift_heads(kv_slice: KVSlice, by: int) -> KVSlice:
+    """``kv_slice`` with its head range moved by ``by`` (model numbering <-> a rank's pool numbering)."""
+    if not by:
+        return kv_slice
+    return KVSlice(kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start + by, kv_slice.head_end + by)
+
+
 def plan_chunks(layout: KVLayout, num_blocks: int, kv_slice: KVSlice, capacity: int) -> tuple[KVSlice, ...]:
     """Split a pull so that no chunk's staging exceeds ``capacity`` bytes (layers first, then heads).
 
@@ -125,6 +132,12 @@ class ReceiveJob:
     """A buffer set up by the caller (the inline fallback); otherwise staging is allocated per chunk."""
     handle: str | None = None
     """The KV handle the CTX node issued with the prefill."""
+    head_offset: int = 0
+    """Model-wide index of the pool's first KV head: chunks name model heads, the pool holds
+    ``head_offset`` onwards (tensor parallelism)."""
+    release: bool = True
+    """With the last chunk, let the peer free its copy (tensor-parallel ranks pull slices of one
+    copy and leave the release to the engine, once every rank has its slice)."""
 
 
 class _Scatter:
@@ -432,15 +445,16 @@ class ReceiveGroup:
             if result is None:  # cancelled from outside (shutdown, or the group dying) before a result
                 result = self._failed(job, moved, started, *self._stopped_reason())
             self._finish(job, result, landing)  # first: the execution thread learns of it now
-        if result.failure not in _NO_RELEASE:  # then, in its own task, the peer may free its copy
+        if job.release and result.failure not in _NO_RELEASE:  # then, in its own task, the peer may free its copy
             self._spawn(self._release, peer, rid, job.handle)
 
     async def _pull_chunk(
         self, job: ReceiveJob, ids: torch.Tensor, chunk: KVSlice, landing: Landing, keep: list[torch.Tensor],
         *, last: bool,
     ) -> int:
+        dest = shift_heads(chunk, -job.head_offset)  # where the chunk goes in this pool
         if job.staging is None:
-            direct = whole_run_view(self._pool, job.block_ids, chunk)
+            direct = whole_run_view(self._pool, job.block_ids, dest)
             if direct is not None:  # the blocks are one run: land in them, no staging, no scatter
                 return await self._pull(job, chunk, direct, landing, last=last)
         shape = self._layout.wire_shape(int(job.block_ids.numel()), chunk)
@@ -454,7 +468,7 @@ class ReceiveGroup:
             self._peak_staging_bytes = max(self._peak_staging_bytes, self._staging_bytes)
         try:
             moved = await self._pull(job, chunk, staging, landing, last=last)
-            self._scatter.scatter(ids, staging, chunk, keep)
+            self._scatter.scatter(ids, staging, dest, keep)
             return moved
         finally:
             # a receive the transport could not withdraw keeps the buffer (and counts it) until it ends
@@ -471,7 +485,7 @@ class ReceiveGroup:
         while True:
             try:
                 return await self._transport.pull(
-                    job.peer, job.request_id, chunk, into, handle=job.handle, release=last, landing=landing)
+                    job.peer, job.request_id, chunk, into, handle=job.handle, release=last and job.release, landing=landing)
             except PeerBusy:
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, _BUSY_BACKOFF_S[1])

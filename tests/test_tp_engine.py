@@ -1,0 +1,253 @@
+"""Rank-consistent admission and completion (invariant 11), without processes: N TPGenEngine ranks in
+this process, each with its own receive group, budget, pool (its KV heads only) and transport,
+pulling head slices of one CTX TP1 copy, stepped in lockstep with ``LocalGroup.step_all`` (the
+gloo collective of a real group is exercised by tests/test_tp_two_node.py)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from anyio import wait_all_tasks_blocked
+from anyio.lowlevel import checkpoint
+
+from orchestrator import (
+    DecodeBatch,
+    FailureReason,
+    GenRequest,
+    LocalGroup,
+    Mode,
+    OrchestratorConfig,
+    RequestState,
+    TPGenEngine,
+)
+from tests.harness import CtxPeer
+from transports import KVLayout, PeerClosed
+from transports.inproc import InProcTransport
+
+pytestmark = pytest.mark.anyio
+
+FULL = KVLayout(num_layers=2, num_kv_heads=4, head_dim=4, block_size=4, dtype=torch.float32)
+PEER = "ctx-0"
+
+
+class SliceCheckingStep:
+    """Decode step of one rank: its prompt blocks must hold exactly its heads of the CTX's KV."""
+
+    def __init__(self, ctx: CtxPeer, h0: int, h1: int) -> None:
+        self.ctx, self.h0, self.h1 = ctx, h0, h1
+        self.decoded: list[list[str]] = []
+
+    def __call__(self, batch: DecodeBatch) -> list[int]:
+        self.decoded.append(list(batch.request_ids))
+        for rid, blocks in zip(batch.request_ids, batch.block_tables):
+            expected = self.ctx.expected[rid][:, :, :, self.h0 : self.h1]
+            assert torch.equal(batch.kv[blocks[: expected.shape[0]]], expected), f"{rid}: KV slice differs"
+        return [(int(t) + 1) % 256 for t in batch.tokens]
+
+
+class Group:
+    def __init__(self, world: int, **cfg: object) -> None:
+        self.ctx = CtxPeer(FULL)
+        self.world = world
+        local = FULL.num_kv_heads // world
+        group = LocalGroup(world)
+        self.engines: list[TPGenEngine] = []
+        self.transports: list[InProcTransport] = []
+        self.steps: list[SliceCheckingStep] = []
+        for rank in range(world):
+            layout = KVLayout(FULL.num_layers, local, FULL.head_dim, FULL.block_size, FULL.dtype)
+            base: dict[str, object] = dict(layout=layout, num_blocks=64, transfer_budget_bytes=8 * layout.block_bytes,
+                                           kv_transfer_timeout_ms=2_000, kv_head_offset=rank * local)
+            base.update(cfg)
+            transport = InProcTransport({PEER: self.ctx.store})
+            step = SliceCheckingStep(self.ctx, rank * local, (rank + 1) * local)
+            self.engines.append(TPGenEngine(OrchestratorConfig(**base), transport, step, sync=group.sync(rank)))  # type: ignore[arg-type]
+            self.transports.append(transport)
+            self.steps.append(step)
+        self.outputs: dict[str, list] = {}
+
+    @property
+    def lead(self) -> TPGenEngine:
+        return self.engines[0]
+
+    def submit(self, rid: str, prompt_len: int = 8, max_tokens: int = 4) -> None:
+        handle = self.ctx.prefill(rid, prompt_len)
+        self.lead.submit(GenRequest(rid, prompt_len=prompt_len, first_token=7, max_tokens=max_tokens, peer=PEER,
+                                    kv_handle=handle))
+
+    async def step(self) -> None:
+        LocalGroup.step_all(self.engines)
+        for out in self.lead.poll():
+            self.outputs.setdefault(out.request_id, []).append(out)
+        await checkpoint()
+        await wait_all_tasks_blocked()
+
+    async def run_until_idle(self, max_steps: int = 300) -> None:
+        with anyio.fail_after(10):
+            for _ in range(max_steps):
+                await self.step()
+                if all(e.live_requests == 0 for e in self.engines) and not any(e.rest_problems() for e in self.engines):
+                    return
+                await anyio.sleep(0.001)
+        raise AssertionError([e.rest_problems() for e in self.engines])
+
+    def final(self, rid: str):
+        outs = self.outputs.get(rid, [])
+        assert outs and outs[-1].finished, f"{rid}: {outs}"
+        return outs[-1]
+
+
+@pytest.fixture
+async def make_group(anyio_backend):
+    made: list[Group] = []
+    async with anyio.create_task_group() as tg:
+
+        async def make(world: int, **cfg: object) -> Group:
+            g = Group(world, **cfg)
+            for e in g.engines:
+                await e.start(tg)
+            made.append(g)
+            return g
+
+        try:
+            yield make
+            for g in made:
+                await g.run_until_idle()
+                for e in g.engines:
+                    assert e.rest_problems() == [], e.rest_problems()
+        finally:
+            for g in made:
+                for e in g.engines:
+                    e.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+async def test_every_rank_receives_its_head_slice_and_decodes_in_lockstep(make_group, world: int) -> None:
+    g = await make_group(world)
+    for i in range(6):
+        g.submit(f"r{i}", prompt_len=5 + i, max_tokens=4)
+    await g.run_until_idle()
+    for i in range(6):
+        assert g.final(f"r{i}").state is RequestState.FINISHED
+    assert all(s.decoded == g.steps[0].decoded for s in g.steps)  # the same batches, in the same order
+    assert g.ctx.store.statistics().held_requests == 0  # rank 0 released each copy once every rank had its slice
+    assert sum(t.counters.releases for t in g.transports) == 6
+    for e in g.engines[1:]:
+        assert e.poll() == []  # only rank 0 speaks to clients
+
+
+async def test_a_request_decodes_only_when_every_rank_has_its_slice(make_group) -> None:
+    g = await make_group(2)
+    g.transports[1].latency_s = 0.2  # rank 1's pull is slow
+    g.submit("slow")
+    for _ in range(5):
+        await g.step()
+    assert all(e.statistics().receiving == 1 and e.num_running == 0 for e in g.engines)
+    await g.run_until_idle()
+    assert g.final("slow").state is RequestState.FINISHED
+
+
+async def test_backpressure_admits_the_same_requests_in_the_same_order_on_every_rank(make_group) -> None:
+    g = await make_group(4, transfer_budget_bytes=2 * KVLayout(2, 1, 4, 4).block_bytes)
+    for t in g.transports:
+        t.latency_s = 0.01
+    g.transports[2].latency_s = 0.03  # one rank is slower: grants still come back at the same step
+    for i in range(12):
+        g.submit(f"r{i}", prompt_len=4 + (i % 3) * 4, max_tokens=2)
+    await g.run_until_idle()
+    logs = [e.admission_log for e in g.engines]
+    assert len(logs[0]) == 12 and all(log == logs[0] for log in logs)
+    assert all(e.statistics().deferral_episodes == g.lead.statistics().deferral_episodes for e in g.engines)
+    assert g.lead.statistics().deferral_episodes[next(iter(g.lead.statistics().deferral_episodes))] >= 1
+
+
+async def test_one_ranks_failure_fails_the_request_on_every_rank_and_ctx_is_told_once(make_group) -> None:
+    g = await make_group(4)
+    g.transports[2].fail("doomed", PeerClosed("rank 2 lost its peer"))
+    g.transports[3].stall("doomed")  # rank 3's receive would never end by itself: it is cancelled
+    g.submit("doomed")
+    g.submit("fine")
+    await g.run_until_idle()
+    assert g.final("doomed").state is RequestState.FAILED and g.final("doomed").failure is FailureReason.PEER_ERROR
+    assert g.final("fine").state is RequestState.FINISHED
+    assert all(e.statistics().failed[FailureReason.PEER_ERROR] == 1 for e in g.engines)
+    assert sum(t.counters.releases for t in g.transports) == 2  # one per request, by rank 0
+    assert g.ctx.store.statistics().held_requests == 0
+
+
+async def test_abort_while_receiving_ends_on_every_rank(make_group) -> None:
+    g = await make_group(2)
+    for t in g.transports:
+        t.stall("stuck")
+    g.submit("stuck")
+    await g.step()
+    await g.step()
+    g.lead.abort("stuck")
+    await g.run_until_idle()
+    assert g.final("stuck").state is RequestState.ABORTED
+    assert all(e.statistics().aborted == 1 for e in g.engines)
+
+
+async def test_blocks_come_back_on_every_rank_at_the_same_step_after_a_late_landing(make_group) -> None:
+    g = await make_group(2, num_blocks=3)
+    g.transports[1].stall_landing("late")  # rank 1's receive outlives its cancellation
+    g.transports[0].stall("late")
+    g.submit("late", prompt_len=8, max_tokens=4)  # 3 blocks: the whole pool on each rank
+    await g.step()
+    g.lead.abort("late")
+    for _ in range(4):
+        await g.step()
+    assert g.final("late").state is RequestState.ABORTED  # the client heard at once
+    g.submit("next", prompt_len=4, max_tokens=2)
+    for _ in range(4):
+        await g.step()
+    # neither rank reused the blocks: rank 1's may still be written, and rank 0 waits for it
+    assert [e.pool.statistics().used_blocks for e in g.engines] == [3, 3]
+    assert all(e.statistics().waiting == 1 for e in g.engines)
+    g.transports[1].finish_landing("late")
+    await g.run_until_idle()
+    assert g.final("next").state is RequestState.FINISHED
+
+
+async def test_only_rank_zero_takes_requests_and_explicit_slices_are_refused(make_group) -> None:
+    from orchestrator import InvalidRequest
+    from transports import KVSlice
+
+    g = await make_group(2)
+    with pytest.raises(InvalidRequest):
+        g.engines[1].submit(GenRequest("x", prompt_len=4, first_token=1, max_tokens=2, peer=PEER))
+    with pytest.raises(InvalidRequest):
+        g.lead.submit(GenRequest("y", prompt_len=4, first_token=1, max_tokens=2, peer=PEER,
+                                 kv_slice=KVSlice(0, 2, 0, 2)))
+
+
+async def test_a_broken_group_fails_everything_locally_without_another_collective(make_group) -> None:
+    g = await make_group(2)
+    for t in g.transports:
+        t.stall("r")
+    g.submit("r")
+    await g.step()
+    await g.step()
+
+    class Broken:
+        rank, world_size = 0, 2
+
+        def exchange(self, message):  # noqa: ANN001
+            raise RuntimeError("Connection closed by peer")
+
+    g.lead.sync = Broken()  # type: ignore[assignment]
+    with anyio.fail_after(5):
+        while not g.outputs.get("r"):
+            g.lead.step()
+            for out in g.lead.poll():
+                g.outputs.setdefault(out.request_id, []).append(out)
+            await anyio.sleep(0.001)
+    assert g.final("r").failure is FailureReason.INTERNAL and "group broken" in g.final("r").message
+    assert g.lead.health() is not None
+    g.engines[1].mark_unhealthy("test: rank 0 is gone")  # its own collective would fail the same way
+    with anyio.fail_after(5):
+        while any(e.rest_problems() for e in g.engines):
+            for e in g.engines:
+                e.step()
+            await anyio.sleep(0.001)
