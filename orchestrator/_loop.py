@@ -55,9 +55,11 @@ class DecodeLoop:
     # per-iteration figures kept in a ring of preallocated arrays (bounded, ~40 bytes an iteration)
     _FIELDS = ("orchestration_s", "blocked_s", "stalled_s", "model_s", "batch_size")
 
-    def __init__(self, engine: GenEngine, *, idle_wait_s: float = 0.05, history: int = 1 << 17) -> None:
+    def __init__(self, engine: GenEngine, *, idle_wait_s: float = 0.05, history: int = 1 << 17,
+                 tp_tick_s: float = 0.002) -> None:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
+        self._tp_tick_s = tp_tick_s
         self._ring = np.zeros((len(self._FIELDS), history), dtype=np.float64)
         self._count = 0  # iterations recorded since the last reset (the ring keeps the newest)
         self.error: BaseException | None = None
@@ -67,9 +69,10 @@ class DecodeLoop:
         is marked unhealthy and the loop goes on stepping it, so that every live request fails with
         a reason and its blocks and budget come back; the error is kept in ``error``."""
         engine = self.engine
-        while not stop.is_set():
-            if not engine.num_running:  # nothing to decode: sleep until a submit or completion
-                engine.wakeup.wait(self._idle_wait_s)
+        leads = getattr(engine, "leads_steps", True)  # a tensor-parallel follower never waits: it
+        while not stop.is_set():                      # steps whenever rank 0 does (in the collective)
+            if leads and not engine.num_running:  # nothing to decode: sleep until a submit or completion
+                engine.wakeup.wait(self._wait_s(engine))
             engine.wakeup.clear()  # before step(): anything set from here on is seen next time
             try:
                 report = engine.step()
@@ -84,6 +87,16 @@ class DecodeLoop:
                 continue
             if report.batch_size or report.admitted:
                 self._record(report)
+            if getattr(engine, "stopped", False) and not leads:
+                return  # the group stopped (rank 0 said so, or a collective failed)
+
+    def _wait_s(self, engine: GenEngine) -> float:
+        """How long rank 0 (or a single rank) may sleep with nothing to decode. A tensor-parallel
+        rank 0 with requests in flight wakes every ``tp_tick_s``: the other ranks' receive outcomes
+        reach it only through a step."""
+        if getattr(engine, "world_size", 1) > 1 and engine.live_requests:
+            return self._tp_tick_s
+        return self._idle_wait_s
 
     def _record(self, r: StepReport) -> None:
         self._ring[:, self._count % self._ring.shape[1]] = (

@@ -35,6 +35,7 @@ import dataclasses
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence as Seq
 from typing import Any, Protocol
 
@@ -59,6 +60,9 @@ class StepMessage:
     """Requests whose receive ended here and whose blocks nothing may write any more."""
     notes: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     stop: bool = False
+    admitted: tuple[int, int] = (0, 0)
+    """(count, CRC32 chained over the ids) of everything this rank admitted so far: compared every
+    step, so ranks that ever diverge are caught at once instead of decoding different batches."""
 
 
 class StepSync(Protocol):
@@ -113,6 +117,9 @@ class TPGenEngine(GenEngine):
         self.stopped = False
         """Rank 0 asked the group to stop (followers end their loop)."""
         self._admission_log: list[str] = []
+        self._admitted = (0, 0)
+        self.rank_admitted: list[tuple[int, int]] = []
+        """Every rank's ``StepMessage.admitted`` at the last step (rank 0: for stats and tests)."""
 
     # -- any thread ------------------------------------------------------------------------------
     @property
@@ -139,6 +146,11 @@ class TPGenEngine(GenEngine):
         """Rank 0: the next step tells every rank to stop."""
         self._stop_requested = True
         self.wakeup.set()
+
+    @property
+    def live_requests(self) -> int:
+        """Requests live here, counting failed ones whose blocks wait for every rank's receive to end."""
+        return super().live_requests + len(self._ending)
 
     @property
     def admission_log(self) -> list[str]:
@@ -188,7 +200,7 @@ class TPGenEngine(GenEngine):
 
     def prepare_step(self) -> StepMessage:
         """This rank's contribution to the step (split from ``step`` so tests can drive ranks in lockstep)."""
-        msg = StepMessage(stop=self._stop_requested)
+        msg = StepMessage(stop=self._stop_requested, admitted=self._admitted)
         if self.rank == 0:
             while True:
                 try:
@@ -218,6 +230,11 @@ class TPGenEngine(GenEngine):
         if any(m.stop for m in messages):
             self.stopped = True
             self.mark_unhealthy("the tensor-parallel group was stopped")
+            return self._step_unhealthy(t0)
+        self.rank_admitted = [m.admitted for m in messages]
+        if any(a != self.rank_admitted[0] for a in self.rank_admitted):
+            log.error("tp_ranks_diverged", rank=self.rank, admitted=self.rank_admitted)
+            self.mark_unhealthy(f"tensor-parallel ranks admitted different requests: {self.rank_admitted}")
             return self._step_unhealthy(t0)
         lead = messages[0]
         for request in lead.arrivals:
@@ -346,6 +363,7 @@ class TPGenEngine(GenEngine):
 
         seq = admission.seq
         self._admission_log.append(seq.request_id)
+        self._admitted = (self._admitted[0] + 1, zlib.crc32(seq.request_id.encode(), self._admitted[1]))
         if admission.grant is not None:
             self._grants[seq.request_id] = admission.grant  # released at the agreed step, not by the task
         assert self.receiver is not None and seq.block_ids is not None and seq.request.peer is not None

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("client", help="drive a load (see: client --help)")
     sub.add_parser("demo", help="start CTX and GEN, drive a load, check parity (see: demo --help)")
     args = parser.parse_args(argv)
+    args.argv = argv  # a GEN with --tp starts its other ranks with the same flags
     common.node_secret(args)  # a missing or bad secret: one line on stderr, before anything starts
     _configure_logging(args.log_level)
     return {"ctx": ctx.main, "gen": gen.main}[args.role](args)

@@ -27,7 +27,8 @@ Definitions used by ``summarize``:
   any wait for admission at GEN. TPOT statistics are over requests (each request counts once);
 - **ITL** = gaps between consecutive streamed token messages of a request, after the first streamed
   one (pure decode cadence, no transfer): statistics over all gaps of all succeeded requests;
-- **KV checksums**: GEN reports the checksums of the KV blocks it received, CTX those of the blocks
+- **KV checksums**: GEN reports the checksums of the KV blocks it received (per block, and per block
+  and KV head, assembled from every tensor-parallel rank's heads), CTX those of the blocks
   it computed; a request whose GEN list is empty (no transfer, e.g. the ``ideal`` mode) is not
   compared. ``kv_checksum_mismatches`` counts compared requests whose lists differ.
 """
@@ -78,6 +79,9 @@ class RequestRecord:
     message: str = ""
     ctx_checksums: list[int] | None = None
     gen_checksums: list[int] | None = None
+    ctx_head_checksums: list[list[int]] | None = None
+    gen_head_checksums: list[list[int]] | None = None
+    """Per block, per KV head: what a GEN of any tensor-parallel size reports (each rank its heads)."""
 
     @property
     def ok(self) -> bool:
@@ -86,6 +90,9 @@ class RequestRecord:
     @property
     def checksum_ok(self) -> bool | None:
         """None when GEN received no KV (nothing to compare), else whether both lists are equal."""
+        if self.gen_head_checksums:
+            return self.gen_head_checksums == self.ctx_head_checksums and (
+                not self.gen_checksums or self.gen_checksums == self.ctx_checksums)
         if not self.gen_checksums:
             return None
         return self.gen_checksums == self.ctx_checksums
@@ -236,6 +243,7 @@ async def run_load(
                 rec.tokens.append(int(reply["first_token"]))
                 rec.token_times.append(now)
                 rec.ctx_checksums = list(reply.get("block_checksums") or [])
+                rec.ctx_head_checksums = list(reply.get("head_checksums") or [])
                 phase = "generate"
                 stream = await control.connect(gen, secret=secret)
                 try:
@@ -258,6 +266,7 @@ async def run_load(
                             rec.failure = msg.get("failure")
                             rec.message = str(msg.get("message") or "")
                             rec.gen_checksums = list(msg.get("kv_checksums") or [])
+                            rec.gen_head_checksums = list(msg.get("kv_head_checksums") or [])
                             if rec.state != "finished" and rec.failure is None:
                                 rec.failure = rec.state
                             break

@@ -56,8 +56,14 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def build_model(args: argparse.Namespace) -> TinyModel:
+    """The tiny model; a rank's shard when the node runs tensor-parallel (``--tp``, group joined)."""
     torch.set_num_threads(1)  # two cores: one for the execution thread, one for the event loop
-    return TinyModel(model_config(args))
+    tp = None
+    if getattr(args, "tp", 1) > 1:
+        from examples.tp import TensorParallel
+
+        tp = TensorParallel.from_group(getattr(args, "tp_group", None))
+    return TinyModel(model_config(args), tp=tp)
 
 
 def node_secret(args: argparse.Namespace) -> bytes | None:

@@ -19,8 +19,10 @@ import anyio
 import structlog
 import torch
 
+from examples.metrics import ctx_node_stats, serve_node_metrics
 from examples.two_node import control
 from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, ucx_config
+from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
 from transports import KVStore
 from transports.ucx import UCXKVServer
@@ -94,6 +96,7 @@ class CtxNode:
             t0 = time.perf_counter()
             first = await anyio.to_thread.run_sync(self.model.prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
             checksums = block_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
+            per_head = head_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
             handle = self.store.put(rid, block_ids, num_tokens=len(prompt), lease_s=self.args.lease_s,
                                     on_release=lambda: self._on_free(block_ids))
         except ValueError as exc:  # duplicate id
@@ -105,7 +108,8 @@ class CtxNode:
         self._prefills += 1
         log.debug("prefill_done", request_id=rid, tokens=len(prompt), ms=round((time.perf_counter() - t0) * 1e3, 2))
         return {"ok": True, "request_id": rid, "first_token": first, "prompt_len": len(prompt),
-                "kv_peer": self.ucx_addr, "kv_handle": handle, "block_checksums": checksums}
+                "kv_peer": self.ucx_addr, "kv_handle": handle, "block_checksums": checksums,
+                "head_checksums": per_head}
 
     async def run(self) -> None:
         self._call = loop_caller()
@@ -113,7 +117,9 @@ class CtxNode:
             self.ucx_addr = f"{self.args.advertise or self.args.host}:{server.port}"
             async with anyio.create_task_group() as tg:
                 port = await tg.start(self.control.serve, self.args.host, self.args.port)
-                announce_ready(role="ctx", ctrl=f"{self.args.host}:{port}", ucx=self.ucx_addr)
+                metrics = (None if self.args.metrics_port is None else serve_node_metrics(
+                    "ctx", lambda: ctx_node_stats(self), host=self.args.host, port=self.args.metrics_port))
+                announce_ready(role="ctx", ctrl=f"{self.args.host}:{port}", ucx=self.ucx_addr, metrics=metrics)
                 log.info("ctx_ready", ctrl_port=port, ucx=self.ucx_addr)
 
 
@@ -125,6 +131,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the CTX pool")
     p.add_argument("--lease-s", type=float, default=30.0, help="free a request's KV if GEN has not pulled it by then")
     p.add_argument("--alloc-wait-s", type=float, default=30.0, help="how long a prefill waits for free KV blocks")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
     p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
                    help="CRC32 of each prefilled KV block in the prefill reply (a parity check; costs CPU per request)")
 

@@ -43,6 +43,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per node")
     p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
     p.add_argument("--ctx-nodes", type=int, default=1, help="CTX processes; the client spreads requests over them")
+    p.add_argument("--gen-tp", type=int, default=1, choices=[1, 2, 4, 8],
+                   help="GEN tensor-parallel ranks (each pulls its KV heads; one process per rank)")
     p.add_argument("--netns", action="store_true", help="run CTX and GEN in two network namespaces (root)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--no-progress", action="store_true")
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         ctx_addrs = [c.info["ctrl"] for c in ctxs]
         gen = stack.enter_context(NodeProcess.start(
             ["gen", "--host", gen_host, *[a for addr in ctx_addrs for a in ("--ctx", addr)], "--mode", args.mode,
+             "--tp", str(args.gen_tp),
              "--num-blocks", str(args.num_blocks), "--max-tokens-in-buffer", str(args.max_tokens_in_buffer),
              "--kv-transfer-timeout-ms", str(args.kv_transfer_timeout_ms)],
             env=env, netns=ns.b if ns else None))
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
             "compared": len(compared),
             "token_mismatches": mismatched[:20],
             "kv_checksum_mismatches": summary["kv_checksum_mismatches"],
-            "kv_blocks_compared": sum(len(r.gen_checksums or []) for r in compared),
+            "kv_blocks_compared": sum(len(r.gen_head_checksums or r.gen_checksums or []) for r in compared),
         },
         "output_tok_s": summary["output_tok_s"],
         "tpot_ms": summary["tpot_ms"],
@@ -129,6 +132,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
             "exec_blocked_ms": gen_stats["loop"]["blocked_ms"],
             "exec_stalled_ms": gen_stats["loop"]["stalled_ms"],
             "rest_problems": gen_stats["rest_problems"],
+            "tp": gen_stats.get("tp", {"world_size": 1}),
         },
         "ctx": {"nodes": len(ctx_stats), "prefills": [c["prefills"] for c in ctx_stats],
                 "held_requests_after": sum(c["store"]["held_requests"] for c in ctx_stats)},

@@ -23,7 +23,8 @@ import anyio
 import structlog
 import torch
 
-from examples.two_node import control
+from examples.metrics import serve_node_metrics
+from examples.two_node import control, gen_tp
 from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, ucx_config
 from orchestrator import (
     DecodeBatch,
@@ -34,6 +35,8 @@ from orchestrator import (
     Mode,
     OrchestratorConfig,
     RequestOutput,
+    TorchStepSync,
+    TPGenEngine,
     Unavailable,
     loop_caller,
 )
@@ -57,10 +60,15 @@ class DeviceStep:
 
 
 class GenNode:
+    """One GEN node, or one rank of a tensor-parallel GEN group (``--tp``, see ``gen_tp``): rank 0
+    serves the control plane; the other ranks only step with it."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.rank = args.tp_rank
         self.model = build_model(args)
         layout = self.model.kv_layout(args.block_size)
+        self.head_sums = gen_tp.HeadChecksums()
         self.config = OrchestratorConfig(
             layout=layout,
             num_blocks=args.num_blocks,
@@ -71,6 +79,7 @@ class GenNode:
             max_prefetch_seqs=args.max_prefetch_seqs,
             max_model_len=self.model.config.max_seq_len,
             kv_hold_interval_s=args.kv_hold_interval_s,
+            kv_head_offset=self.model.kv_head_range().start,
         )
         if args.step == "device":
             self.step_fn: Any = DeviceStep(args.device_step_ms, args.device_step_us_per_seq, self.model.config.vocab_size)
@@ -107,8 +116,16 @@ class GenNode:
                     log.debug("output_dropped", request_id=out.request_id)
 
     def _on_received(self, request_id: str, block_ids: torch.Tensor) -> None:
-        if self.args.kv_checksums:
-            self.checksums[request_id] = block_checksums(self.engine.pool.kv, block_ids)  # type: ignore[union-attr]
+        if not self.args.kv_checksums:
+            return
+        pool = self.engine.pool.kv  # type: ignore[union-attr]
+        crcs = gen_tp.head_checksums(pool, block_ids)
+        if self.rank == 0:
+            if self.args.tp == 1:
+                self.checksums[request_id] = block_checksums(pool, block_ids)
+            self.head_sums.add(request_id, self.config.kv_head_offset, crcs)
+        else:  # to rank 0, with this rank's next step message
+            self.engine.note(request_id, {"h0": self.config.kv_head_offset, "crcs": crcs})  # type: ignore[union-attr]
 
     # -- control ---------------------------------------------------------------------------------
     async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
@@ -173,6 +190,7 @@ class GenNode:
             if self._streams.get(rid) is send:  # not a later request that reuses the finished id
                 del self._streams[rid]
                 self.checksums.pop(rid, None)
+                self.head_sums.discard(rid)
             send.close()
 
     async def _stream_tokens(self, rid: str, receive: Any, stream: control.JsonStream) -> bool:
@@ -192,7 +210,8 @@ class GenNode:
                         await stream.send({"tokens": tokens})
                     await stream.send({"done": True, "state": out.state.value,
                                        "failure": out.failure.value if out.failure else None,
-                                       "message": out.message, "kv_checksums": self.checksums.get(rid, [])})
+                                       "message": out.message, "kv_checksums": self.checksums.get(rid, []),
+                                       "kv_head_checksums": self.head_sums.pop(rid)})
                     return True
                 await stream.send({"tokens": tokens})
         return False
@@ -219,6 +238,7 @@ class GenNode:
                 "peak_staging_bytes": s.peak_staging_bytes,
                 "transfer_budget_bytes": self.config.transfer_budget_bytes,
                 "inline_fallbacks": s.inline_fallbacks,
+                "receives_in_flight": s.receives_in_flight, "quarantined_blocks": s.quarantined_blocks,
                 "budget": dataclasses.asdict(s.budget),
                 "pool": dataclasses.asdict(s.pool),
             },
@@ -228,29 +248,62 @@ class GenNode:
                    for name in ("orchestration_ms", "blocked_ms", "stalled_ms", "model_ms")},
             },
             "rest_problems": self.engine.rest_problems(),
+            "tp": self._tp_stats(),
         }
+
+    def _tp_stats(self) -> dict[str, Any]:
+        engine = self.engine
+        if not isinstance(engine, TPGenEngine):
+            return {"world_size": 1}
+        return {"world_size": engine.world_size, "rank_pids": getattr(self.args, "tp_pids", []),
+                "kv_head_offset": self.config.kv_head_offset,
+                "rank_admitted": [list(a) for a in engine.rank_admitted]}
 
     # -- life cycle ------------------------------------------------------------------------------
     async def run(self) -> None:
         args = self.args
         self._call = loop_caller()
-        transport = UCXTransport(ucx_config(args), layout=self.config.layout) if self.config.mode is not Mode.IDEAL else None
+        transport = (UCXTransport(ucx_config(args), layout=self.config.layout,
+                                  total_kv_heads=self.model.config.num_kv_heads)
+                     if self.config.mode is not Mode.IDEAL else None)
         try:
-            self.engine = GenEngine(self.config, transport, self.step_fn, on_output=self._on_output,
-                                    on_received=self._on_received)
+            if args.tp > 1:
+                self.engine = TPGenEngine(self.config, gen_tp.maybe_failing(transport, args), self.step_fn, sync=TorchStepSync(args.tp_group),
+                                          on_output=self._on_output, on_received=self._on_received,
+                                          on_note=gen_tp.on_note(self.head_sums))
+            else:
+                self.engine = GenEngine(self.config, transport, self.step_fn, on_output=self._on_output,
+                                        on_received=self._on_received)
             self.loop = DecodeLoop(self.engine)
             stop = threading.Event()
             async with anyio.create_task_group() as tg:
                 await self.engine.start(tg)
                 exec_thread = threading.Thread(target=self.loop.run, args=(stop,), name="execution", daemon=True)
                 exec_thread.start()
+                if self.rank != 0:  # a follower rank: steps with rank 0 until the group stops
+                    try:
+                        await anyio.to_thread.run_sync(exec_thread.join)
+                    finally:
+                        stop.set()
+                        await anyio.to_thread.run_sync(exec_thread.join)
+                        self.engine.close()
+                    return
+                if getattr(args, "tp_children", None):
+                    tg.start_soon(gen_tp.watch_children, args.tp_children, self.engine.mark_unhealthy)
                 try:
                     port = await tg.start(self.control.serve, args.host, args.port)
-                    announce_ready(role="gen", ctrl=f"{args.host}:{port}", mode=self.config.mode.value)
+                    metrics = (None if args.metrics_port is None else
+                               serve_node_metrics("gen", self.stats, host=args.host, port=args.metrics_port))
+                    announce_ready(role="gen", ctrl=f"{args.host}:{port}", mode=self.config.mode.value, metrics=metrics)
                     log.info("gen_ready", ctrl_port=port, mode=self.config.mode.value,
                              transfer_budget_bytes=self.config.transfer_budget_bytes, num_blocks=self.config.num_blocks)
                     await anyio.sleep_forever()
                 finally:
+                    if isinstance(self.engine, TPGenEngine):  # tell the other ranks, then stop stepping
+                        self.engine.request_stop()
+                        with anyio.move_on_after(5, shield=True):
+                            while not self.engine.stopped and exec_thread.is_alive():
+                                await anyio.sleep(0.01)
                     stop.set()
                     self.engine.wakeup.set()
                     await anyio.to_thread.run_sync(exec_thread.join)
@@ -279,9 +332,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="sys.setswitchinterval for this process: how long a thread may hold the GIL "
                         "while another waits (Python's default: 5 ms)")
     p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
     p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
                    help="CRC32 of each received KV block, reported at the end of a generate stream (a parity "
                         "check; --no-kv-checksums saves event-loop CPU in benchmarks)")
+    gen_tp.add_args(p)
     p.add_argument("--kv-hold-interval-s", type=float, default=OrchestratorConfig.kv_hold_interval_s,
                    help="how often CTX nodes are asked to renew the leases of requests still waiting here "
                         "(keep it well below the CTX's --lease-s)")
@@ -290,5 +345,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    anyio.run(GenNode(args).run, backend="asyncio")
+    gen_tp.check_args(args)
+    children = []
+    if args.tp > 1:
+        if args.tp_rank == 0:
+            children = gen_tp.start_group(args, args.argv)
+            args.tp_pids = [c.pid for c in children]
+            args.tp_children = children
+        else:
+            gen_tp.join_group(args)
+    try:
+        anyio.run(GenNode(args).run, backend="asyncio")
+    finally:
+        gen_tp.stop_children(children)
+        gen_tp.leave_group()
     return 0

@@ -1,0 +1,164 @@
+"""Prometheus metrics of the nodes (and, re-exported, of the front): every series is in docs/serve.md.
+
+    a node's control ``stats`` dict ──> gen_families / ctx_families ──> metric families
+        on a node:  NodeCollector(role, node.stats)      scrape: the node's ``--metrics-port``
+        on the front: the cached ``stats`` of every node, with a ``node`` label (examples.serve)
+
+Node figures are read when Prometheus scrapes (a custom collector: nothing is recorded on the hot
+path) from the same dict the node's control ``stats`` answers, so the two views never disagree.
+``engine.statistics()`` is cheap and thread-safe; the execution thread's timings come from
+``DecodeLoop.statistics()`` (percentiles over its recent iterations, a few ms of numpy per scrape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = structlog.get_logger("examples.metrics")
+
+Stats = dict[str, Any]
+QUANTILES = (("0.5", "p50"), ("0.99", "p99"), ("1", "max"))
+"""``quantile`` label values of the execution-thread timings, and the ``stats`` field of each."""
+
+
+class _Families:
+    """Metric families that share one set of constant labels (``node`` on the front, none on a node)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.names = list(labels)
+        self.values = list(labels.values())
+        self.out: dict[str, Metric] = {}
+
+    def gauge(self, name: str, doc: str, value: float, **extra: str) -> None:
+        self._add(GaugeMetricFamily, name, doc, value, extra)
+
+    def counter(self, name: str, doc: str, value: float, **extra: str) -> None:
+        self._add(CounterMetricFamily, name, doc, value, extra)
+
+    def _add(self, kind: type, name: str, doc: str, value: float, extra: dict[str, str]) -> None:
+        family = self.out.get(name)
+        if family is None:
+            family = self.out[name] = kind(name, doc, labels=[*self.names, *extra])
+        family.add_metric([*self.values, *extra.values()], float(value))
+
+
+def gen_families(stats: Stats, fam: _Families) -> None:
+    """A GEN node's series (its control ``stats`` answer)."""
+    e, loop = stats["engine"], stats["loop"]
+    fam.gauge("kvo_gen_healthy", "1 while the GEN engine can serve, 0 once it is unhealthy", bool(stats.get("healthy")))
+    for state in ("waiting", "receiving", "ready", "running"):
+        fam.gauge("kvo_gen_requests", "GEN requests by state (waiting for admission, receiving KV, KV received "
+                  "ahead of the batch, decoding)", e[state], state=state)
+    fam.counter("kvo_gen_requests_finished_total", "GEN requests that finished", e["finished"])
+    fam.counter("kvo_gen_requests_aborted_total", "GEN requests aborted (client gone, node stopping)", e["aborted"])
+    for reason, n in sorted(e["failed"].items()):
+        fam.counter("kvo_gen_request_failures_total", "GEN requests failed, by reason", n, reason=reason)
+    for reason, n in sorted(e["deferrals"].items()):
+        fam.counter("kvo_gen_deferral_episodes_total", "episodes of a request deferred at admission, by reason "
+                    "(backpressure: transfer budget; kv_exhausted: KV pool)", n, reason=reason)
+    budget = e["budget"]
+    fam.gauge("kvo_gen_transfer_budget_capacity_bytes", "the transfer budget (bytes of KV receives in flight)",
+              budget["capacity"])
+    fam.gauge("kvo_gen_transfer_budget_in_use_bytes", "transfer budget taken by receives in flight", budget["in_use"])
+    fam.gauge("kvo_gen_transfer_budget_peak_bytes", "peak transfer budget in use since start", budget["peak_in_use"])
+    if "receives_in_flight" in e:
+        fam.gauge("kvo_gen_receives_in_flight", "KV receives posted and not yet over", e["receives_in_flight"])
+    if "quarantined_blocks" in e:
+        fam.gauge("kvo_gen_kv_quarantined_blocks", "KV blocks of failed receives UCX may still write into",
+                  e["quarantined_blocks"])
+    fam.gauge("kvo_gen_staging_peak_bytes", "peak bytes of staging (bounce) buffers", e["peak_staging_bytes"])
+    pool = e["pool"]
+    fam.gauge("kvo_gen_kv_used_blocks", "GEN KV blocks in use", pool["used_blocks"])
+    fam.gauge("kvo_gen_kv_capacity_blocks", "GEN KV blocks in the pool", pool["num_blocks"])
+    fam.counter("kvo_gen_exec_iterations_total", "execution-thread iterations recorded (since the last reset_stats; "
+                "the timing window holds the newest 131072)", loop["iterations"])
+    for field, label in (("orchestration_ms", "orchestration"), ("blocked_ms", "blocked"), ("stalled_ms", "stalled"),
+                         ("model_ms", "model")):
+        for q, key in QUANTILES:
+            fam.gauge(f"kvo_gen_exec_{label}_seconds", f"execution thread, {label} time per iteration: quantile over "
+                      "the recent iterations", loop[field][key] / 1e3, quantile=q)
+
+
+def ctx_families(stats: Stats, fam: _Families) -> None:
+    """A CTX node's series (its control ``stats`` answer)."""
+    store, pool = stats["store"], stats["pool"]
+    fam.counter("kvo_ctx_prefills_total", "prompts prefilled", stats["prefills"])
+    fam.gauge("kvo_ctx_held_requests", "requests whose KV the CTX holds for a GEN to pull", store["held_requests"])
+    fam.gauge("kvo_ctx_held_blocks", "KV blocks held for a GEN to pull", store["held_blocks"])
+    fam.counter("kvo_ctx_kv_released_total", "held KV freed by a pull or a release", store["released"])
+    fam.counter("kvo_ctx_kv_expired_total", "held KV freed because its lease ended", store["expired"])
+    fam.gauge("kvo_ctx_kv_used_blocks", "CTX KV blocks in use", pool["used_blocks"])
+    fam.gauge("kvo_ctx_kv_capacity_blocks", "CTX KV blocks in the pool", pool["num_blocks"])
+
+
+_BY_ROLE: dict[str, Callable[[Stats, _Families], None]] = {"gen": gen_families, "ctx": ctx_families}
+
+
+def node_families(nodes: Iterable[tuple[str, dict[str, str], Stats | None]]) -> list[Metric]:
+    """Families of several nodes: ``(role, constant labels, stats or None when unknown)`` each.
+
+    A node whose stats are unknown (down, not polled yet) contributes nothing but its ``up`` series
+    (that one is the front's). Families of the same name from several nodes are merged."""
+    merged: dict[str, Metric] = {}
+    for role, labels, stats in nodes:
+        if stats is None:
+            continue
+        fam = _Families(labels)
+        try:
+            _BY_ROLE[role](stats, fam)
+        except (KeyError, TypeError, ValueError) as exc:  # a node of another version: skip, say why once
+            log.warning("metrics_stats_unreadable", role=role, labels=labels, error=repr(exc))
+            continue
+        for name, family in fam.out.items():
+            if name in merged:
+                merged[name].samples.extend(family.samples)
+            else:
+                merged[name] = family
+    return list(merged.values())
+
+
+class NodeCollector(Collector):
+    """A node's own series, read from ``stats()`` at each scrape."""
+
+    def __init__(self, role: str, stats: Callable[[], Stats]) -> None:
+        if role not in _BY_ROLE:
+            raise ValueError(f"unknown role {role!r}")
+        self.role = role
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        for attempt in range(2):  # a dict another thread grew while we copied it: read again
+            try:
+                snapshot = self.stats()
+                break
+            except RuntimeError:
+                if attempt:
+                    raise
+        yield from node_families([(self.role, {}, snapshot)])
+
+
+def serve_node_metrics(role: str, stats: Callable[[], Stats], *, host: str, port: int) -> int:
+    """Serve a node's series over HTTP (prometheus_client's server, a daemon thread); returns the port."""
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(role, stats))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    bound = int(server.server_address[1])
+    log.info("metrics_serving", role=role, host=host, port=bound)
+    return bound
+
+
+
+def ctx_node_stats(node: Any) -> Stats:
+    """The part of a CTX node's control ``stats`` answer that ``ctx_families`` reads, from any thread
+    (``KVStore.statistics`` takes its lock; the pool's counters are plain ints)."""
+    s, p = node.store.statistics(), node.pool.statistics()
+    return {"role": "ctx", "prefills": node._prefills,
+            "store": {"held_requests": s.held_requests, "held_blocks": s.held_blocks, "released": s.released,
+                      "expired": s.expired},
+            "pool": {"num_blocks": p.num_blocks, "used_blocks": p.used_blocks, "peak_used_blocks": p.peak_used_blocks}}
