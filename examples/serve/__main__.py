@@ -1,0 +1,92 @@
+"""``python -m examples.serve -c cluster.yaml``: start the nodes the file asks for, then serve HTTP.
+
+Prints one ``READY {"http": "host:port", "ctx": [...], "gen": [...], "started": [...]}`` line once the
+first statistics of every node are in (``started``: the nodes it started, with their pid and READY
+fields); SIGINT/SIGTERM stop the server, then the nodes it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import secrets
+import signal
+import socket
+import sys
+
+import structlog
+
+from examples.serve.cluster import Cluster, launch_nodes
+from examples.serve.config import ClusterConfig, ConfigError, load
+from examples.two_node.__main__ import _configure_logging
+from transports._auth import SECRET_ENV, load_secret
+
+log = structlog.get_logger("examples.serve")
+
+
+def front_secret(cfg: ClusterConfig) -> bytes | None:
+    """``secret_file`` or ``KVO_SHARED_SECRET``; a fresh one when the front starts every node itself;
+    None with ``insecure: true``. Raises SystemExit with one line when it cannot be had."""
+    if cfg.insecure:
+        return None
+    try:
+        secret = load_secret(path=cfg.secret_file)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc} (from {cfg.secret_file or SECRET_ENV})") from None
+    except OSError as exc:
+        raise SystemExit(f"error: cannot read secret_file {cfg.secret_file}: {exc.strerror or exc}") from None
+    if secret is None:
+        if any(not s.launched for s in cfg.nodes):
+            raise SystemExit(f"error: no shared secret for the running nodes: set {SECRET_ENV} or secret_file")
+        secret = secrets.token_hex(32).encode()  # every node is ours: a fresh secret for this cluster
+    return secret
+
+
+def _exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m examples.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("-c", "--config", required=True, help="the cluster file (YAML; see docs/serve.md)")
+    p.add_argument("--host", help="override listen.host")
+    p.add_argument("--port", type=int, help="override listen.port (0: pick one)")
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    try:
+        cfg = load(a.config)
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    secret = front_secret(cfg)
+    _configure_logging(a.log_level)
+    host = a.host or cfg.host
+    port = cfg.port if a.port is None else a.port
+    sock = socket.create_server((host, port), reuse_port=False)  # bound before the nodes start: fail early
+    with contextlib.closing(sock), launch_nodes(cfg, secret) as (ctx, gen, procs):
+        import uvicorn
+
+        from examples.serve._app import Front
+
+        cluster = Cluster(ctx, gen, secret=secret, interval_s=cfg.routing.stats_interval_s,
+                          timeout_s=cfg.routing.connect_timeout_s)
+        bound = f"{host}:{sock.getsockname()[1]}"
+
+        def ready() -> None:
+            sys.stdout.write("READY " + json.dumps({"http": bound, "ctx": ctx, "gen": gen,
+                                                    "started": [{"pid": pr.proc.pid, **pr.info} for pr in procs]}) + "\n")
+            sys.stdout.flush()
+            log.info("front_ready", http=bound, cluster=repr(cluster))
+
+        front = Front(cfg, cluster, on_ready=ready)
+        server = uvicorn.Server(uvicorn.Config(front.app, log_level="warning", access_log=False, lifespan="on",
+                                               timeout_graceful_shutdown=5))
+        # uvicorn re-raises SIGTERM/SIGINT once it has shut down: make that unwind this `with`, which
+        # stops the nodes (the default SIGTERM action would kill the front and leave them running)
+        signal.signal(signal.SIGTERM, _exit)
+        server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""The OpenAI-compatible surface: request validation, the chat template, detokenizing with stop
+strings, and the shapes of responses, chunks and errors. No I/O here (``_app`` does it).
+
+    JSON body ──parse_completion / parse_chat──> Generation (prompt ids, limits checked)   or ApiError
+    tokens ──TextStream.feed──> text safe to emit (stop strings held back until decided), finish_reason
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from examples.serve.config import Limits
+from examples.tiny_model import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    """An answer in the OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(status, "server_error")
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One validated request, whichever endpoint it came from."""
+
+    kind: str
+    """``completion`` or ``chat``."""
+    request_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+
+
+# -- parsing --------------------------------------------------------------------------------------
+
+def parse_completion(body: dict[str, Any], *, model: str, limits: Limits, max_model_len: int) -> Generation:
+    prompt_ids = _prompt_ids(body.get("prompt"))
+    if body.get("echo"):
+        raise invalid("echo is not supported", "echo", "unsupported_parameter")
+    if body.get("suffix") is not None:
+        raise invalid("suffix is not supported", "suffix", "unsupported_parameter")
+    return _common(body, "completion", prompt_ids, model=model, limits=limits, max_model_len=max_model_len,
+                   max_tokens_fields=("max_tokens",))
+
+
+def parse_chat(body: dict[str, Any], *, model: str, limits: Limits, max_model_len: int) -> Generation:
+    prompt_ids = TOKENIZER.encode(render_chat(body.get("messages")))
+    return _common(body, "chat", prompt_ids, model=model, limits=limits, max_model_len=max_model_len,
+                   max_tokens_fields=("max_completion_tokens", "max_tokens"))
+
+
+def render_chat(messages: Any) -> str:
+    """The chat template: ``<|role|>\\ncontent\\n`` per message, then ``<|assistant|>\\n`` (BOS first,
+    added by the tokenizer). Content is a string or a list of ``{"type": "text", "text": ...}`` parts."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise invalid(f"messages[{i}] must be an object with a role in {', '.join(CHAT_ROLES)}", f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and m["role"] == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise invalid(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        out.append(f"<|{m['role']}|>\n{content}\n")
+    out.append("<|assistant|>\n")
+    return "".join(out)
+
+
+def _prompt_ids(prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return TOKENIZER.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < TOKENIZER.vocab_size for t in prompt):
+            raise invalid(f"prompt token ids must be in [0, {TOKENIZER.vocab_size})", "prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise invalid("only one prompt per request is supported", "prompt", "unsupported_parameter")
+    raise invalid("prompt must be a string, a list of token ids, or a list of one of those", "prompt")
+
+
+def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: str, limits: Limits,
+            max_model_len: int, max_tokens_fields: Sequence[str]) -> Generation:
+    name = body.get("model")
+    if not isinstance(name, str):
+        raise invalid("model is required (a string)", "model", "missing_required_parameter")
+    if name != model:
+        raise invalid(f"the model {name!r} does not exist; this server serves {model!r}", "model", "model_not_found")
+    max_tokens = limits.default_max_tokens
+    for f in max_tokens_fields:
+        if body.get(f) is not None:
+            max_tokens = _int(body, f, lo=1)
+            break
+    if max_tokens > limits.max_tokens:
+        raise invalid(f"max_tokens={max_tokens} exceeds this server's limit of {limits.max_tokens}", "max_tokens")
+    if len(prompt_ids) > limits.max_prompt_tokens:
+        raise invalid(f"the prompt has {len(prompt_ids)} tokens, more than this server's limit of "
+                      f"{limits.max_prompt_tokens}", "prompt" if kind == "completion" else "messages",
+                      "context_length_exceeded")
+    if len(prompt_ids) + max_tokens > max_model_len:
+        raise invalid(f"this model's maximum context length is {max_model_len} tokens; the request asks for "
+                      f"{len(prompt_ids)} prompt + {max_tokens} completion tokens", "max_tokens", "context_length_exceeded")
+    _only(body, "temperature", (0,), "only greedy decoding is served: temperature must be 0 (or omitted)")
+    _only(body, "top_p", (1,), "top_p must be 1 (or omitted): decoding is greedy")
+    _only(body, "n", (1,), "n must be 1")
+    _only(body, "best_of", (1,), "best_of must be 1")
+    _only(body, "presence_penalty", (0,), "presence_penalty is not supported")
+    _only(body, "frequency_penalty", (0,), "frequency_penalty is not supported")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise invalid("logprobs are not supported", "logprobs", "unsupported_parameter")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise invalid("stream_options needs stream: true and must be an object", "stream_options")
+    include_usage = bool(options) and _bool(options, "include_usage")
+    return Generation(
+        kind=kind, request_id=f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
+        created=int(time.time()), model=model, prompt_ids=prompt_ids, max_tokens=max_tokens,
+        stop=_stop(body.get("stop"), limits), ignore_eos=_bool(body, "ignore_eos"), stream=stream,
+        include_usage=include_usage, return_token_ids=_bool(body, "return_token_ids"),
+    )
+
+
+def _int(body: dict[str, Any], name: str, *, lo: int) -> int:
+    v = body.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise invalid(f"{name} must be an integer >= {lo}", name)
+    return v
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise invalid(f"{name} must be a boolean", name)
+    return v
+
+
+def _only(body: dict[str, Any], name: str, allowed: tuple[float, ...], message: str) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v not in allowed:
+        raise invalid(message, name, "unsupported_value")
+
+
+def _stop(stop: Any, limits: Limits) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(items, list) or len(items) > limits.max_stop_strings
+            or not all(isinstance(s, str) and 0 < len(s) <= limits.max_stop_chars for s in items)):
+        raise invalid(f"stop must be a string or a list of at most {limits.max_stop_strings} strings of "
+                      f"1..{limits.max_stop_chars} characters", "stop")
+    return tuple(items)
+
+
+# -- detokenizing ---------------------------------------------------------------------------------
+
+class TextStream:
+    """Output tokens in, text out, with EOS, ``stop`` strings and ``max_tokens`` applied.
+
+    Text that might be the start of a stop string is held back until the next token decides; a stop
+    string ends the output and is not part of it (nor is EOS). ``finish_reason`` is None until the
+    output ended (``stop`` or ``length``); tokens fed after that are ignored."""
+
+    def __init__(self, *, max_tokens: int, stop: tuple[str, ...] = (), ignore_eos: bool = False) -> None:
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self.ignore_eos = ignore_eos
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = ""
+        self._emitted = 0
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return self._text[: self._emitted]
+
+    def feed(self, tokens: Sequence[int]) -> str:
+        """Text that may be sent now."""
+        for t in tokens:
+            if self.finish_reason is not None:
+                break
+            self.token_ids.append(t)
+            if t == TOKENIZER.eos_id and not self.ignore_eos:
+                self._finish("stop")
+                break
+            start = max(0, len(self._text) - self._hold)
+            if 0 <= t < 256:
+                self._text += self._decoder.decode(bytes((t,)))
+            if self._find_stop(start):
+                break
+            if len(self.token_ids) >= self.max_tokens:
+                self._finish("length")
+        end = len(self._text) if self.finish_reason else max(self._emitted, len(self._text) - self._hold)
+        out, self._emitted = self._text[self._emitted:end], end
+        return out
+
+    def end(self, reason: str) -> str:
+        """End the output now (if it has not ended); the text still held back."""
+        if self.finish_reason is None:
+            self._finish(reason)
+        out, self._emitted = self._text[self._emitted:], len(self._text)
+        return out
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        start = max(0, len(self._text) - self._hold)
+        self._text += self._decoder.decode(b"", final=True)  # a dangling partial character: U+FFFD
+        if reason == "length":
+            self._find_stop(start)
+
+    def _find_stop(self, start: int) -> bool:
+        hits = [i for s in self.stop if (i := self._text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        self._text = self._text[: min(hits)]
+        self.finish_reason = "stop"
+        return True
+
+
+# -- response shapes ------------------------------------------------------------------------------
+
+def usage(g: Generation, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": len(g.prompt_ids), "completion_tokens": completion_tokens,
+            "total_tokens": len(g.prompt_ids) + completion_tokens}
+
+
+def response(g: Generation, text: TextStream) -> dict[str, Any]:
+    """The non-streaming answer."""
+    if g.kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text.text, "logprobs": None, "finish_reason": text.finish_reason}
+        obj = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text.text}, "logprobs": None,
+                  "finish_reason": text.finish_reason}
+        obj = "chat.completion"
+    if g.return_token_ids:
+        choice["prompt_token_ids"] = g.prompt_ids
+        choice["token_ids"] = text.token_ids
+    return {"id": g.request_id, "object": obj, "created": g.created, "model": g.model, "choices": [choice],
+            "usage": usage(g, len(text.token_ids))}
+
+
+def chunk(g: Generation, piece: str, *, finish_reason: str | None = None, role: bool = False,
+          token_ids: list[int] | None = None) -> bytes:
+    """One SSE event of a stream: a piece of text (``role``: the chat stream's first delta)."""
+    if g.kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        delta: dict[str, Any] = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    if g.return_token_ids and token_ids is not None:
+        choice["token_ids"] = token_ids
+    body: dict[str, Any] = {"id": g.request_id, "object": obj, "created": g.created, "model": g.model, "choices": [choice]}
+    if g.include_usage:
+        body["usage"] = None
+    return sse(body)
+
+
+def usage_chunk(g: Generation, completion_tokens: int) -> bytes:
+    obj = "text_completion" if g.kind == "completion" else "chat.completion.chunk"
+    return sse({"id": g.request_id, "object": obj, "created": g.created, "model": g.model, "choices": [],
+                "usage": usage(g, completion_tokens)})
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,406 @@
+"""The front's HTTP side: Starlette routes, one request's flight through CTX then GEN, metrics.
+
+One request (``Front._start`` then ``Flight``)::
+
+    validate (400/413) ── too many at once? 429 ── no CTX or GEN up? 503        (all with the error body)
+      CTX = least loaded: prefill ──> first_token, prompt_len, kv_peer, kv_handle    (TTFT ends here)
+      GEN = least loaded: generate {that handoff} ──> {"tokens"}... {"done"}
+      tokens ──TextStream──> SSE chunks (or one JSON answer) ── EOS / stop / max_tokens: the end
+    Flight.aclose, exactly once, whatever happened (finished, client gone, error):
+      close the generate connection (before "done" that aborts the request on GEN, which tells CTX
+      to free its copy); tell CTX to release when GEN never pulled (no generate sent, an ``ideal``
+      GEN, a request that did not finish); give back the node and front counters; record metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import structlog
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from examples import metrics as node_metrics
+from examples.serve import _api
+from examples.serve._api import ApiError, Generation, TextStream
+from examples.serve.cluster import CONTROL_ERRORS, Cluster, Node
+from examples.serve.config import ClusterConfig
+from examples.two_node import control
+
+log = structlog.get_logger("examples.serve")
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class FrontMetrics:
+    """The front's own series (a registry of its own), plus its nodes' re-exported with ``node``."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        disable_created_metrics()  # no *_created series: the exposition lists what docs/serve.md documents
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvo_front_requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.running = Gauge("kvo_front_requests_running", "requests in flight through the front", registry=r)
+        self.finished = Counter("kvo_front_requests_finished", "generations that ended, by finish_reason "
+                                "(stop, length, abort: client gone, error)", ["finish_reason"], registry=r)
+        self.ttft = Histogram("kvo_front_time_to_first_token_seconds", "request arrival to its first token "
+                              "(the CTX's prefill answer)", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvo_front_inter_token_latency_seconds", "gap between consecutive token messages "
+                             "from GEN (one observation per message; the first one, after the KV transfer, excluded)", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvo_front_e2e_request_latency_seconds", "request arrival to its last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvo_front_prompt_tokens", "prompt tokens of requests sent to CTX", registry=r)
+        self.generation_tokens = Counter("kvo_front_generation_tokens", "output tokens returned", registry=r)
+        r.register(_ClusterCollector(cluster))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ClusterCollector(Collector):
+    """The nodes' series from their last polled ``stats`` (no call to a node at scrape time)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def collect(self):  # type: ignore[override]
+        up = GaugeMetricFamily("kvo_front_node_up", "1 while the front routes to the node", labels=["node", "role"])
+        age = GaugeMetricFamily("kvo_front_node_stats_age_seconds", "age of the node figures re-exported here",
+                                labels=["node", "role"])
+        now = time.monotonic()
+        for n in self.cluster.nodes:
+            up.add_metric([n.addr, n.role], float(n.up))
+            if n.stats is not None:
+                age.add_metric([n.addr, n.role], now - n.stats_at)
+        yield up
+        yield age
+        yield from node_metrics.node_families((n.role, {"node": n.addr}, n.stats) for n in self.cluster.nodes)
+
+
+class Front:
+    def __init__(self, cfg: ClusterConfig, cluster: Cluster, *, on_ready: Callable[[], None] | None = None) -> None:
+        self.cfg = cfg
+        self.on_ready = on_ready
+        """Called once the first round of node statistics is in (the front prints READY then)."""
+        self.cluster = cluster
+        self.secret = cluster.secret
+        self.max_model_len = cfg.limits.max_model_len
+        self.metrics = FrontMetrics(cluster)
+        self.active = 0
+        self.created = int(time.time())
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error, ApiError: self._api_error,
+                                Exception: self._internal_error},
+            lifespan=self.lifespan,
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            await tg.start(self.cluster.run)
+            if self.on_ready is not None:
+                self.on_ready()
+            yield
+            tg.cancel_scope.cancel()
+
+    # -- endpoints -------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "/v1/completions", _api.parse_completion)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "/v1/chat/completions", _api.parse_chat)
+
+    async def models(self, request: Request) -> Response:
+        self.metrics.requests.labels("/v1/models", "200").inc()
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.cfg.model, "object": "model", "created": self.created, "owned_by": "kv-orchestrator",
+            "max_model_len": self.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        body = self.cluster.health()
+        ok = body["status"] == "ok"
+        headers = {} if ok else {"Retry-After": str(self.cfg.routing.retry_after_s)}
+        return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return await self._api_error(request, ApiError(exc.status_code, str(exc.detail), code=None))
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        log.error("request_failed", path=request.url.path, error=f"{type(exc).__name__}: {exc}")
+        return await self._api_error(request, ApiError(500, "internal error", type="server_error", code="internal_error"))
+
+    async def _api_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        self.metrics.requests.labels(request.url.path if request.url.path in _ENDPOINTS else "other",
+                                     str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    # -- one request -----------------------------------------------------------------------------
+    async def _generate(self, request: Request, endpoint: str, parse: Any) -> Response:
+        t0 = time.perf_counter()
+        body = await self._read_json(request)
+        limits = self.cfg.limits
+        g: Generation = parse(body, model=self.cfg.model, limits=limits, max_model_len=self.max_model_len)
+        if self.active >= limits.max_concurrent_requests:
+            raise ApiError(429, f"the front has {self.active} requests in flight (limit "
+                           f"{limits.max_concurrent_requests}); retry later", code="too_many_requests",
+                           retry_after=self.cfg.routing.retry_after_s)
+        flight = Flight(self, g, endpoint, t0)
+        try:
+            await flight.start()
+        except BaseException:
+            await flight.aclose()
+            raise
+        if g.stream:
+            return _FlightResponse(flight)
+        try:
+            async for _ in flight.pieces():
+                pass
+        finally:
+            await flight.aclose()
+        if flight.error is not None:
+            raise flight.error
+        self.metrics.requests.labels(endpoint, "200").inc()
+        return JSONResponse(_api.response(g, flight.text))
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.cfg.limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise too_big
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        return body
+
+    def spawn_release(self, node: Node, request_id: str, handle: str) -> None:
+        if self._tg is not None:
+            self._tg.start_soon(self._release, node, request_id, handle)
+
+    async def _release(self, node: Node, request_id: str, handle: str) -> None:
+        try:
+            await control.call(node.addr, {"op": "release", "request_id": request_id, "kv_handle": handle},
+                               secret=self.secret, timeout=self.cfg.routing.connect_timeout_s)
+        except CONTROL_ERRORS as exc:  # the lease frees it in the end
+            log.info("release_failed", node=node.addr, request_id=request_id, error=str(exc))
+
+
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class Flight:
+    """One request through a CTX and a GEN node; ``aclose`` gives everything back exactly once."""
+
+    def __init__(self, front: Front, g: Generation, endpoint: str, t0: float) -> None:
+        self.front = front
+        self.g = g
+        self.endpoint = endpoint
+        self.t0 = t0
+        self.text = TextStream(max_tokens=g.max_tokens, stop=g.stop, ignore_eos=g.ignore_eos)
+        self.ctx: Node | None = None
+        self.gen: Node | None = None
+        self.handle: str | None = None
+        self.prefill: dict[str, Any] | None = None
+        self.stream: control.JsonStream | None = None
+        self.gen_state: str | None = None
+        self.sent = False
+        """``generate`` reached GEN: from then on GEN pulls the KV, or tells CTX to free it."""
+        self.error: ApiError | None = None
+        self.deadline = time.monotonic() + front.cfg.routing.request_timeout_s
+        self._closed = False
+        front.active += 1
+        front.metrics.running.inc()
+
+    async def start(self) -> None:
+        """Prefill on CTX and send ``generate`` to GEN: every failure here is still an HTTP status."""
+        front, g = self.front, self.g
+        retry = front.cfg.routing.retry_after_s
+        self.ctx, self.gen = front.cluster.pick("ctx"), front.cluster.pick("gen")
+        if self.ctx is None or self.gen is None:
+            down = [f"{n.role} {n.addr}: {n.down}" for n in front.cluster.nodes if not n.up]
+            raise ApiError(503, "no CTX or no GEN node is up (" + "; ".join(down) + ")", code="no_node_available",
+                           retry_after=retry)
+        self.ctx.inflight += 1
+        self.gen.inflight += 1
+        timeout = front.cfg.routing.request_timeout_s
+        try:
+            self.prefill = await control.call(self.ctx.addr, {
+                "op": "prefill", "request_id": g.request_id, "prompt_ids": g.prompt_ids, "max_tokens": g.max_tokens,
+            }, secret=front.secret, timeout=timeout)
+        except control.ControlError as exc:  # the node refused (no free KV blocks in time, ...)
+            raise ApiError(503, f"CTX {self.ctx.addr} refused the prefill: {exc}", code="ctx_refused",
+                           retry_after=retry) from None
+        except CONTROL_ERRORS as exc:
+            front.cluster.mark_down(self.ctx, f"prefill: {type(exc).__name__}: {exc}")
+            raise ApiError(503, f"CTX {self.ctx.addr} is unreachable", code="ctx_unavailable", retry_after=retry) from None
+        self.handle = self.prefill["kv_handle"]
+        front.metrics.ttft.observe(time.perf_counter() - self.t0)
+        front.metrics.prompt_tokens.inc(len(g.prompt_ids))
+        self.text.feed([int(self.prefill["first_token"])])
+        self._first_piece = self.text.text
+        if self.text.finish_reason is not None:
+            return  # the first token ended it: no GEN needed (aclose releases the KV on CTX)
+        try:
+            with anyio.fail_after(front.cfg.routing.connect_timeout_s):
+                self.stream = await control.connect(self.gen.addr, secret=front.secret)
+            await self.stream.send({
+                "op": "generate", "request_id": g.request_id, "prompt_len": int(self.prefill["prompt_len"]),
+                "first_token": int(self.prefill["first_token"]), "max_tokens": g.max_tokens,
+                "kv_peer": self.prefill["kv_peer"], "kv_handle": self.handle,
+            })
+            self.sent = True
+        except CONTROL_ERRORS as exc:
+            front.cluster.mark_down(self.gen, f"generate: {type(exc).__name__}: {exc}")
+            raise ApiError(503, f"GEN {self.gen.addr} is unreachable", code="gen_unavailable", retry_after=retry) from None
+
+    async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
+        """(text, token ids) as they come, the first token's first; ends with ``text.finish_reason`` set
+        (or ``error`` set: a failure after the start)."""
+        yield self._first_piece, list(self.text.token_ids)
+        if self.stream is None:
+            return
+        last: float | None = None  # the first GEN message's wait is the KV transfer, not an inter-token gap
+        itl = self.front.metrics.itl
+        while self.text.finish_reason is None:
+            try:
+                with anyio.fail_after(max(0.0, self.deadline - time.monotonic())):
+                    msg = await self.stream.receive()
+            except TimeoutError:
+                self.error = ApiError(504, "the request timed out", code="timeout", type="server_error")
+                return
+            except CONTROL_ERRORS as exc:
+                self.error = ApiError(503, f"GEN {self.gen.addr if self.gen else '?'} went away: {exc}",
+                                      code="gen_unavailable", retry_after=self.front.cfg.routing.retry_after_s)
+                return
+            if msg.get("ok") is False:
+                self.error = ApiError(503, f"GEN refused the request: {msg.get('error')}", code="gen_refused",
+                                      retry_after=self.front.cfg.routing.retry_after_s)
+                return
+            tokens = msg.get("tokens")
+            if tokens:
+                now = time.perf_counter()
+                if last is not None:
+                    itl.observe(now - last)
+                last = now
+                before = len(self.text.token_ids)
+                piece = self.text.feed([int(t) for t in tokens])
+                yield piece, self.text.token_ids[before:]
+            if msg.get("done"):
+                self.gen_state = str(msg.get("state"))
+                if self.text.finish_reason is None:
+                    if self.gen_state != "finished":
+                        self.error = ApiError(503, f"GEN ended the request: {self.gen_state} "
+                                              f"({msg.get('failure')}: {msg.get('message')})", code="generation_failed",
+                                              retry_after=self.front.cfg.routing.retry_after_s)
+                        return
+                    yield self.text.end("length"), []  # GEN's own end (max_tokens): flush what is held back
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        front = self.front
+        with anyio.CancelScope(shield=True):
+            if self.stream is not None:
+                with contextlib.suppress(*CONTROL_ERRORS):
+                    await self.stream.aclose()  # before "done": GEN aborts it and tells CTX to free its copy
+            pulled = self.sent and self.gen is not None and self.gen.mode != "ideal"  # an ideal GEN pulls nothing
+            if self.handle is not None and self.ctx is not None and (not pulled or self.gen_state not in (None, "finished")):
+                front.spawn_release(self.ctx, self.g.request_id, self.handle)
+        for node in (self.ctx, self.gen):
+            if node is not None:
+                node.inflight -= 1
+        front.active -= 1
+        m = front.metrics
+        m.running.dec()
+        reason = self.text.finish_reason or ("error" if self.error else "abort")
+        if self.prefill is not None:
+            m.finished.labels(reason).inc()
+            m.generation_tokens.inc(len(self.text.token_ids))
+            if reason in ("stop", "length"):
+                m.e2e.observe(time.perf_counter() - self.t0)
+
+
+class _FlightResponse(StreamingResponse):
+    """The SSE stream of a flight; closes the flight however the response ends (even when the client
+    went away before the first chunk was asked for)."""
+
+    def __init__(self, flight: Flight) -> None:
+        self.flight = flight
+        super().__init__(self._events(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        f, g = self.flight, self.flight.g
+        first = True
+        try:
+            async for piece, ids in f.pieces():
+                if piece or first or (g.return_token_ids and ids):
+                    yield _api.chunk(g, piece, role=first, token_ids=ids)
+                first = False
+            if f.error is not None:
+                yield _api.sse(f.error.body())
+            else:
+                yield _api.chunk(g, "", finish_reason=f.text.finish_reason)
+                if g.include_usage:
+                    yield _api.usage_chunk(g, len(f.text.token_ids))
+            yield _api.DONE
+        finally:
+            await f.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status = "200"
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException:
+            status = "499"  # the client went away (nginx's code for it)
+            raise
+        finally:
+            await self.flight.aclose()
+            if self.flight.text.finish_reason is None and status == "200":
+                status = "499" if self.flight.error is None else str(self.flight.error.status)
+            self.flight.front.metrics.requests.labels(self.flight.endpoint, status).inc()

@@ -1,0 +1,384 @@
+"""The OpenAI-compatible front (examples.serve): the real ``openai`` client against a front that
+starts one CTX and one GEN node itself (``python -m examples.serve -c cluster.yaml``), tokens
+against the single-process reference, SSE bytes, errors, a client that leaves mid-stream, metrics.
+The validation, 429 and 503 paths run in-process against a front whose nodes are down."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from examples.serve import _api
+from examples.serve._api import TextStream, render_chat
+from examples.serve._app import Front
+from examples.serve.cluster import Cluster, node_args
+from examples.serve.config import ConfigError, parse
+from examples.tiny_model import ByteTokenizer, ModelConfig, TinyModel
+from examples.two_node import control
+from examples.two_node.launch import ROOT
+
+pytestmark = pytest.mark.integration
+
+TOK = ByteTokenizer()
+CLUSTER_YAML = """
+model: tiny
+listen: {host: 127.0.0.1, port: 0}
+transfer: {backend: ucx, max_tokens_in_buffer: 256, kv_transfer_timeout_ms: 20000}
+limits: {max_body_bytes: 65536, max_prompt_tokens: 512, max_tokens: 600, default_max_tokens: 8}
+routing: {stats_interval_s: 0.25, retry_after_s: 2}
+ctx:
+  - launch: {metrics_port: 0, args: ["--num-blocks", "256"]}
+gen:
+  - launch: {mode: orchestrated, step: model, metrics_port: 0, args: ["--num-blocks", "256"]}
+"""
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyModel:
+    return TinyModel(ModelConfig())
+
+
+@contextlib.contextmanager
+def running_front(folder: Path, cluster_yaml: str) -> Any:
+    """``python -m examples.serve`` on this file; yields its READY fields plus ``secret`` and ``url``;
+    stops it (SIGTERM) and checks that it stopped the nodes it started."""
+    cfg = folder / "cluster.yaml"
+    cfg.write_text(cluster_yaml)
+    secret = secrets.token_hex(32)
+    env = {**os.environ, "KVO_SHARED_SECRET": secret, "PYTHONUNBUFFERED": "1"}
+    log = open(folder / "front.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "examples.serve", "-c", str(cfg), "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    info: dict[str, Any] = {}
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until READY (or the front exits)
+        assert line.startswith("READY "), (folder / "front.log").read_text()[-3000:]
+        info = json.loads(line[6:])
+        info["secret"] = secret.encode()
+        info["url"] = f"http://{info['http']}"
+        yield info
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+        for node in info.get("started", []):  # the front stops its nodes; make sure of it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node["pid"], signal.SIGKILL)
+                pytest.fail(f"the front left node {node} running")
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A front that started its own CTX and GEN node."""
+    with running_front(tmp_path_factory.mktemp("serve"), CLUSTER_YAML) as info:
+        yield info
+
+
+@pytest.fixture(scope="module")
+def client(front: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=front["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def node_stats(front: Any, role: str) -> dict[str, Any]:
+    addr = front[role][0]
+    return anyio.run(lambda: control.call(addr, {"op": "stats"}, secret=front["secret"]))
+
+
+def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(url, timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(m: dict, name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def ref_text(ids: list[int]) -> str:
+    return TOK.decode(ids)
+
+
+# -- against the live cluster -------------------------------------------------------------------
+
+def test_completions_match_reference(front: Any, client: openai.OpenAI, model: TinyModel) -> None:
+    prompt = "Disaggregated serving moves the KV cache"
+    n = 12
+    ref = model.generate_reference(TOK.encode(prompt), n)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, extra_body=extra)
+    choice = r.choices[0]
+    assert choice.model_extra["token_ids"] == ref
+    assert choice.text == ref_text(ref) and choice.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt) + 1, n)
+
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref_text(ref)
+    assert [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])] == ref
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+
+
+def test_chat_matches_reference(client: openai.OpenAI, model: TinyModel) -> None:
+    messages = [{"role": "system", "content": "You are tiny."}, {"role": "user", "content": "Say something."}]
+    n = 10
+    ref = model.generate_reference(TOK.encode(render_chat(messages)), n)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=n, temperature=0, extra_body=extra)
+    assert r.choices[0].model_extra["token_ids"] == ref
+    assert r.choices[0].message.content == ref_text(ref) and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == n
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=n, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref_text(ref)
+    assert chunks[-1].usage.prompt_tokens == len(TOK.encode(render_chat(messages)))
+
+
+def test_sse_bytes_as_benchmark_clients_read_them(front: Any, model: TinyModel) -> None:
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 6, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", front["url"] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_bytes())
+    assert raw.endswith(b"data: [DONE]\n\n")
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    payloads = []
+    for ev in events[:-2]:
+        assert ev.startswith(b"data: ") and b"\n" not in ev
+        payloads.append(json.loads(ev[len(b"data: "):]))
+    usage = payloads[-1]
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    assert payloads[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(p["usage"] is None for p in payloads[:-1])
+    text = "".join(p["choices"][0]["text"] for p in payloads[:-1])
+    assert text == ref_text(model.generate_reference(TOK.encode("abc"), 6))
+
+
+def test_stop_string_ends_the_output(client: openai.OpenAI, model: TinyModel) -> None:
+    prompt = "Stop here, please."
+    ref = model.generate_reference(TOK.encode(prompt), 24)
+    text = ref_text(ref)
+    cut = next((i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i),
+               None)
+    if cut is None:
+        pytest.skip("the reference output has no usable stop string")
+    stop = text[cut:cut + 2]
+    for stream in (False, True):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                      stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(r) if stream else [r]
+        assert "".join(c.choices[0].text for c in chunks) == text[:cut]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_get_openai_errors(front: Any, client: openai.OpenAI) -> None:
+    cases = [
+        (dict(model="nope", prompt="x"), "model", "model_not_found"),
+        (dict(model="tiny", prompt="x", temperature=0.7), "temperature", "unsupported_value"),
+        (dict(model="tiny", prompt="x", max_tokens=601), "max_tokens", "invalid_value"),
+        (dict(model="tiny", prompt="x" * 600), "prompt", "context_length_exceeded"),
+        (dict(model="tiny", prompt="x", n=2), "n", "unsupported_value"),
+    ]
+    for kwargs, param, code in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**kwargs)
+        assert err.value.status_code == 400
+        assert err.value.body["param"] == param and err.value.body["code"] == code, err.value.body
+    url = front["url"]
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 70_000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.get(url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_client_gone_mid_stream_leaves_nodes_at_rest(front: Any) -> None:
+    before = metrics(front["url"] + "/metrics")
+    body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", front["url"] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        it = r.iter_lines()
+        seen = [line for line, _ in zip(it, range(6))]
+        assert seen[0].startswith("data: ")
+    # the front closed its generate connection: GEN aborted the request, CTX holds nothing
+    deadline = time.monotonic() + 20
+    while True:
+        gen, ctx = node_stats(front, "gen"), node_stats(front, "ctx")
+        if not gen["rest_problems"] and ctx["store"]["held_requests"] == 0:
+            break
+        assert time.monotonic() < deadline, (gen["rest_problems"], ctx["store"])
+        time.sleep(0.1)
+    assert gen["engine"]["aborted"] >= 1
+    deadline = time.monotonic() + 10
+    while (after := metrics(front["url"] + "/metrics")) and value(after, "kvo_front_requests_running") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert value(after, "kvo_front_requests_total", endpoint="/v1/completions", status="499") == \
+        value(before, "kvo_front_requests_total", endpoint="/v1/completions", status="499") + 1
+    assert value(after, "kvo_front_requests_finished_total", finish_reason="abort") >= 1
+
+
+def test_metrics_move_with_requests(front: Any, client: openai.OpenAI) -> None:
+    url = front["url"] + "/metrics"
+    before = metrics(url)
+    client.completions.create(model="tiny", prompt="count me", max_tokens=5, extra_body={"ignore_eos": True})
+    time.sleep(0.6)  # two polls of the nodes' stats
+    after = metrics(url)
+    ok = dict(endpoint="/v1/completions", status="200")
+    assert value(after, "kvo_front_requests_total", **ok) == value(before, "kvo_front_requests_total", **ok) + 1
+    for h in ("kvo_front_time_to_first_token_seconds_count", "kvo_front_e2e_request_latency_seconds_count"):
+        assert value(after, h) == value(before, h) + 1
+    assert value(after, "kvo_front_generation_tokens_total") == value(before, "kvo_front_generation_tokens_total") + 5
+    gen, ctx = front["gen"][0], front["ctx"][0]
+    assert value(after, "kvo_front_node_up", node=gen, role="gen") == 1
+    assert value(after, "kvo_gen_requests_finished_total", node=gen) > value(before, "kvo_gen_requests_finished_total", node=gen)
+    assert value(after, "kvo_ctx_prefills_total", node=ctx) > value(before, "kvo_ctx_prefills_total", node=ctx)
+    assert value(after, "kvo_gen_transfer_budget_capacity_bytes", node=gen) > 0
+    assert ("kvo_gen_exec_blocked_seconds", (("node", gen), ("quantile", "0.99"))) in after
+    # each node's own endpoint: the same series, without the node label
+    for node in front["started"]:
+        own = metrics(f"http://127.0.0.1:{node['metrics']}/metrics")
+        name = "kvo_gen_requests_finished_total" if node["role"] == "gen" else "kvo_ctx_prefills_total"
+        assert value(own, name) >= 1
+
+
+def test_concurrent_streams_each_get_their_own_tokens(front: Any, model: TinyModel) -> None:
+    prompts = [f"prompt number {i}: " + "x" * (7 * i) for i in range(8)]
+    refs = [model.generate_reference(TOK.encode(p), 8) for p in prompts]
+
+    async def one(http: httpx.AsyncClient, prompt: str) -> list[int]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True, "ignore_eos": True,
+                "return_token_ids": True}
+        ids: list[int] = []
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        return ids
+
+    async def all_of_them() -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in prompts]
+        async with httpx.AsyncClient(base_url=front["url"], timeout=60) as http, anyio.create_task_group() as tg:
+            for i, p in enumerate(prompts):
+                async def run(i: int = i, p: str = p) -> None:
+                    out[i] = await one(http, p)
+                tg.start_soon(run)
+        return out
+
+    assert anyio.run(all_of_them) == refs
+
+
+def test_a_dead_gen_node_means_503_with_retry_after(front: Any) -> None:
+    """Runs last: it kills the cluster's GEN node."""
+    gen = next(n for n in front["started"] if n["role"] == "gen")
+    os.kill(gen["pid"], signal.SIGKILL)
+    body = {"model": "tiny", "prompt": "anyone there?", "max_tokens": 4}
+    deadline = time.monotonic() + 15
+    while (health := httpx.get(front["url"] + "/health")).status_code == 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert health.headers["retry-after"] == "2"
+    assert [n["up"] for n in health.json()["nodes"] if n["role"] == "gen"] == [False]
+    r = httpx.post(front["url"] + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["code"] == "no_node_available"
+    m = metrics(front["url"] + "/metrics")
+    assert value(m, "kvo_front_node_up", node=front["gen"][0], role="gen") == 0
+
+
+# -- in process: validation, saturation, nodes down ------------------------------------------------
+
+def _front(**limits: int) -> Front:
+    raw = {"model": "tiny", "limits": {"max_concurrent_requests": 4, **limits}, "routing": {"retry_after_s": 3},
+           "ctx": [{"addr": "127.0.0.1:9"}], "gen": [{"addr": "127.0.0.1:9"}]}
+    cfg = parse(raw)
+    return Front(cfg, Cluster(["127.0.0.1:9"], ["127.0.0.1:9"], secret=b"x" * 32))
+
+
+def test_nodes_down_503_and_saturated_429() -> None:
+    front = _front()
+    http = TestClient(front.app)  # no lifespan: the nodes are never polled, so they count as down
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "3"
+    assert r.json()["error"]["code"] == "no_node_available" and r.json()["error"]["type"] == "service_unavailable"
+    assert http.get("/health").status_code == 503
+    front.active = 4
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 429 and r.headers["retry-after"] == "3"
+    assert r.json()["error"]["code"] == "too_many_requests"
+    fams = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    statuses = {s.labels["status"] for s in fams["kvo_front_requests"].samples}
+    assert {"429", "503"} <= statuses
+
+
+def test_text_stream_stop_eos_and_length() -> None:
+    ids = list(b"hello world")
+    s = TextStream(max_tokens=50, stop=("o w",))
+    assert "".join(s.feed([t]) for t in ids) == "hell" and s.finish_reason == "stop"
+    s = TextStream(max_tokens=50)
+    assert s.feed([*b"ab", TOK.eos_id, *b"cd"]) == "ab" and s.finish_reason == "stop" and len(s.token_ids) == 3
+    s = TextStream(max_tokens=50, ignore_eos=True)
+    assert s.feed([*b"ab", TOK.eos_id, *b"cd"]) == "abcd" and s.finish_reason is None
+    s = TextStream(max_tokens=3, stop=("zz",))
+    assert s.feed([*b"abz"]) == "abz" and s.finish_reason == "length"
+    s = TextStream(max_tokens=4)  # a UTF-8 character split over tokens, and one cut off by max_tokens
+    assert s.feed([0xC3]) == "" and s.feed([0xA9]) == "\u00e9" and s.feed([0x41, 0xE2]) == "A\ufffd"
+
+
+def test_cluster_file() -> None:
+    cfg = parse({"ctx": [{"addr": "10.0.0.1:9000"}], "gen": [{"launch": {"mode": "ideal", "args": ["--num-blocks", 64]}}],
+                 "transfer": {"max_tokens_in_buffer": 512, "kv_transfer_timeout_ms": 5000}})
+    args = node_args(cfg.gen[0], cfg)
+    assert args[:2] == ["gen", "--host"] and "--no-kv-checksums" in args and "--max-tokens-in-buffer" in args and args[-2:] == ["--num-blocks", "64"]
+    assert "--mode" in args and args[args.index("--mode") + 1] == "ideal" and "--tp" not in args
+    tp = parse({"ctx": [{"addr": "10.0.0.1:9000"}], "gen": [{"launch": {"tensor_parallel_size": 4}}]})
+    assert node_args(tp.gen[0], tp)[-2:] == ["--tp", "4"]
+    for bad, what in [({"secret": "x"}, "secret"), ({"transfer": {"backend": "tcp"}}, "backend"),
+                      ({"transfer": {"max_tokens_in_buffer": 1, "transfer_budget_bytes": 2}}, "not both"),
+                      ({"limits": {"max_tokens": "many"}}, "limits.max_tokens"), ({"gen": []}, "gen"),
+                      ({"ctx": [{"addr": "nohost"}]}, "ctx[0].addr"), ({"colour": 1}, "unknown"),
+                      ({"ctx": [{"launch": {"tensor_parallel_size": 2}}]}, "tensor_parallel_size")]:
+        raw = {"ctx": [{"addr": "10.0.0.1:9000"}], "gen": [{"addr": "10.0.0.2:9100"}], **bad}
+        with pytest.raises(ConfigError, match=re.escape(what)):
+            parse(raw)
+    example = Path(ROOT, "examples/serve/cluster.yaml")
+    from examples.serve.config import load
+
+    assert load(example).gen[0].launched
+
+
+def test_chat_template() -> None:
+    text = render_chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert text == "<|user|>\nab\n<|assistant|>\n"
+    with pytest.raises(_api.ApiError):
+        render_chat([{"role": "wizard", "content": "x"}])
