@@ -56,11 +56,13 @@ class DecodeLoop:
     _FIELDS = ("orchestration_s", "blocked_s", "stalled_s", "model_s", "batch_size")
 
     def __init__(self, engine: GenEngine, *, idle_wait_s: float = 0.05, history: int = 1 << 17,
-                 tp_tick_s: float = 0.002) -> None:
+                 tp_tick_s: float = 0.002, tp_idle_s: float = 1.0) -> None:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
         self._tp_tick_s = tp_tick_s
+        self._tp_idle_s = tp_idle_s
         self._ring = np.zeros((len(self._FIELDS), history), dtype=np.float64)
+        self._ring.fill(0.0)  # touch every page now: untouched pages would turn resident (RSS) as it fills
         self._count = 0  # iterations recorded since the last reset (the ring keeps the newest)
         self.error: BaseException | None = None
 
@@ -93,9 +95,11 @@ class DecodeLoop:
     def _wait_s(self, engine: GenEngine) -> float:
         """How long rank 0 (or a single rank) may sleep with nothing to decode. A tensor-parallel
         rank 0 with requests in flight wakes every ``tp_tick_s``: the other ranks' receive outcomes
-        reach it only through a step."""
-        if getattr(engine, "world_size", 1) > 1 and engine.live_requests:
-            return self._tp_tick_s
+        reach it only through a step. With nothing live it steps once every ``tp_idle_s`` (the
+        other ranks wait in that step's collective, which must come well within the group's
+        timeout), so an idle group costs one small collective a second."""
+        if getattr(engine, "world_size", 1) > 1:
+            return self._tp_tick_s if engine.live_requests else self._tp_idle_s
         return self._idle_wait_s
 
     def _record(self, r: StepReport) -> None:

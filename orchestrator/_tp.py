@@ -169,12 +169,15 @@ class TPGenEngine(GenEngine):
         except Exception as exc:  # a rank died or the group broke: no further collective
             log.error("tp_exchange_failed", rank=self.rank, reason=f"{type(exc).__name__}: {exc}")
             self.mark_unhealthy(f"tensor-parallel group broken at rank {self.rank}: {type(exc).__name__}: {exc}")
+            for request in message.arrivals:  # taken from the inbox for this step: they fail with the rest
+                self._enqueue(request)
             return self._step_unhealthy(t0)
         return self.finish_step(messages, t0, c0)
 
     def _step_unhealthy(self, t0: float) -> StepReport:
         """No agreement is possible any more: end everything with local knowledge only."""
         why = self.health() or "unhealthy"
+        self._drain_inbox()  # whatever arrived since the last step fails with the rest, never hangs
         for result in self._drain_local_results():
             rid = result.request_id
             landing = result.landing if result.landing is not None and result.landing.busy else None

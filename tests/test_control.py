@@ -126,7 +126,8 @@ async def test_a_client_with_a_secret_does_not_trust_a_node_that_cannot_prove_it
 # -- bounds (in process) --------------------------------------------------------------------------
 
 async def test_idle_connections_are_closed_at_the_deadline_while_requests_are_served() -> None:
-    server = ControlServer(Recorder(), secret=SECRET, limits=ControlLimits(handshake_timeout_s=0.5))
+    # the deadline is long enough that opening 101 connections on a loaded 2-core machine fits in it
+    server = ControlServer(Recorder(), secret=SECRET, limits=ControlLimits(handshake_timeout_s=3.0))
     async with anyio.create_task_group() as tg:
         addr = await start(tg, server)
         host, port = control.parse_addr(addr)
@@ -143,7 +144,7 @@ async def test_idle_connections_are_closed_at_the_deadline_while_requests_are_se
                 with pytest.raises((anyio.EndOfStream, ConnectionError)):  # closed by the node
                     await sock.receive()
             await sock.aclose()
-        assert 0.45 <= time.monotonic() - t0 < 5
+        assert 1.0 <= time.monotonic() - t0 < 8  # closed at the deadline: not at once, not never
         s = server.statistics()
         assert s.timed_out == 101 and s.active == 0
         tg.cancel_scope.cancel()

@@ -237,13 +237,22 @@ async def test_a_broken_group_fails_everything_locally_without_another_collectiv
             raise RuntimeError("Connection closed by peer")
 
     g.lead.sync = Broken()  # type: ignore[assignment]
+    handle = g.ctx.prefill("just-arrived", 8)  # taken from the inbox by the step whose collective fails
+    g.lead.submit(GenRequest("just-arrived", prompt_len=8, first_token=7, max_tokens=2, peer=PEER, kv_handle=handle))
     with anyio.fail_after(5):
-        while not g.outputs.get("r"):
+        while not g.outputs.get("r") or not g.outputs.get("just-arrived"):
             g.lead.step()
             for out in g.lead.poll():
                 g.outputs.setdefault(out.request_id, []).append(out)
             await anyio.sleep(0.001)
     assert g.final("r").failure is FailureReason.INTERNAL and "group broken" in g.final("r").message
+    assert g.final("just-arrived").failure is FailureReason.INTERNAL  # never left hanging
+    handle = g.ctx.prefill("later", 8)  # in the inbox of an engine that is already unhealthy
+    g.lead._inbox.put(GenRequest("later", prompt_len=8, first_token=7, max_tokens=2, peer=PEER, kv_handle=handle))
+    with g.lead._live_lock:
+        g.lead._live.add("later")
+    g.lead.step()
+    assert any(o.request_id == "later" and o.failure is FailureReason.INTERNAL for o in g.lead.poll())
     assert g.lead.health() is not None
     g.engines[1].mark_unhealthy("test: rank 0 is gone")  # its own collective would fail the same way
     with anyio.fail_after(5):

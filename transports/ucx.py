@@ -353,7 +353,9 @@ class UCXTransport:
             else:
                 self._eps[peer] = fut.result()
             return
-        if isinstance(exc, TransportError):
+        if isinstance(exc, TransportError) and not isinstance(exc.__cause__, TimeoutError):
+            # refused, unreachable, rejected: the peer is down (a timeout already cost its waiters
+            # the whole time; whoever comes next may try again)
             now = time.monotonic()
             self._down = {p: d for p, d in self._down.items() if d[0] > now}  # bounded: expired ones go
             if len(self._down) < self.config.max_peers:

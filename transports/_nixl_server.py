@@ -1,0 +1,254 @@
+"""CTX side of the NIXL data plane (``transports.nixl``): registers the KV pool once, authenticates
+GEN nodes on a TCP control port, answers lookups by pinning a request's blocks, and unpins (and
+releases) when the READ's NIXL notification arrives."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import secrets
+import time
+from typing import Any
+
+import anyio
+import structlog
+
+from . import _auth
+from ._errors import ProtocolViolation, UnknownRequest
+from ._ids import InvalidRequestId, check_handle, check_request_id
+from ._layout import KVSlice, dtype_name
+from ._store import Checkout, KVStore
+
+log = structlog.get_logger("transports.nixl")
+
+
+@dataclasses.dataclass
+class _Pin:
+    request_id: str
+    handle: str | None
+    checkout: Checkout
+    release: bool
+    deadline: float
+
+
+@dataclasses.dataclass
+class NIXLKVServerStatistics:
+    connections: int
+    pinned: int
+    served: int
+    refused: int
+    pins_expired: int
+    auth_failures: int
+
+
+def _pin(store: KVStore, request_id: str, handle: str | None) -> tuple[list[int], Checkout]:
+    """Pin ``request_id``'s blocks in place (no gather): a ``Checkout`` without a tensor.
+
+    Uses the store's internals under its lock, as ``KVStore.checkout`` does; a public
+    ``KVStore.pin(request_id, handle) -> (block_ids, Checkout)`` would replace this."""
+    with store._lock:
+        held = store._get_locked(request_id, handle)
+        held.pins += 1
+        blocks = [int(b) for b in held.block_ids.tolist()]
+    return blocks, Checkout(store, held, None)  # type: ignore[arg-type]
+
+
+class NIXLKVServer:
+    """``async with NIXLKVServer(store, config, port=0) as server: await server.serve_forever()``"""
+
+    def __init__(self, store: KVStore, config: Any, *, host: str = "0.0.0.0", port: int = 0, lease_s: float = 30.0,
+                 expire_interval_s: float = 1.0, idle_notif_poll_s: float = 0.5, busy_notif_poll_s: float = 0.001) -> None:
+        from .nixl import make_agent
+
+        self.store, self.config, self.host, self._port, self._lease_s = store, config, host, port, lease_s
+        self._expire_interval_s = expire_interval_s
+        self._idle_poll, self._busy_poll = idle_notif_poll_s, busy_notif_poll_s
+        if config.secret is None:
+            log.warning("nixl_auth_disabled", role="ctx")
+        self.agent = make_agent(f"kvo-ctx-{secrets.token_hex(6)}", config)
+        pool = store.pool
+        self._reg = self.agent.register_memory(pool)
+        self._pool_info = {"addr": pool.data_ptr(), "nbytes": pool.numel() * pool.element_size(),
+                           "num_blocks": int(pool.shape[0]), "block_bytes": store.layout.block_bytes,
+                           "mem": "VRAM" if pool.is_cuda else "DRAM", "dev": (pool.device.index or 0) if pool.is_cuda else 0}
+        self._pins: dict[str, _Pin] = {}
+        self._pinned = asyncio.Event()
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._conns: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._served = self._refused = self._expired = self._auth_failures = 0
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    def statistics(self) -> NIXLKVServerStatistics:
+        return NIXLKVServerStatistics(len(self._conns), len(self._pins), self._served, self._refused, self._expired,
+                                      self._auth_failures)
+
+    async def __aenter__(self) -> NIXLKVServer:
+        self._server = await asyncio.start_server(self._on_connect, self.host, self._port)
+        self._tasks = [asyncio.ensure_future(self._notif_loop()), asyncio.ensure_future(self._expire_loop())]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._server is not None:
+            self._server.close()
+        for w in list(self._conns):
+            w.close()
+        handlers = list(self._handlers)
+        for h in handlers:
+            h.cancel()
+        await asyncio.gather(*self._tasks, *handlers, return_exceptions=True)
+        self._drain_notifs()
+        for pin in self._pins.values():  # a READ may still be landing: unpin only, never release here
+            pin.checkout.close()
+        self._pins.clear()
+        self.agent.deregister_memory(self._reg)
+
+    async def serve_forever(self) -> None:
+        await anyio.sleep_forever()
+
+    # -- notifications and pins ---------------------------------------------------------------------
+
+    def _drain_notifs(self) -> None:
+        from .nixl import NOTIF_PREFIX
+
+        for msgs in self.agent.get_new_notifs().values():
+            for msg in msgs:
+                if msg.startswith(NOTIF_PREFIX):
+                    self._done(msg[len(NOTIF_PREFIX):].decode(errors="replace"), ok=True)
+
+    def _done(self, token: str, *, ok: bool) -> None:
+        pin = self._pins.pop(token, None)
+        if pin is None:
+            return
+        pin.checkout.close()
+        if ok:
+            self._served += 1
+            if pin.release:
+                self.store.release(pin.request_id, handle=pin.handle)
+        if not self._pins:
+            self._pinned.clear()
+
+    async def _notif_loop(self) -> None:
+        """Poll NIXL's notifications: every ``busy_notif_poll_s`` while blocks are pinned, else rarely."""
+        while True:
+            self._drain_notifs()
+            if self._pins:
+                await asyncio.sleep(self._busy_poll)
+            else:
+                with anyio.move_on_after(self._idle_poll):
+                    await self._pinned.wait()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._expire_interval_s)
+            now = time.monotonic()
+            for token in [t for t, p in self._pins.items() if p.deadline <= now]:
+                log.warning("nixl_pin_expired", request_id=self._pins[token].request_id)
+                self._expired += 1
+                self._done(token, ok=False)
+            self.store.expire()
+
+    # -- control connections ------------------------------------------------------------------------
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        from .nixl import _MAX_MESSAGE_BYTES, _PRE_AUTH_BYTES, layout_info, read_msg, write_msg
+
+        peer = writer.get_extra_info("peername")
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._conns.add(writer)
+        try:
+            secret = self.config.secret
+            ns = _auth.new_nonce()
+            write_msg(writer, {"t": "challenge", "ns": ns.hex(), "auth": secret is not None})
+            with anyio.fail_after(self.config.handshake_timeout_s):
+                resp = await read_msg(reader, _PRE_AUTH_BYTES)
+            nc = bytes.fromhex(str(resp.get("nc", "")))
+            if resp.get("t") != "response" or (
+                    secret is not None and not _auth.verify(_auth.client_mac(secret, ns, nc), bytes.fromhex(str(resp.get("mac", ""))))):
+                self._auth_failures += 1
+                log.warning("nixl_auth_failed", peer=str(peer))
+                write_msg(writer, {"t": "fail"})
+                await writer.drain()
+                return
+            info = json.dumps({"layout": layout_info(self.store.layout), "pool": self._pool_info,
+                               "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                               "lease_ms": int(self._lease_s * 1000)}).encode()
+            mac = _auth.server_mac(secret, ns, nc, info) if secret is not None else b""
+            write_msg(writer, {"t": "ok", "mac": mac.hex(), "info": info.decode()})
+            while True:
+                msg = await read_msg(reader, _MAX_MESSAGE_BYTES)
+                answer = self._handle(msg)
+                if answer is not None:
+                    write_msg(writer, {**answer, "id": msg.get("id")})
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, ProtocolViolation, ValueError) as exc:
+            log.debug("nixl_connection_ended", peer=str(peer), reason=f"{type(exc).__name__}: {exc}")
+        except asyncio.CancelledError:  # the server closes; asyncio's stream callback would log a re-raise
+            pass
+        finally:
+            self._conns.discard(writer)
+            self._handlers.discard(task)
+            writer.close()
+
+    def _refuse(self, status: str, reason: str) -> dict[str, Any]:
+        self._refused += 1
+        return {"t": "error", "status": status, "reason": reason[:200]}
+
+    def _handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        kind = msg["t"]
+        if kind == "lookup":
+            return self._lookup(msg)
+        if kind == "unpin":
+            self._done(str(msg.get("token")), ok=False)
+            return None
+        if kind == "release":
+            try:
+                ok = self.store.release(check_request_id(msg.get("rid")), handle=check_handle(msg.get("handle")))
+            except (InvalidRequestId, ValueError):
+                ok = False
+            return {"t": "released", "ok": ok}
+        if kind == "hold":
+            for item in msg.get("items", [])[:100_000]:
+                try:
+                    self.store.touch(check_request_id(item[0]), self._lease_s, handle=check_handle(item[1]))
+                except (InvalidRequestId, ValueError, TypeError, IndexError):
+                    continue
+            return None
+        return self._refuse("BAD_REQUEST", f"unknown message type {kind!r}")
+
+    def _lookup(self, msg: dict[str, Any]) -> dict[str, Any]:
+        layout = self.store.layout
+        try:
+            rid, handle = check_request_id(msg.get("rid")), check_handle(msg.get("handle"))
+            kv_slice = KVSlice(*(int(x) for x in msg["slice"]))
+            layout.check_slice(kv_slice)
+            shape = tuple(int(x) for x in msg["shape"])
+        except (InvalidRequestId, ValueError, TypeError, KeyError) as exc:
+            return self._refuse("BAD_REQUEST", str(exc))
+        try:
+            num_blocks = self.store.num_blocks(rid, handle=handle)
+        except UnknownRequest:
+            return self._refuse("UNKNOWN_REQUEST", "no KV held for this request")
+        want = (dtype_name(layout.dtype), layout.wire_shape(num_blocks, kv_slice))
+        if (msg.get("dtype"), shape) != want:
+            return self._refuse("SHAPE_MISMATCH", f"have {want[0]}{list(want[1])}, asked {msg.get('dtype')}{list(shape)}")
+        self.store.touch(rid, self._lease_s, handle=handle)
+        try:
+            blocks, checkout = _pin(self.store, rid, handle)
+        except UnknownRequest:
+            return self._refuse("UNKNOWN_REQUEST", "released while preparing")
+        token = secrets.token_hex(12)
+        self._pins[token] = _Pin(rid, handle, checkout, not msg.get("keep", False),
+                                 time.monotonic() + self.config.pin_timeout_s)
+        self._pinned.set()
+        return {"t": "found", "token": token, "blocks": blocks}

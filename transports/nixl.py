@@ -1,0 +1,512 @@
+"""A NIXL (one-sided READ) data plane: ``NIXLTransport`` on the GEN node, ``NIXLKVServer`` on the CTX.
+
+Needs ``nixl-cu12`` (``pip install -c constraints.txt -e '.[nixl]'``); importing this module without
+it raises ``ImportError``. Protocol (docs/transport.md, "NIXL")::
+
+    GEN (NIXLTransport)                                   CTX (NIXLKVServer, KVStore)
+    TCP connect to the CTX's control port ──────────────▶ (its NIXL agent registered the KV pool once)
+                        ◀── challenge(ns, auth)
+    response(nc, client_mac) ───────────────────────────▶ verify
+                        ◀── ok(server_mac(.., info), info)     info: KV layout, agent name, NIXL agent
+    verify; check the layout; add_remote_agent(metadata)         metadata, pool address/size/block bytes
+    per pull:
+    lookup(id, handle, slice, dtype, shape, keep) ──────▶ validate; pin the blocks (not freed, not reused)
+                        ◀── found(token, block ids)   or  error(status, reason)
+    one NIXL READ of the blocks straight into ``into`` (one descriptor per contiguous run),
+    with notification "kvo1:<token>" ───(UCX)──────────▶ the notification: unpin; release unless keep
+    release(id, handle) / hold([(id, handle)]) ─────────▶ as on the UCX path
+
+The GEN learns the CTX's block ids with the lookup (one small message and its answer on an already
+open TCP connection, before the data). A prefill reply that carried the block ids would save it; the
+lookup also pins the blocks, which the READ needs anyway.
+
+A READ cannot be withdrawn: a pull keeps ``landing`` busy until NIXL reports the transfer no longer
+in progress, also after the pull was cancelled (a background task polls it then). A worker thread
+polls (20 µs naps doubling to 1 ms; asyncio cannot sleep less than 1 ms) only while a transfer is
+in flight; the NIXL progress thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API
+would make it spin a core).
+
+Over TCP-only UCX a NIXL READ is emulated in software by UCX and is 10-30x slower than the ucxx
+tag path (docs/transport.md): use ``UCXTransport`` there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import itertools
+import json
+import os
+import secrets
+import struct
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+import structlog
+import torch
+
+from . import _auth
+from ._errors import (
+    AuthenticationFailed,
+    IncompatiblePeer,
+    PeerBusy,
+    PeerClosed,
+    PeerUnreachable,
+    ProtocolViolation,
+    TransportError,
+    UnknownRequest,
+)
+from ._ids import InvalidRequestId, check_handle, check_request_id
+from ._layout import KVLayout, KVSlice, dtype_name
+from ._protocol import Landing
+
+try:
+    from nixl_cu12 import _api as _nixl_api
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(f"transports.nixl needs nixl-cu12 (pip install -c constraints.txt '.[nixl]'): {exc}") from exc
+
+log = structlog.get_logger("transports.nixl")
+
+NOTIF_PREFIX = b"kvo1:"
+_HEAD = struct.Struct("!I")
+_PRE_AUTH_BYTES = 1024  # any message before the handshake is done
+_MAX_MESSAGE_BYTES = 4 << 20  # an ok with NIXL metadata, a lookup answer with block ids, a long hold
+
+
+@dataclasses.dataclass(frozen=True)
+class NIXLConfig:
+    secret: bytes | None = None
+    allow_insecure: bool = False
+    connect_timeout_s: float = 5.0
+    handshake_timeout_s: float = 5.0
+    request_timeout_s: float = 5.0  # a lookup or release answer
+    pin_timeout_s: float = 30.0  # CTX: a lookup's blocks stay pinned this long without its notification
+    progress_delay_us: int = 1000  # the NIXL progress thread's poll() timeout (0 spins a core)
+    progress_thread: bool = True
+    ucx_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.secret is None and not self.allow_insecure:
+            raise ValueError("NIXLConfig needs a shared secret (or allow_insecure=True)")
+        if self.secret is not None and len(self.secret) < _auth.MIN_SECRET_BYTES:
+            raise ValueError(f"the shared secret must be at least {_auth.MIN_SECRET_BYTES} bytes")
+
+
+def make_agent(name: str, config: NIXLConfig) -> Any:
+    """A NIXL agent with the UCX backend whose progress thread sleeps ``progress_delay_us`` in poll().
+
+    NIXL's Python ``nixl_agent`` hard-codes the thread's ``pthrDelay`` to 0, which the UCX backend
+    passes to ``poll()`` as its timeout: the thread never sleeps (48 % of this machine's 2 cores at
+    rest, measured). The binding's config is set by wrapping its constructor for this one call."""
+    from .ucx import apply_ucx_defaults  # NIXL's bundled UCX reads the same variables
+
+    apply_ucx_defaults(dict(config.ucx_env))
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    real = _nixl_api.nixlBind.nixlAgent
+
+    def construct(agent_name: str, cfg: Any) -> Any:
+        cfg.pthrDelay = int(config.progress_delay_us)
+        return real(agent_name, cfg)
+
+    _nixl_api.nixlBind.nixlAgent = construct
+    try:
+        return _nixl_api.nixl_agent(name, _nixl_api.nixl_agent_config(
+            enable_prog_thread=config.progress_thread, backends=["UCX"],
+            sync_mode=_nixl_api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))  # READs are polled off the loop
+    finally:
+        _nixl_api.nixlBind.nixlAgent = real
+
+
+def mem_type(t: torch.Tensor) -> tuple[str, int]:
+    return ("VRAM", t.device.index or 0) if t.is_cuda else ("DRAM", 0)
+
+
+def segments(layout: KVLayout, block_ids: Sequence[int], kv_slice: KVSlice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte offsets (remote in the pool, local in the wire-form ``into``) and lengths of a slice of
+    ``block_ids``, adjacent pieces merged: one piece per contiguous run of blocks for a full slice."""
+    e = layout.element_size
+    heads, tokens = layout.num_kv_heads, layout.block_size * layout.head_dim
+    block_bytes = layout.block_bytes
+    nl, nh = kv_slice.num_layers, kv_slice.num_heads
+    seg = nh * tokens * e
+    wire_block = nl * 2 * nh * tokens * e
+    lk = np.arange(nl * 2)  # (layer, k/v) pairs of the slice, in wire order
+    within_remote = ((kv_slice.layer_start * 2 + lk) * heads + kv_slice.head_start) * tokens * e
+    within_local = lk * seg
+    ids = np.asarray(block_ids, dtype=np.int64)
+    remote = (ids[:, None] * block_bytes + within_remote[None, :]).ravel()
+    local = (np.arange(len(ids))[:, None] * wire_block + within_local[None, :]).ravel()
+    if remote.size == 0:
+        return remote, local, remote.copy()
+    starts = np.flatnonzero(np.r_[True, (np.diff(remote) != seg) | (np.diff(local) != seg)])
+    lengths = np.diff(np.r_[starts, remote.size]) * seg
+    return remote[starts], local[starts], lengths
+
+
+# -- framing: 4-byte length, then one JSON object ---------------------------------------------------
+
+
+async def read_msg(reader: asyncio.StreamReader, limit: int) -> dict[str, Any]:
+    (n,) = _HEAD.unpack(await reader.readexactly(_HEAD.size))
+    if n > limit:
+        raise ProtocolViolation(f"message of {n} bytes exceeds {limit}")
+    try:
+        msg = json.loads(await reader.readexactly(n))
+    except ValueError as exc:
+        raise ProtocolViolation(f"malformed message: {exc}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise ProtocolViolation("malformed message: not an object with a type")
+    return msg
+
+
+def write_msg(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    writer.write(_HEAD.pack(len(body)) + body)
+
+
+def layout_info(layout: KVLayout) -> dict[str, Any]:
+    return {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
+            "block_size": layout.block_size, "dtype": dtype_name(layout.dtype)}
+
+
+def parse_peer(peer: str) -> tuple[str, int]:
+    host, sep, port = peer.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad peer address {peer!r} (want host:port)")
+    return host.strip("[]"), int(port)
+
+
+# -- GEN side ---------------------------------------------------------------------------------------
+
+
+class _Conn:
+    def __init__(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: dict[str, Any],
+                 agent_name: str) -> None:
+        self.peer, self.reader, self.writer, self.info, self.agent_name = peer, reader, writer, info, agent_name
+        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.error: TransportError | None = None
+        self.ids = itertools.count(1)
+        self.reader_task: asyncio.Task[None] | None = None
+
+    async def read_loop(self) -> None:
+        try:
+            while True:
+                msg = await read_msg(self.reader, _MAX_MESSAGE_BYTES)
+                fut = self.waiting.pop(int(msg.get("id", -1)), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+                elif msg.get("t") == "found":  # its pull was cancelled or timed out: unpin at once
+                    self.send({"t": "unpin", "token": msg.get("token")})
+        except (OSError, asyncio.IncompleteReadError, ProtocolViolation) as exc:
+            self.fail(PeerClosed(f"control connection to {self.peer} ended: {type(exc).__name__}: {exc}", peer=self.peer))
+
+    def fail(self, err: TransportError) -> None:
+        if self.error is None:
+            self.error = err
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.waiting.clear()
+        self.writer.close()
+
+    async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if self.error is not None:
+            raise self.error
+        rid = next(self.ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = fut
+        write_msg(self.writer, {**msg, "id": rid})
+        try:
+            with anyio.fail_after(timeout):
+                return await fut
+        except TimeoutError:
+            self.waiting.pop(rid, None)
+            raise PeerClosed(f"{self.peer} did not answer {msg['t']} within {timeout}s", peer=self.peer) from None
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.error is None:
+            write_msg(self.writer, msg)
+
+
+@dataclasses.dataclass
+class NIXLTransportStatistics:
+    peers: int
+    pulls_ok: int
+    pulls_failed: int
+    bytes_moved: int
+    adhoc_registrations: int  # pulls into memory not registered with register(): registered per pull
+
+
+class NIXLTransport:
+    """GEN side (implements ``transports.Transport``). ``register(pool)`` once; pulls into memory
+    inside a registered tensor need no registration (others are registered for the one pull)."""
+
+    name = "nixl"
+
+    def __init__(self, config: NIXLConfig, *, layout: KVLayout | None = None) -> None:
+        self.config = config
+        self.layout = layout
+        if config.secret is None:
+            log.warning("nixl_auth_disabled", role="gen")
+        self.agent = make_agent(f"kvo-gen-{secrets.token_hex(6)}", config)
+        self._regions: list[tuple[int, int, str, Any]] = []  # (start, end, mem, reg descs)
+        self._conns: dict[str, _Conn] = {}
+        self._connecting: dict[str, asyncio.Future[_Conn]] = {}
+        self._background: set[asyncio.Future[Any]] = set()
+        self._ok = self._failed = self._bytes = self._adhoc = 0
+        self._closed = False
+
+    def statistics(self) -> NIXLTransportStatistics:
+        return NIXLTransportStatistics(len(self._conns), self._ok, self._failed, self._bytes, self._adhoc)
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Register ``tensor``'s memory with NIXL once (the GEN's KV pool or staging arena)."""
+        mem, _ = mem_type(tensor)
+        descs = self.agent.register_memory(tensor)
+        start = tensor.data_ptr()
+        self._regions.append((start, start + tensor.numel() * tensor.element_size(), mem, descs))
+
+    def _registered(self, t: torch.Tensor) -> bool:
+        start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        return any(s <= start and end <= e for s, e, _, _ in self._regions)
+
+    async def connect(self, peer: str) -> None:
+        await self._conn(peer)
+
+    async def _conn(self, peer: str) -> _Conn:
+        if self._closed:
+            raise PeerClosed("transport is closed", peer=peer)
+        conn = self._conns.get(peer)
+        if conn is not None and conn.error is None:
+            return conn
+        self._conns.pop(peer, None)
+        attempt = self._connecting.get(peer)
+        if attempt is None:
+            attempt = asyncio.ensure_future(self._open(peer))
+            self._connecting[peer] = attempt
+            attempt.add_done_callback(lambda _: self._connecting.pop(peer, None))
+        conn = await asyncio.shield(attempt)
+        self._conns[peer] = conn
+        return conn
+
+    async def _open(self, peer: str) -> _Conn:
+        try:
+            host, port = parse_peer(peer)
+        except ValueError as exc:
+            raise PeerUnreachable(str(exc), peer=peer) from None
+        try:
+            with anyio.fail_after(self.config.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError) as exc:
+            raise PeerUnreachable(f"connect to {peer} failed: {type(exc).__name__}: {exc}", peer=peer) from None
+        try:
+            with anyio.fail_after(self.config.handshake_timeout_s):
+                info = await self._handshake(peer, reader, writer)
+            self._check_layout(peer, info)
+            meta = base64.b64decode(info["meta"])
+            name = self.agent.add_remote_agent(meta)
+            name = name.decode() if isinstance(name, bytes) else name
+        except TimeoutError:
+            writer.close()
+            raise PeerUnreachable(f"handshake with {peer} timed out", peer=peer) from None
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            writer.close()
+            raise PeerClosed(f"{peer} closed during the handshake: {exc}", peer=peer) from None
+        except (KeyError, TypeError, ValueError) as exc:
+            writer.close()
+            raise ProtocolViolation(f"bad handshake info from {peer}: {exc}", peer=peer) from None
+        except BaseException:
+            writer.close()
+            raise
+        conn = _Conn(peer, reader, writer, info, name)
+        conn.reader_task = asyncio.ensure_future(conn.read_loop())
+        log.info("nixl_connected", peer=peer, agent=name)
+        return conn
+
+    async def _handshake(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict[str, Any]:
+        secret = self.config.secret
+        challenge = await read_msg(reader, _PRE_AUTH_BYTES)
+        if challenge.get("t") != "challenge":
+            raise ProtocolViolation(f"expected a challenge from {peer}, got {challenge.get('t')!r}", peer=peer)
+        ns = bytes.fromhex(challenge["ns"])
+        if not challenge.get("auth") and secret is not None and not self.config.allow_insecure:
+            raise AuthenticationFailed(f"{peer} does not authenticate (set allow_insecure to accept)", peer=peer)
+        nc = _auth.new_nonce()
+        mac = _auth.client_mac(secret, ns, nc) if secret is not None else b""
+        write_msg(writer, {"t": "response", "nc": nc.hex(), "mac": mac.hex()})
+        reply = await read_msg(reader, _MAX_MESSAGE_BYTES)
+        if reply.get("t") != "ok":
+            raise AuthenticationFailed(f"{peer} refused the handshake (wrong or missing secret?)", peer=peer)
+        info_raw = reply["info"].encode()
+        if challenge.get("auth") and secret is not None:
+            if not _auth.verify(_auth.server_mac(secret, ns, nc, info_raw), bytes.fromhex(reply["mac"])):
+                raise AuthenticationFailed(f"{peer} did not prove it holds the shared secret", peer=peer)
+        return json.loads(info_raw)
+
+    def _check_layout(self, peer: str, info: dict[str, Any]) -> None:
+        if self.layout is None:
+            return
+        ours, theirs = layout_info(self.layout), info.get("layout", {})
+        if ours != theirs:
+            diff = ", ".join(f"{k} {theirs.get(k)} vs {v}" for k, v in ours.items() if theirs.get(k) != v)
+            raise IncompatiblePeer(f"{peer} serves KV of another layout (CTX vs this GEN: {diff})", peer=peer)
+
+    def _check_pull(self, peer: str, request_id: str, handle: str | None, kv_slice: KVSlice,
+                    into: torch.Tensor) -> None:
+        try:
+            check_request_id(request_id)
+            check_handle(handle)
+            dtype_name(into.dtype)
+        except (InvalidRequestId, ValueError) as exc:
+            raise ProtocolViolation(f"cannot pull {request_id!r}: {exc}", peer=peer) from None
+        shape = tuple(into.shape)
+        if not into.is_contiguous():
+            raise ProtocolViolation("`into` must be contiguous", peer=peer)
+        if len(shape) != 6 or shape[1] != kv_slice.num_layers or shape[2] != 2 or shape[3] != kv_slice.num_heads:
+            raise ProtocolViolation(f"`into` of shape {shape} does not hold slice {kv_slice}", peer=peer)
+
+    async def pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *,
+                   handle: str | None = None, release: bool = True, landing: Landing | None = None) -> int:
+        self._check_pull(peer, request_id, handle, kv_slice, into)
+        landing = landing if landing is not None else Landing()
+        try:
+            n = await self._pull(peer, request_id, kv_slice, into, handle, release, landing)
+        except BaseException:
+            self._failed += 1
+            raise
+        self._ok += 1
+        self._bytes += n
+        return n
+
+    async def _pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, handle: str | None,
+                    release: bool, landing: Landing) -> int:
+        conn = await self._conn(peer)
+        answer = await conn.request(
+            {"t": "lookup", "rid": request_id, "handle": handle,
+             "slice": [kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start, kv_slice.head_end],
+             "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release},
+            self.config.request_timeout_s)
+        if answer.get("t") == "error":
+            raise _error(answer, peer, request_id)
+        if answer.get("t") != "found":
+            conn.fail(ProtocolViolation(f"unexpected answer to a lookup: {answer.get('t')!r}", peer=peer))
+            raise conn.error  # type: ignore[misc]
+        token, blocks = str(answer["token"]), answer["blocks"]
+        pool = conn.info["pool"]
+        layout = self.layout or KVLayout(**{**conn.info["layout"], "dtype": into.dtype})
+        remote, local, lengths = segments(layout, blocks, kv_slice)
+        if (any(not 0 <= int(b) < pool["num_blocks"] for b in blocks) or int(lengths.sum()) != into.numel() * into.element_size()):
+            conn.send({"t": "unpin", "token": token})
+            conn.fail(ProtocolViolation(f"{peer} answered blocks that do not fit `into` or its pool", peer=peer))
+            raise conn.error  # type: ignore[misc]
+        mem, dev = mem_type(into)
+        adhoc = None
+        with anyio.CancelScope(shield=True):  # post the READ and account for it as one unit
+            try:
+                if not self._registered(into):
+                    adhoc = self.agent.register_memory(into)
+                    self._adhoc += 1
+                base = into.data_ptr()
+                n = len(lengths)
+                ldesc = self.agent.get_xfer_descs(np.stack([local + base, lengths, np.full(n, dev)], 1), mem)
+                rdesc = self.agent.get_xfer_descs(
+                    np.stack([remote + pool["addr"], lengths, np.full(n, pool["dev"])], 1), pool["mem"])
+                xfer = self.agent.initialize_xfer("READ", ldesc, rdesc, conn.agent_name, NOTIF_PREFIX + token.encode())
+                landing.begin()
+                state = self.agent.transfer(xfer)
+            except Exception as exc:
+                if adhoc is not None:
+                    self.agent.deregister_memory(adhoc)
+                conn.send({"t": "unpin", "token": token})
+                raise PeerClosed(f"NIXL READ from {peer} could not be posted: {exc}", peer=peer) from None
+        unpin = lambda: conn.send({"t": "unpin", "token": token})  # noqa: E731  (a READ that failed)
+        watch = asyncio.ensure_future(self._watch(xfer, state, landing, adhoc, into.numel() * into.element_size(), unpin))
+        try:
+            state = await asyncio.shield(watch)
+        except BaseException:  # cancelled: the watcher goes on until NIXL ends the READ
+            self._background.add(watch)
+            watch.add_done_callback(self._background.discard)
+            raise
+        if state != "DONE":
+            raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
+        return into.numel() * into.element_size()
+
+    async def _watch(self, xfer: Any, state: str, landing: Landing, adhoc: Any, nbytes: int, unpin: Any) -> str:
+        """Poll the READ until it is no longer in progress (backing off 50 µs .. 2 ms), then end landing."""
+        try:
+            if state == "PROC":  # in a worker thread: asyncio's sleeps are >= 1 ms (epoll's granularity)
+                state = await anyio.to_thread.run_sync(self._wait, xfer, nbytes)
+            if state != "DONE":  # no notification will come: the CTX may unpin now
+                unpin()
+            return state
+        finally:
+            try:
+                self.agent.release_xfer_handle(xfer)
+            except Exception as exc:  # NIXL refuses to free a handle it cannot cancel
+                log.warning("nixl_release_handle_failed", reason=str(exc))
+            if adhoc is not None:
+                self.agent.deregister_memory(adhoc)
+            landing.end()
+
+    def _wait(self, xfer: Any, nbytes: int) -> str:
+        """Poll a READ until it leaves PROC: a first nap of most of its expected time, then 20 µs
+        naps doubling to 1 ms (the agent is in NIXL's strict thread-sync mode)."""
+        time.sleep(min(nbytes / 10e9, 0.001))
+        nap = 20e-6
+        while (state := self.agent.check_xfer_state(xfer)) == "PROC":
+            time.sleep(nap)
+            nap = min(nap * 2, 0.001)
+        return state
+
+    async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
+        try:
+            check_request_id(request_id)
+            check_handle(handle)
+            conn = await self._conn(peer)
+            await conn.request({"t": "release", "rid": request_id, "handle": handle}, self.config.request_timeout_s)
+        except Exception as exc:
+            log.warning("nixl_release_failed", peer=peer, request_id=str(request_id)[:40], reason=str(exc))
+
+    async def hold(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
+        try:
+            conn = await self._conn(peer)
+            conn.send({"t": "hold", "items": [[check_request_id(r), check_handle(h)] for r, h in items]})
+        except Exception as exc:
+            log.warning("nixl_hold_failed", peer=peer, reason=str(exc))
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for watch in list(self._background):  # READs still in flight land before the memory goes
+            await asyncio.shield(watch)
+        for conn in self._conns.values():
+            conn.fail(PeerClosed("transport closed", peer=conn.peer))
+            if conn.reader_task is not None:
+                conn.reader_task.cancel()
+        self._conns.clear()
+        for _, _, _, descs in self._regions:
+            self.agent.deregister_memory(descs)
+        self._regions.clear()
+
+    async def __aenter__(self) -> NIXLTransport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _error(answer: dict[str, Any], peer: str, request_id: str) -> TransportError:
+    status, reason = answer.get("status"), str(answer.get("reason", ""))[:200]
+    if status == "UNKNOWN_REQUEST":
+        return UnknownRequest(f"{peer} holds no KV for {request_id!r}: {reason}", peer=peer)
+    if status == "BUSY":
+        return PeerBusy(f"{peer} is busy with {request_id!r}: {reason}", peer=peer)
+    return ProtocolViolation(f"{peer} refused {request_id!r} ({status}): {reason}", peer=peer)
+
+
+from ._nixl_server import NIXLKVServer as NIXLKVServer  # noqa: E402  (the CTX side)
+
+__all__ = ["NIXLConfig", "NIXLKVServer", "NIXLTransport", "NIXLTransportStatistics", "make_agent", "segments"]
