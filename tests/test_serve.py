@@ -298,6 +298,22 @@ def test_concurrent_streams_each_get_their_own_tokens(front: Any, model: TinyMod
     assert anyio.run(all_of_them) == refs
 
 
+def test_the_load_client_drives_the_front_over_http(front: Any, model: TinyModel) -> None:
+    """``python -m examples.two_node client --endpoint URL``: the same load and report through the
+    OpenAI API; tokens equal the single-process reference."""
+    from examples.two_node import client as load_client
+
+    prompts = load_client.make_prompts(6, 40, seed=11)
+    result = anyio.run(lambda: load_client.run_load_http(endpoint=front["url"], prompts=prompts, max_tokens=6,
+                                                         concurrency=3, progress=False, timeout_s=60))
+    summary = load_client.summarize(result)
+    assert summary["failures"] == 0 and summary["succeeded"] == 6, summary["failure_reasons"]
+    for rec in result.records:
+        assert rec.tokens == model.generate_reference(prompts[rec.index], 6)
+        assert rec.ttft_s is not None and len(rec.token_times) == 6
+    assert summary["output_tok_s"] > 0 and summary["tpot_ms"]["n"] == 6
+
+
 def test_a_dead_gen_node_means_503_with_retry_after(front: Any) -> None:
     """Runs last: it kills the cluster's GEN node."""
     gen = next(n for n in front["started"] if n["role"] == "gen")

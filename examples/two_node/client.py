@@ -305,6 +305,81 @@ async def run_load(
     return LoadResult([r for r in records if r is not None], duration, concurrency, started_at)
 
 
+async def run_load_http(
+    *,
+    endpoint: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    progress: bool = True,
+    timeout_s: float = 300,
+    model: str = "tiny",
+    label: str = "requests",
+) -> LoadResult:
+    """The same closed-loop load through an OpenAI-compatible front (``python -m examples.serve``):
+    ``POST {endpoint}/v1/completions`` with the prompt's token ids, streaming, read as the field's
+    benchmark clients read SSE (``data:`` chunks to ``data: [DONE]``). Token ids come from the
+    chunks' ``token_ids`` (vLLM's ``return_token_ids``); TTFT is the arrival of the first token.
+    Records have the shape of ``run_load``'s, so ``summarize`` and the report apply unchanged."""
+    import httpx
+
+    n = len(prompts)
+    records: list[RequestRecord | None] = [None] * n
+    t_run = time.perf_counter()
+    started_at = time.time()
+    indices = iter(range(n))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def one(http: httpx.AsyncClient, i: int) -> RequestRecord:
+        rec = RequestRecord(f"http-{i}", i, endpoint, len(prompts[i]), max_tokens)
+        rec.t_start = time.perf_counter() - t_run
+        body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True, "return_token_ids": True}
+        try:
+            with anyio.fail_after(timeout_s):
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        text = (await r.aread()).decode(errors="replace")
+                        rec.state, rec.failure, rec.message = "error", f"http_{r.status_code}", text[:200]
+                    else:
+                        finish = None
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+                            ids = choice.get("token_ids") or []
+                            if ids:
+                                now = time.perf_counter() - t_run
+                                if rec.ttft_s is None:
+                                    rec.ttft_s = now - rec.t_start
+                                rec.tokens.extend(int(t) for t in ids)
+                                rec.token_times.extend([now] * len(ids))
+                            finish = choice.get("finish_reason") or finish
+                        rec.state = "finished" if finish in ("length", "stop") else "error"
+                        if rec.state != "finished":
+                            rec.failure, rec.message = "incomplete", f"stream ended with finish_reason {finish!r}"
+        except TimeoutError:
+            rec.state, rec.failure, rec.message = "error", "timeout", f"no answer within {timeout_s} s"
+        except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
+            rec.state, rec.failure, rec.message = "error", "http_error", f"{type(exc).__name__}: {exc}"
+        rec.t_end = time.perf_counter() - t_run
+        return rec
+
+    with _Progress(n, progress, label) as bar:
+        async with httpx.AsyncClient(base_url=endpoint.rstrip("/"), timeout=timeout_s, limits=limits) as http:
+
+            async def worker() -> None:
+                for i in indices:
+                    rec = await one(http, i)
+                    records[i] = rec
+                    bar.update(rec)
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(min(concurrency, n)):
+                    tg.start_soon(worker)
+    return LoadResult([r for r in records if r is not None], time.perf_counter() - t_run, concurrency, started_at)
+
+
 def summarize(result: LoadResult) -> dict[str, Any]:
     """Figures of one run (see the module docstring for the definitions).
 
@@ -361,8 +436,10 @@ def print_summary(summary: dict[str, Any], title: str = "load") -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.two_node client",
                                 description="Send a synthetic workload through CTX and GEN nodes and report.")
-    p.add_argument("--ctx", action="append", required=True, metavar="HOST:PORT", help="a CTX node's control address (repeatable)")
-    p.add_argument("--gen", required=True, metavar="HOST:PORT", help="the GEN node's control address")
+    p.add_argument("--ctx", action="append", default=[], metavar="HOST:PORT", help="a CTX node's control address (repeatable)")
+    p.add_argument("--gen", metavar="HOST:PORT", help="the GEN node's control address")
+    p.add_argument("--endpoint", metavar="URL",
+                   help="drive an OpenAI-compatible front instead (python -m examples.serve), e.g. http://127.0.0.1:8000")
     p.add_argument("--isl", type=int, default=256, help="input (prompt) length, tokens")
     p.add_argument("--osl", type=int, default=32, help="output length (max_tokens), tokens")
     p.add_argument("--concurrency", type=int, default=16)
@@ -376,19 +453,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     add_security_args(p)
     a = p.parse_args(argv)
-    for addr in [*a.ctx, a.gen]:
+    if not a.endpoint and (not a.ctx or not a.gen):
+        p.error("give --ctx and --gen (the nodes' control addresses), or --endpoint (a front's URL)")
+    for addr in [*a.ctx, *([a.gen] if a.gen else [])]:
         control.parse_addr(addr)
-    secret = node_secret(a)  # like the nodes: KVO_SHARED_SECRET or --secret-file; one line if wrong
+    secret = None if a.endpoint else node_secret(a)  # like the nodes: KVO_SHARED_SECRET or --secret-file
     if a.prompt:
         base = prompts_from_text(a.prompt)
         prompts = [base[i % len(base)] for i in range(a.requests)]
     else:
         prompts = make_prompts(a.requests, a.isl, a.seed)
-    result = anyio.run(
-        lambda: run_load(ctx=a.ctx, gen=a.gen, secret=secret, prompts=prompts, max_tokens=a.osl, concurrency=a.concurrency,
-                         progress=not a.no_progress, timeout_s=a.timeout, release=a.release),
-        backend="asyncio",
-    )
+    if a.endpoint:
+        result = anyio.run(lambda: run_load_http(endpoint=a.endpoint, prompts=prompts, max_tokens=a.osl,
+                                                 concurrency=a.concurrency, progress=not a.no_progress,
+                                                 timeout_s=a.timeout), backend="asyncio")
+    else:
+        result = anyio.run(
+            lambda: run_load(ctx=a.ctx, gen=a.gen, secret=secret, prompts=prompts, max_tokens=a.osl,
+                             concurrency=a.concurrency, progress=not a.no_progress, timeout_s=a.timeout,
+                             release=a.release),
+            backend="asyncio",
+        )
     summary = summarize(result)
     print_summary(summary, f"{len(prompts)} requests, concurrency {a.concurrency}")
     for rec in result.records[: a.show]:
