@@ -69,6 +69,7 @@ class GenNode:
         self.model = build_model(args)
         layout = self.model.kv_layout(args.block_size)
         self.head_sums = gen_tp.HeadChecksums()
+        self.rank_loops: dict[int, Any] = {}  # rank 0: the other ranks' execution-thread statistics
         self.config = OrchestratorConfig(
             layout=layout,
             num_blocks=args.num_blocks,
@@ -242,13 +243,18 @@ class GenNode:
                 "budget": dataclasses.asdict(s.budget),
                 "pool": dataclasses.asdict(s.pool),
             },
-            "loop": {
-                "iterations": ls.iterations, "decode_iterations": ls.decode_iterations, "mean_batch": ls.mean_batch,
-                **{name: dataclasses.asdict(getattr(ls, name))
-                   for name in ("orchestration_ms", "blocked_ms", "stalled_ms", "model_ms")},
-            },
+            "loop": self._loop_stats(),
             "rest_problems": self.engine.rest_problems(),
             "tp": self._tp_stats(),
+        }
+
+    def _loop_stats(self) -> dict[str, Any]:
+        assert self.loop is not None
+        ls = self.loop.statistics()
+        return {
+            "iterations": ls.iterations, "decode_iterations": ls.decode_iterations, "mean_batch": ls.mean_batch,
+            **{name: dataclasses.asdict(getattr(ls, name))
+               for name in ("orchestration_ms", "blocked_ms", "stalled_ms", "model_ms")},
         }
 
     def _tp_stats(self) -> dict[str, Any]:
@@ -257,7 +263,8 @@ class GenNode:
             return {"world_size": 1}
         return {"world_size": engine.world_size, "rank_pids": getattr(self.args, "tp_pids", []),
                 "kv_head_offset": self.config.kv_head_offset,
-                "rank_admitted": [list(a) for a in engine.rank_admitted]}
+                "rank_admitted": [list(a) for a in engine.rank_admitted],
+                "rank_loop": {"0": self._loop_stats(), **{str(r): v for r, v in sorted(self.rank_loops.items())}}}
 
     # -- life cycle ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -270,7 +277,7 @@ class GenNode:
             if args.tp > 1:
                 self.engine = TPGenEngine(self.config, gen_tp.maybe_failing(transport, args), self.step_fn, sync=TorchStepSync(args.tp_group),
                                           on_output=self._on_output, on_received=self._on_received,
-                                          on_note=gen_tp.on_note(self.head_sums))
+                                          on_note=gen_tp.on_note(self.head_sums, self.rank_loops))
             else:
                 self.engine = GenEngine(self.config, transport, self.step_fn, on_output=self._on_output,
                                         on_received=self._on_received)
@@ -281,12 +288,14 @@ class GenNode:
                 exec_thread = threading.Thread(target=self.loop.run, args=(stop,), name="execution", daemon=True)
                 exec_thread.start()
                 if self.rank != 0:  # a follower rank: steps with rank 0 until the group stops
+                    tg.start_soon(gen_tp.report_loop, self.engine, self._loop_stats)
                     try:
                         await anyio.to_thread.run_sync(exec_thread.join)
                     finally:
                         stop.set()
                         await anyio.to_thread.run_sync(exec_thread.join)
                         self.engine.close()
+                        tg.cancel_scope.cancel()
                     return
                 if getattr(args, "tp_children", None):
                     tg.start_soon(gen_tp.watch_children, args.tp_children, self.engine.mark_unhealthy)

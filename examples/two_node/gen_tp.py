@@ -169,11 +169,26 @@ class HeadChecksums:
         self._parts.pop(request_id, None)
 
 
-def on_note(sums: HeadChecksums) -> Any:
+LOOP_NOTE = "__loop__"  # a note that carries a rank's execution-thread statistics, not a request's
+
+
+def on_note(sums: HeadChecksums, rank_loops: dict[int, Any]) -> Any:
+    """Rank 0: route notes from other ranks (their checksums, their loop statistics)."""
     def note(rank: int, request_id: str, payload: Any) -> None:
-        if isinstance(payload, dict) and "crcs" in payload:
+        if request_id == LOOP_NOTE:
+            rank_loops[rank] = payload
+        elif isinstance(payload, dict) and "crcs" in payload:
             sums.add(request_id, int(payload["h0"]), payload["crcs"])
     return note
+
+
+async def report_loop(engine: Any, loop_stats: Any, period_s: float = 1.0) -> None:
+    """Ranks 1..N-1: send this rank's execution-thread statistics to rank 0 every ``period_s``."""
+    import anyio
+
+    while True:
+        await anyio.sleep(period_s)
+        engine.note(LOOP_NOTE, loop_stats())
 
 
 class FailingPulls:
