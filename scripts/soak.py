@@ -14,10 +14,14 @@ while a background thread samples both nodes' RSS (``VmRSS`` of the node's own P
 * RSS of both nodes: at the end of the warm-up, peak, at the end of the load, at rest, and the slope of
   a least-squares line over the second half of the load (MiB/min). RSS is **flat** when the fitted
   growth over the second half (slope x its duration) is under ``--flat-mib`` (default 16 MiB);
+* RSS per request: the least-squares slope of each node's RSS against the number of requests
+  completed, over the samples after half of the requests had completed; it must not exceed
+  ``--max-bytes-per-request`` (default 64 B/request);
 * output tok/s, TTFT/TPOT, GEN deferrals (backpressure / KV exhausted) and peak staging.
 
-Exits 1 on any failure, leak or non-flat RSS, 0 otherwise. Not a CI test: ``tests/test_soak.py``
-runs a small version of the same code (``run_soak``). Scaling and measured results: docs/soak.md.
+Exits 1 on any failure, leak, non-flat RSS or RSS growing faster per request than the bound, 0
+otherwise. Not a CI test: ``tests/test_soak.py`` runs a small version of the same code
+(``run_soak``). Scaling and measured results: docs/soak.md.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ from examples.two_node.launch import NodeProcess, node_env  # noqa: E402
 
 BLOCK_SIZE = 16  # the nodes' default --block-size (tokens per KV block)
 # GEN's DecodeLoop keeps its per-iteration statistics in arrays allocated once (5 x 131,072 float64,
-# 5 MiB): they do not grow with the number of iterations, so they cannot look like a leak.
+# 5 MiB). Allocated with np.zeros, their pages become resident only as the ring fills (~40 B per
+# iteration, ~20-70 B/request, until 131,072 iterations) unless touched at construction (docs/soak.md).
 
 
 @dataclasses.dataclass
@@ -69,6 +74,9 @@ class SoakConfig:
     warmup_requests: int = 0
     """RSS 'start' is taken when this many requests have ended; 0: ``concurrency``."""
     flat_mib: float = 16.0
+    max_bytes_per_request: float = 64.0
+    """Per node: the least-squares slope of RSS against requests completed, over the second half of
+    the load, must not exceed this (bytes per request; docs/soak.md says why 64)."""
     rest_timeout_s: float = 15.0
     """How long to wait for GEN/CTX to come to rest after the load (shorter than CTX's 30 s lease,
     so an expiring lease cannot hide a leak)."""
@@ -170,12 +178,40 @@ class RssSampler:
         self.sample()  # one last point, at rest
 
 
+def per_request_fit(t: np.ndarray, rss_mib: np.ndarray, ends: Any, t_end: float) -> dict[str, Any]:
+    """Bytes of RSS per request completed: the least-squares slope of RSS (bytes) against the number
+    of requests completed at each sample, over the samples of the second half of the load, i.e.
+    from the moment half of the requests had completed to ``t_end``. ``ends``: the unix time each
+    request completed. Also its standard error and the span of requests the fit covers."""
+    out: dict[str, Any] = {"bytes_per_request": float("nan"), "bytes_per_request_se": float("nan"),
+                           "fit_samples": 0, "fit_requests": 0}
+    ends = np.sort(np.asarray(ends if ends is not None else [], dtype=np.float64))
+    if ends.size < 2:
+        return out
+    done = np.searchsorted(ends, t, side="right")  # requests completed when each sample was taken
+    t_half = ends[(ends.size + 1) // 2 - 1]
+    sel = (t >= t_half) & (t <= t_end + 1e-9)
+    x, y = done[sel].astype(np.float64), rss_mib[sel] * float(1 << 20)
+    out["fit_samples"] = int(sel.sum())
+    out["fit_requests"] = int(np.ptp(x)) if x.size else 0
+    if x.size >= 3 and np.ptp(x) > 0:
+        slope, icpt = np.polyfit(x, y, 1)
+        sxx = float(((x - x.mean()) ** 2).sum())
+        resid = y - (slope * x + icpt)
+        out["bytes_per_request"] = float(slope)
+        out["bytes_per_request_se"] = float(np.sqrt((resid ** 2).sum() / (x.size - 2) / sxx)) if x.size > 2 else float("nan")
+    return out
+
+
 def rss_figures(samples: list[dict[str, float]], *, t0: float, t_warm: float, t_end: float,
-                flat_mib: float) -> dict[str, Any]:
+                flat_mib: float, ends: Any = None, max_bytes_per_request: float = float("inf")) -> dict[str, Any]:
     """RSS figures of one node. ``t0``: load start, ``t_warm``: end of the warm-up, ``t_end``: end of
-    the load (unix times). The fit is over the samples of the second half of ``[t0, t_end]``."""
+    the load (unix times). The MiB/min fit is over the samples of the second half of ``[t0, t_end]``;
+    the bytes/request fit (``per_request_fit``, needs ``ends``: each request's completion time) over
+    the samples after half of the requests had completed."""
     if not samples:
-        return {"samples": 0, "flat": False, "why": "no samples"}
+        return {"samples": 0, "flat": False, "why": "no samples", "bytes_per_request": float("nan"),
+                "per_request_ok": False, "max_bytes_per_request": max_bytes_per_request}
     t = np.array([s["t"] for s in samples])
     rss = np.array([s["rss_mib"] for s in samples])
     load = (t >= t0) & (t <= t_end + 1e-9)
@@ -191,6 +227,8 @@ def rss_figures(samples: list[dict[str, float]], *, t0: float, t_warm: float, t_
     half_min = (t_end - t_mid) / 60.0
     growth = slope * half_min if np.isfinite(slope) else float("nan")
     flat = bool(np.isfinite(growth) and growth < flat_mib)
+    per_req = per_request_fit(t, rss, ends, t_end)
+    per_request_ok = bool(np.isfinite(per_req["bytes_per_request"]) and per_req["bytes_per_request"] <= max_bytes_per_request)
     fds = np.array([s["fds"] for s in samples])
     step_mib, step_t = 0.0, float("nan")
     idx = np.nonzero(half)[0]
@@ -218,6 +256,9 @@ def rss_figures(samples: list[dict[str, float]], *, t0: float, t_warm: float, t_
         "fds_peak": int(fds[load].max()) if load.any() else int(fds.max()),
         "fds_start": int(samples[i_start]["fds"]),
         "fds_rest": int(samples[-1]["fds"]),
+        **per_req,
+        "per_request_ok": per_request_ok,
+        "max_bytes_per_request": max_bytes_per_request,
     }
 
 
@@ -251,14 +292,14 @@ def node_args(cfg: SoakConfig) -> tuple[list[str], list[str]]:
     return ctx, gen
 
 
-async def _wait_rest(gen: str, ctx: str, timeout_s: float) -> tuple[dict[str, Any], dict[str, Any], float]:
+async def _wait_rest(gen: str, ctx: str, timeout_s: float, secret: bytes | None) -> tuple[dict[str, Any], dict[str, Any], float]:
     """Poll GEN until ``rest_problems`` is empty and CTX until it holds nothing, at most ``timeout_s``
     in all; returns the last stats of both and the seconds it took."""
     t0 = time.perf_counter()
     deadline = t0 + timeout_s
     while True:
-        g = await control.call(gen, {"op": "stats"}, timeout=10)
-        c = await control.call(ctx, {"op": "stats"}, timeout=10)
+        g = await control.call(gen, {"op": "stats"}, secret=secret, timeout=10)
+        c = await control.call(ctx, {"op": "stats"}, secret=secret, timeout=10)
         rest = not g["rest_problems"] and not c["store"]["held_requests"] and not c["pool"]["used_blocks"]
         if rest or time.perf_counter() >= deadline:
             return g, c, time.perf_counter() - t0
@@ -282,11 +323,11 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         sampler = RssSampler(pids, cfg.sample_s)
 
         async def drive() -> tuple[client.LoadResult, float, dict[str, Any], dict[str, Any], float]:
-            result = await client.run_load(ctx=[ctx.info["ctrl"]], gen=gen.info["ctrl"], prompts=prompts,
+            result = await client.run_load(ctx=[ctx.info["ctrl"]], gen=gen.info["ctrl"], secret=gen.secret, prompts=prompts,
                                            max_tokens=cfg.osl, concurrency=cfg.concurrency, progress=cfg.progress,
                                            timeout_s=cfg.request_timeout_s, label="soak")
             t_load_end = time.time()
-            g, c, rest_s = await _wait_rest(gen.info["ctrl"], ctx.info["ctrl"], cfg.rest_timeout_s)
+            g, c, rest_s = await _wait_rest(gen.info["ctrl"], ctx.info["ctrl"], cfg.rest_timeout_s, gen.secret)
             return result, t_load_end, g, c, rest_s
 
         with sampler:
@@ -301,7 +342,9 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     ends = sorted(r.t_end for r in result.records)
     k = min(len(ends), cfg.warmup_requests or cfg.concurrency)
     t_warm = t0 + (ends[k - 1] if k else 0.0)
-    rss = {name: rss_figures(series, t0=t0, t_warm=t_warm, t_end=t_load_end, flat_mib=cfg.flat_mib)
+    done_at = [t0 + e for e in ends]  # unix time each request ended: the x axis of the bytes/request fit
+    rss = {name: rss_figures(series, t0=t0, t_warm=t_warm, t_end=t_load_end, flat_mib=cfg.flat_mib, ends=done_at,
+                             max_bytes_per_request=cfg.max_bytes_per_request)
            for name, series in sampler.series.items()}
     eng = gen_stats["engine"]
     failed_records = [r.to_json() for r in result.records if not r.ok][:50]
@@ -382,6 +425,11 @@ def problems(report: dict[str, Any]) -> list[str]:
             out.append(f"{name.upper()} RSS not flat: {r.get('second_half_growth_mib', float('nan')):.1f} MiB over the "
                        f"second half (threshold {r.get('flat_threshold_mib')} MiB)" if r.get("samples") else
                        f"{name.upper()} RSS not sampled")
+        if r.get("samples") and not r.get("per_request_ok"):
+            bpr = r.get("bytes_per_request", float("nan"))
+            out.append(f"{name.upper()} RSS grows {bpr:,.0f} B/request over the second half (bound "
+                       f"{r.get('max_bytes_per_request'):g} B/request)" if np.isfinite(bpr) else
+                       f"{name.upper()} RSS bytes/request not computed ({r.get('fit_samples', 0)} samples in the second half)")
     if not all(report["nodes_alive_at_end"].values()):
         out.append(f"a node died: {report['nodes_alive_at_end']}")
     return out
@@ -424,6 +472,12 @@ def report_rows(report: dict[str, Any]) -> list[list[Any]]:
         rows.append([f"{name.upper()} RSS 2nd-half slope MiB/min (growth MiB)",
                      f"{_report.fmt(x['slope_mib_per_min'])} ({_report.fmt(x['second_half_growth_mib'], 1)}) "
                      f"-> {'flat' if x['flat'] else 'NOT FLAT'} (< {x['flat_threshold_mib']:g} MiB)"])
+        ok = x.get("per_request_ok")
+        rows.append([f"{name.upper()} RSS bytes/request, 2nd half (+- s.e.; over N requests)",
+                     f"{_report.fmt(x['bytes_per_request'], 1)} (+- {_report.fmt(x['bytes_per_request_se'], 1)}; "
+                     f"{x['fit_requests']:,} requests, {x['fit_samples']} samples) -> "
+                     f"{'ok' if ok else 'TOO HIGH' if np.isfinite(x['bytes_per_request']) else 'NOT COMPUTED'} "
+                     f"(<= {x['max_bytes_per_request']:g} B/request)"])
         rows.append([f"{name.upper()} largest 1-sample RSS rise in 2nd half",
                      f"{_report.fmt(x['largest_step_mib'], 1)} MiB at {_report.fmt(x['largest_step_t_s'], 0)} s"])
     rows.append(["open fds (~live connections) CTX / GEN: after warm-up, peak, at rest",
@@ -499,6 +553,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ctx-num-blocks", type=int, default=0, help="CTX KV pool (0: fits concurrency prompts)")
     p.add_argument("--warmup-requests", type=int, default=0, help="RSS start after this many requests ended (0: concurrency)")
     p.add_argument("--flat-mib", type=float, default=d.flat_mib, help="RSS is flat when its fitted growth over the second half is below this")
+    p.add_argument("--max-bytes-per-request", type=float, default=d.max_bytes_per_request,
+                   help="fail when a node's RSS grows by more than this per request completed (2nd-half fit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the full report (with the RSS series) here")
     p.add_argument("--png", type=Path, help="plot RSS over time here")
@@ -512,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SoakConfig(requests=a.requests, concurrency=a.concurrency, isl=a.isl, osl=a.osl, sample_s=a.sample_s,
                      max_tokens_in_buffer=a.max_tokens_in_buffer, max_num_seqs=a.max_num_seqs,
                      gen_num_blocks=a.gen_num_blocks, ctx_num_blocks=a.ctx_num_blocks, seed=a.seed,
-                     warmup_requests=a.warmup_requests, flat_mib=a.flat_mib, progress=not a.no_progress,
+                     warmup_requests=a.warmup_requests, flat_mib=a.flat_mib,
+                     max_bytes_per_request=a.max_bytes_per_request, progress=not a.no_progress,
                      log_dir=a.log_dir)
     if a.log_dir:
         a.log_dir.mkdir(parents=True, exist_ok=True)
