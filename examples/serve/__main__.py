@@ -20,7 +20,8 @@ import structlog
 from examples.serve.cluster import Cluster, launch_nodes
 from examples.serve.config import ClusterConfig, ConfigError, load
 from examples.two_node.__main__ import _configure_logging
-from transports._auth import SECRET_ENV, load_secret
+from examples.two_node.common import load_secret_or_exit
+from transports._auth import SECRET_ENV
 
 log = structlog.get_logger("examples.serve")
 
@@ -30,12 +31,7 @@ def front_secret(cfg: ClusterConfig) -> bytes | None:
     None with ``insecure: true``. Raises SystemExit with one line when it cannot be had."""
     if cfg.insecure:
         return None
-    try:
-        secret = load_secret(path=cfg.secret_file)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc} (from {cfg.secret_file or SECRET_ENV})") from None
-    except OSError as exc:
-        raise SystemExit(f"error: cannot read secret_file {cfg.secret_file}: {exc.strerror or exc}") from None
+    secret = load_secret_or_exit(cfg.secret_file, "secret_file")
     if secret is None:
         if any(not s.launched for s in cfg.nodes):
             raise SystemExit(f"error: no shared secret for the running nodes: set {SECRET_ENV} or secret_file")

@@ -66,16 +66,22 @@ def build_model(args: argparse.Namespace) -> TinyModel:
     return TinyModel(model_config(args), tp=tp)
 
 
+def load_secret_or_exit(path: str | None, what: str) -> bytes | None:
+    """``load_secret(path=path)``, or ``SystemExit`` with one line saying what is wrong with the
+    secret (too short) or with the file ``what`` names (unreadable)."""
+    try:
+        return load_secret(path=path)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc} (from {path or SECRET_ENV})") from None
+    except OSError as exc:
+        raise SystemExit(f"error: cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
 def node_secret(args: argparse.Namespace) -> bytes | None:
     """The shared secret (``--secret-file`` or ``KVO_SHARED_SECRET``); None only with ``--insecure``.
 
     Raises ``SystemExit`` with one line saying what is wrong (too short, unreadable, missing)."""
-    try:
-        secret = load_secret(path=args.secret_file)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc} (from {args.secret_file or SECRET_ENV})") from None
-    except OSError as exc:
-        raise SystemExit(f"error: cannot read --secret-file {args.secret_file}: {exc.strerror or exc}") from None
+    secret = load_secret_or_exit(args.secret_file, "--secret-file")
     if secret is None and not args.insecure:
         raise SystemExit(f"error: no shared secret: set {SECRET_ENV} or --secret-file (or pass --insecure)")
     return secret
