@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ] || [ ! -f .venv/.installed ] || [ pyproject.toml -n
     "$PY" -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -c constraints.txt torch==2.13.0
-    .venv/bin/python -m pip install -q -c constraints.txt -e '.[test]'
+    .venv/bin/python -m pip install -q -c constraints.txt -e '.[test,nixl]'
     touch .venv/.installed
 fi
 job=${1:-}

@@ -1,34 +1,49 @@
-"""Transport micro-benchmark between two processes: ``python -m examples.bench_transport``.
+"""Transport micro-benchmark between two processes: ``python -m examples.bench transport``.
 
-For 1, 8 and 64 MiB it times, request to last byte:
+For 1, 8 and 64 MiB it times, request to last byte, in one run so that the paths compare side by
+side on a noisy machine:
 
-- ``memcpy``: one-thread ``torch`` ``copy_`` in this process (the ceiling of any copy);
-- ``sockets``: plain TCP over loopback, the client ``recv_into`` a preallocated buffer;
-- ``ucx-raw``: bare ucxx, a small request then ``ep.send``/``ep.recv`` of the payload;
-- ``ucx-pull``: ``UCXTransport.pull`` from a ``UCXKVServer`` (handshake done beforehand; includes
-  the CTX-side gather of the blocks into wire form, as in production);
-- ``gather``: that CTX-side ``KVStore.gather`` alone (one torch thread), for reference;
+- ``sockets``: plain TCP, the client ``recv_into`` a preallocated buffer (the baseline of the ratios);
+- ``ucx-raw``: bare ucxx, a small request then ``ep.send``/``ep.recv`` of the payload: the raw
+  library path our UCX pull is built on;
+- ``ucx-pull``: ``UCXTransport.pull`` from a ``UCXKVServer`` (wire version 2: one message before the
+  data; handshake done beforehand; includes the CTX-side checkout of the blocks, as in production);
+- ``ucx-pull-v1``: the same from the tree of commit ``V1_COMMIT`` (wire version 1: PULL, PULL_OK,
+  READY, then the data), extracted with ``git archive``; the baseline of the CPU-per-pull target;
+- ``nixl-read``: raw NIXL: both processes register a tensor, the client learns the server's agent
+  metadata and address over TCP once, then each transfer is ``initialize_xfer("READ")``,
+  ``transfer`` and a poll of ``check_xfer_state`` until DONE (the raw path of a NIXL backend);
+- ``nixl-pull``: ``NIXLTransport.pull`` from a ``NIXLKVServer`` (lookup of the block ids, one READ,
+  notification; the GEN's memory registered once), with the lookup alone timed too (``lookup_us``);
+- ``memcpy`` and ``gather`` (the CTX-side ``KVStore.gather``), one torch thread, for reference;
 
-the UCX ones under each UCX configuration (``tcp``: UCX over TCP only; ``shm``: the one-host
-defaults, shared memory and cma zero-copy). After the transfers each UCX client keeps its endpoint
-open and idles; the CPU both processes burn meanwhile is reported (a spinning progress thread would
-steal a core and the GIL from a GEN node's decode thread).
+the two-process ones under each network configuration: ``shm`` (our UCX defaults, one host: shared
+memory and cma), ``tcp`` (``UCX_TLS=tcp,self`` over loopback), ``netns`` (``UCX_TLS=tcp,self``
+between two network namespaces joined by a veth pair; root only, the sockets baseline runs there
+too). Every server and client is a fresh process, because UCX reads its environment once per
+process.
 
-Every server and client is a fresh process, because UCX reads its environment once per process.
-Prints a table (GB/s, ratio to sockets); ``--json PATH`` writes the raw numbers.
+Per size it reports GB/s (median), and the client's CPU (all its threads, from ``getrusage``)
+divided by the number of transfers: the CPU a GEN spends per pull. After the transfers each client
+keeps its connection open and idles; the CPU both processes burn meanwhile is the idle CPU of a
+node. ``--json PATH`` writes the raw numbers and the checks against the targets of issue 10.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import os
 import resource
+import shutil
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +53,7 @@ from transports.ucx import UCX_DEFAULTS
 MiB = 1 << 20
 SIZES_MIB = (1, 8, 64)
 ROOT = Path(__file__).resolve().parent.parent
+V1_COMMIT = "1cf2ff9"  # the last tree with the three-hop pull (wire version 1)
 
 # Complete UCX environments, so that a user's UCX_* variables do not leak into a comparison.
 _COMMON = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TCP_CM_REUSEADDR": "y"}
@@ -50,11 +66,13 @@ _UCXX_DEFAULTS = {
     "UCX_CMA_MEMORY_INVALIDATE": "n",
     "UCX_CMA_SEG_SIZE": "512K",
 }
+_TCP = {"UCX_TLS": "tcp,self"}
 CONFIGS: dict[str, dict[str, str]] = {
-    "tcp": {**_COMMON, **_OURS, "UCX_TLS": "tcp"},
     "shm": {**_COMMON, **_OURS},
+    "tcp": {**_COMMON, **_OURS, **_TCP},
+    "netns": {**_COMMON, **_OURS, **_TCP},  # run across two namespaces (root)
 }
-VARIANTS: dict[str, dict[str, str]] = {  # --variants: what the defaults were chosen against
+VARIANTS: dict[str, dict[str, str]] = {  # --variants: what the UCX defaults were chosen against
     "ucxx-default": {**_COMMON, **_UCXX_DEFAULTS},
     "tcp-blocking": {**CONFIGS["tcp"], "UCXPY_PROGRESS_MODE": "blocking", "UCXPY_ENABLE_PYTHON_FUTURE": "0"},
     "shm-blocking": {**CONFIGS["shm"], "UCXPY_PROGRESS_MODE": "blocking", "UCXPY_ENABLE_PYTHON_FUTURE": "0"},
@@ -63,15 +81,33 @@ VARIANTS: dict[str, dict[str, str]] = {  # --variants: what the defaults were ch
     "no-mm-error-handling": {**CONFIGS["shm"], "UCX_MM_ERROR_HANDLING": "n", "UCX_CMA_MEMORY_INVALIDATE": "n",
                              "UCX_CMA_SEG_SIZE": "512K"},
     "shm-cma-seg-512k": {**CONFIGS["shm"], "UCX_CMA_SEG_SIZE": "512K"},
-    "shm-no-delayed-submission": {**CONFIGS["shm"], "UCXPY_ENABLE_DELAYED_SUBMISSION": "0"},
 }
+# NIXL settings, read by the nixl workers (KVO_NIXL_*; the UCX_* ones reach NIXL's own bundled UCX):
+#   KVO_NIXL_PTHREAD   1: the UCX backend's progress thread (nixl_agent_config.enable_prog_thread)
+#   KVO_NIXL_DELAY_US  its poll() timeout; the Python API hard-codes 0, which makes the thread spin
+#   KVO_NIXL_POLL      how the initiator waits for DONE: spin | sleep (0.1 ms naps)
+#   KVO_NIXL_OP        READ (the client reads the server's tensor) | WRITE (it writes into it)
+NIXL_DEFAULTS = {"KVO_NIXL_PTHREAD": "1", "KVO_NIXL_DELAY_US": "1000", "KVO_NIXL_POLL": "spin"}
+NIXL_VARIANTS: dict[str, dict[str, str]] = {  # --nixl-variants: the knobs probed for READ over TCP
+    "shm-pthr-spin": {**CONFIGS["shm"], "KVO_NIXL_DELAY_US": "0"},  # what nixl_agent() gives
+    "tcp-pthr-spin": {**CONFIGS["tcp"], "KVO_NIXL_DELAY_US": "0"},
+    "tcp-no-pthr": {**CONFIGS["tcp"], "KVO_NIXL_PTHREAD": "0"},
+    "tcp-poll-sleep": {**CONFIGS["tcp"], "KVO_NIXL_POLL": "sleep"},
+    "tcp-seg-64k": {**CONFIGS["tcp"], "UCX_TCP_SEG_SIZE": "64k"},
+    "tcp-rndv-auto": {**CONFIGS["tcp"], "UCX_RNDV_SCHEME": "auto"},
+    "tcp-write": {**CONFIGS["tcp"], "KVO_NIXL_OP": "WRITE"},  # the client WRITEs into the server instead
+    "shm-write": {**CONFIGS["shm"], "KVO_NIXL_OP": "WRITE"},
+}
+PAIR_MODES = ("sockets", "ucx-raw", "ucx-pull", "ucx-pull-v1", "nixl-read", "nixl-pull")
 
 
-def _env(ucx: dict[str, str] | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXPY_"))}
+def _env(ucx: dict[str, str] | None, extra_path: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXPY_", "KVO_NIXL_"))}
+    env.update(NIXL_DEFAULTS)
     env.update(ucx or {})
     env["KVO_SHARED_SECRET"] = "bench-secret-0123456789abcdef"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, str(ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
     return env
 
 
@@ -79,14 +115,59 @@ def _reps(nbytes: int, budget_s: float) -> int:
     return max(3, min(30, int(budget_s * 1.5e9 / nbytes)))
 
 
-def _summary(times: list[float], nbytes: int) -> dict[str, float]:
-    med = statistics.median(times)
-    return {"gbps": nbytes / med / 1e9, "median_ms": med * 1e3, "best_gbps": nbytes / min(times) / 1e9, "reps": len(times)}
-
-
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def _summary(times: list[float], nbytes: int, cpu_s: float | None = None) -> dict[str, float]:
+    med = statistics.median(times)
+    out = {"gbps": nbytes / med / 1e9, "median_ms": med * 1e3, "best_gbps": nbytes / min(times) / 1e9,
+           "reps": len(times)}
+    if cpu_s is not None:
+        out["cpu_us_per_op"] = cpu_s / len(times) * 1e6
+    return out
+
+
+def _thread_cpu_ns() -> dict[int, int]:
+    """CPU nanoseconds of each thread of this process (``/proc/self/task/*/schedstat``), by thread id."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+class _Timer:
+    """Times ``reps`` transfers after one warm-up, with this process's CPU over the timed ones
+    (``cpu_us_per_op``) and its split: the main (event-loop) thread against all other threads
+    (UCX/NIXL progress, notifier, workers)."""
+
+    def __init__(self, nbytes: int, budget_s: float) -> None:
+        self.nbytes, self.n = nbytes, _reps(nbytes, budget_s)
+        self.times: list[float] = []
+        self.cpu0 = 0.0
+        self.threads0: dict[int, int] = {}
+
+    def __iter__(self):
+        for i in range(self.n + 1):
+            if i == 1:
+                self.cpu0, self.threads0 = _cpu_s(), _thread_cpu_ns()
+            t0 = time.perf_counter()
+            yield i
+            if i:
+                self.times.append(time.perf_counter() - t0)
+
+    def result(self) -> dict[str, float]:
+        out = _summary(self.times, self.nbytes, _cpu_s() - self.cpu0)
+        now, main = _thread_cpu_ns(), os.getpid()
+        used = {tid: ns - self.threads0.get(tid, 0) for tid, ns in now.items()}
+        n = len(self.times)
+        out["cpu_us_per_op_main_thread"] = used.get(main, 0) / n / 1e3
+        out["cpu_us_per_op_other_threads"] = sum(v for t, v in used.items() if t != main) / n / 1e3
+        return out
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -98,7 +179,7 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def _sock_server() -> None:
-    srv = socket.create_server(("127.0.0.1", 0))
+    srv = socket.create_server(("0.0.0.0", 0))
     print(json.dumps({"port": srv.getsockname()[1]}), flush=True)
     conn, _ = srv.accept()
     payload = memoryview(bytearray(max(SIZES_MIB) * MiB))
@@ -114,22 +195,19 @@ def _sock_server() -> None:
         conn.sendall(payload[:size])
 
 
-def _sock_client(port: int, budget_s: float) -> dict[str, Any]:
-    conn = socket.create_connection(("127.0.0.1", port))
+def _sock_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
+    conn = socket.create_connection((host, port))
     out: dict[str, Any] = {}
     for mib in SIZES_MIB:
         size = mib * MiB
         buf = memoryview(bytearray(size))
-        times = []
-        for i in range(_reps(size, budget_s) + 1):
-            t0 = time.perf_counter()
+        timer = _Timer(size, budget_s)
+        for _ in timer:
             conn.sendall(struct.pack("!Q", size))
             got = 0
             while got < size:
                 got += conn.recv_into(buf[got:])
-            if i:
-                times.append(time.perf_counter() - t0)
-        out[str(mib)] = _summary(times, size)
+        out[str(mib)] = timer.result()
     return out
 
 
@@ -154,24 +232,21 @@ async def _raw_server() -> None:
     await anyio.sleep_forever()
 
 
-async def _raw_client(port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
+async def _raw_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
     import numpy as np
     import ucxx
 
-    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    ep = await ucxx.create_endpoint(host, port)
     out: dict[str, Any] = {}
     for mib in SIZES_MIB:
         size = mib * MiB
         buf = np.empty(size, dtype=np.uint8)
         head = np.array([size], dtype=np.uint64)
-        times = []
-        for i in range(_reps(size, budget_s) + 1):
-            t0 = time.perf_counter()
+        timer = _Timer(size, budget_s)
+        for _ in timer:
             await ep.send(head, tag=0)
             await ep.recv(buf, tag=1)
-            if i:
-                times.append(time.perf_counter() - t0)
-        out[str(mib)] = _summary(times, size)
+        out[str(mib)] = timer.result()
     out["idle_cpu_pct"] = await _idle(idle_s)
     ep.abort()
     return out
@@ -194,6 +269,13 @@ def _bench_layout() -> Any:
     return KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, block_size=32, dtype=torch.float16)  # 1 MiB blocks
 
 
+_BENCH_HANDLE = "b" * 32  # the one KV handle the benchmark's CTX issues (it re-holds each request after a pull)
+
+
+def _takes(fn: Any, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
 async def _pull_server() -> None:
     import anyio
     import structlog
@@ -205,14 +287,15 @@ async def _pull_server() -> None:
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))  # errors only
     # torch's 2-thread index_select is pathological on a 2-core VM (450 ms vs 28 ms for 64 MiB);
-    # one intra-op thread keeps the CTX gather from dominating what this measures.
+    # one intra-op thread keeps a CTX gather from dominating what this measures.
     torch.set_num_threads(1)
     layout = _bench_layout()
     store = KVStore(layout, layout.new_pool(max(SIZES_MIB)).uniform_())
+    extra = {"handle": _BENCH_HANDLE} if _takes(store.put, "handle") else {}  # the v1 tree had no handles
 
     def hold(rid: str, blocks: int) -> None:  # re-held on every release, so it can be pulled again
         store.put(rid, torch.arange(blocks), num_tokens=blocks * layout.block_size, lease_s=3600,
-                  on_release=lambda: hold(rid, blocks), handle=_BENCH_HANDLE)
+                  on_release=lambda: hold(rid, blocks), **extra)
 
     for mib in SIZES_MIB:
         hold(f"r{mib}", mib)
@@ -221,10 +304,7 @@ async def _pull_server() -> None:
         await anyio.sleep_forever()
 
 
-_BENCH_HANDLE = "b" * 32  # the one KV handle the benchmark's CTX issues (it re-holds each request after a pull)
-
-
-async def _pull_client(port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
+async def _pull_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
     import structlog
     import torch
 
@@ -233,19 +313,184 @@ async def _pull_client(port: int, budget_s: float, idle_s: float) -> dict[str, A
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     layout = _bench_layout()
-    peer = f"127.0.0.1:{port}"
+    peer = f"{host}:{port}"
     out: dict[str, Any] = {}
     async with UCXTransport(UCXConfig(secret=load_secret())) as t:
+        extra = {"handle": _BENCH_HANDLE} if _takes(t.pull, "handle") else {}
         await t.connect(peer)
         for mib in SIZES_MIB:
-            into = torch.empty(layout.wire_shape(mib), dtype=layout.dtype)
-            times = []
-            for i in range(_reps(into.nbytes, budget_s) + 1):
-                t0 = time.perf_counter()
-                await t.pull(peer, f"r{mib}", layout.full_slice(), into, handle=_BENCH_HANDLE)
-                if i:
-                    times.append(time.perf_counter() - t0)
-            out[str(mib)] = _summary(times, into.nbytes)
+            shape = getattr(layout, "wire_shape", None) or layout.staging_shape  # the v1 tree's name
+            into = torch.empty(shape(mib), dtype=layout.dtype)
+            timer = _Timer(into.nbytes, budget_s)
+            for _ in timer:
+                await t.pull(peer, f"r{mib}", layout.full_slice(), into, **extra)
+            out[str(mib)] = timer.result()
+        out["idle_cpu_pct"] = await _idle(idle_s)
+    return out
+
+
+# -- raw NIXL -------------------------------------------------------------------------------------
+
+
+def nixl_agent(name: str) -> Any:
+    """A NIXL agent with the UCX backend, set from ``KVO_NIXL_PTHREAD`` / ``KVO_NIXL_DELAY_US``.
+
+    ``nixl_agent`` (the Python API) hard-codes the progress thread's ``pthrDelay`` to 0; the thread
+    passes it to ``poll()`` as its timeout, so it never sleeps. Setting it needs the binding's config,
+    which this does by wrapping the binding's constructor for the one call."""
+    from nixl_cu12 import _api
+
+    pthread = os.environ.get("KVO_NIXL_PTHREAD", "1") == "1"
+    delay_us = int(os.environ.get("KVO_NIXL_DELAY_US", "0"))
+    real = _api.nixlBind.nixlAgent
+
+    def make(agent_name: str, cfg: Any) -> Any:
+        cfg.pthrDelay = delay_us
+        return real(agent_name, cfg)
+
+    _api.nixlBind.nixlAgent = make
+    try:
+        return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=pthread, backends=["UCX"]))
+    finally:
+        _api.nixlBind.nixlAgent = real
+
+
+def _send_blob(conn: socket.socket, blob: bytes) -> None:
+    conn.sendall(struct.pack("!Q", len(blob)) + blob)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_blob(conn: socket.socket) -> bytes:
+    (n,) = struct.unpack("!Q", _recv_exact(conn, 8))
+    return _recv_exact(conn, n)
+
+
+def _nixl_server() -> None:
+    import torch
+
+    agent = nixl_agent("ctx")
+    pool = torch.ones(max(SIZES_MIB) * MiB, dtype=torch.uint8)
+    agent.register_memory(pool)
+    srv = socket.create_server(("0.0.0.0", 0))
+    print(json.dumps({"port": srv.getsockname()[1]}), flush=True)
+    conn, _ = srv.accept()
+    _send_blob(conn, json.dumps({"addr": pool.data_ptr(), "nbytes": pool.nbytes}).encode())
+    _send_blob(conn, agent.get_agent_metadata())
+    agent.add_remote_agent(_recv_blob(conn))  # the client's metadata (a CTX would learn its GEN's)
+    conn.recv(1)  # blocks (no CPU) until the client goes
+
+
+def _nixl_wait(agent: Any, handle: Any, poll: str) -> None:
+    nap = 1e-4 if poll == "sleep" else 0.0
+    deadline = time.monotonic() + 20
+    while (state := agent.check_xfer_state(handle)) == "PROC":
+        if nap:
+            time.sleep(nap)
+        if time.monotonic() > deadline:
+            raise RuntimeError("NIXL READ not done within 20 s")
+    if state != "DONE":
+        raise RuntimeError(f"NIXL transfer ended {state}")
+
+
+def _nixl_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
+    import torch
+
+    poll = os.environ.get("KVO_NIXL_POLL", "spin")
+    op = os.environ.get("KVO_NIXL_OP", "READ")
+    agent = nixl_agent("gen")
+    dst = torch.empty(max(SIZES_MIB) * MiB, dtype=torch.uint8)
+    agent.register_memory(dst)
+    conn = socket.create_connection((host, port))
+    info = json.loads(_recv_blob(conn))
+    peer = agent.add_remote_agent(_recv_blob(conn))
+    _send_blob(conn, agent.get_agent_metadata())
+    out: dict[str, Any] = {}
+    for mib in SIZES_MIB:
+        size = mib * MiB
+        timer = _Timer(size, budget_s)
+        for i in timer:
+            local = agent.get_xfer_descs([(dst.data_ptr(), size, 0)], "DRAM")
+            remote = agent.get_xfer_descs([(info["addr"], size, 0)], "DRAM")
+            handle = agent.initialize_xfer(op, local, remote, peer, f"done-{mib}-{i}".encode())
+            if agent.transfer(handle) == "ERR":
+                raise RuntimeError("NIXL transfer failed to post")
+            _nixl_wait(agent, handle, poll)
+            agent.release_xfer_handle(handle)
+        out[str(mib)] = timer.result()
+    if op == "READ":
+        assert bool((dst == 1).all()), "NIXL READ moved the wrong bytes"
+    print(json.dumps({"phase": "idle"}), flush=True)
+    c0, t0 = _cpu_s(), time.perf_counter()
+    time.sleep(idle_s)
+    out["idle_cpu_pct"] = 100 * (_cpu_s() - c0) / (time.perf_counter() - t0)
+    conn.close()
+    return out
+
+
+async def _nixl_pull_server() -> None:
+    import anyio
+    import structlog
+    import torch
+
+    from transports import KVStore
+    from transports._auth import load_secret
+    from transports.nixl import NIXLConfig, NIXLKVServer
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    layout = _bench_layout()
+    store = KVStore(layout, layout.new_pool(max(SIZES_MIB)).uniform_())
+    for mib in SIZES_MIB:  # pulled with keep (release=False), so they stay
+        store.put(f"r{mib}", torch.arange(mib), num_tokens=mib * layout.block_size, lease_s=3600, handle=_BENCH_HANDLE)
+    async with NIXLKVServer(store, _nixl_config(NIXLConfig, load_secret())) as server:
+        print(json.dumps({"port": server.port}), flush=True)
+        await anyio.sleep_forever()
+
+
+def _nixl_config(cls: Any, secret: bytes | None) -> Any:
+    return cls(secret=secret, progress_thread=os.environ.get("KVO_NIXL_PTHREAD", "1") == "1",
+               progress_delay_us=int(os.environ.get("KVO_NIXL_DELAY_US", "1000")))
+
+
+async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
+    import structlog
+    import torch
+
+    from transports._auth import load_secret
+    from transports.nixl import NIXLConfig, NIXLTransport
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    layout = _bench_layout()
+    peer = f"{host}:{port}"
+    out: dict[str, Any] = {}
+    async with NIXLTransport(_nixl_config(NIXLConfig, load_secret()), layout=layout) as t:
+        arena = torch.empty(layout.wire_shape(max(SIZES_MIB)), dtype=layout.dtype)
+        t.register(arena)  # the GEN registers its memory once
+        await t.connect(peer)
+        for mib in SIZES_MIB:
+            into = arena[:mib]
+            timer = _Timer(into.nbytes, budget_s)
+            for _ in timer:
+                await t.pull(peer, f"r{mib}", layout.full_slice(), into, handle=_BENCH_HANDLE, release=False)
+            out[str(mib)] = timer.result()
+        conn = await t._conn(peer)  # the lookup alone: what the GEN pays to learn the block ids
+        lookups = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            answer = await conn.request({"t": "lookup", "rid": "r1", "handle": _BENCH_HANDLE, "slice": [0, 8, 0, 8],
+                                         "dtype": "float16", "shape": list(layout.wire_shape(1)), "keep": True}, 5.0)
+            lookups.append(time.perf_counter() - t0)
+            conn.send({"t": "unpin", "token": answer["token"]})
+        out["lookup_us"] = statistics.median(lookups) * 1e6
+        out["adhoc_registrations"] = t.statistics().adhoc_registrations
         out["idle_cpu_pct"] = await _idle(idle_s)
     return out
 
@@ -255,19 +500,24 @@ def _worker(argv: list[str]) -> int:
     if role == "server":
         if kind == "sockets":
             _sock_server()
+        elif kind == "nixl-read":
+            _nixl_server()
         else:
             import anyio
 
-            anyio.run(_raw_server if kind == "ucx-raw" else _pull_server, backend="asyncio")
+            fn = {"ucx-raw": _raw_server, "nixl-pull": _nixl_pull_server}.get(kind, _pull_server)
+            anyio.run(fn, backend="asyncio")
         return 0
-    port, budget_s, idle_s = int(argv[2]), float(argv[3]), float(argv[4])
+    host, port, budget_s, idle_s = argv[2], int(argv[3]), float(argv[4]), float(argv[5])
     if kind == "sockets":
-        result = _sock_client(port, budget_s)
+        result = _sock_client(host, port, budget_s, idle_s)
+    elif kind == "nixl-read":
+        result = _nixl_client(host, port, budget_s, idle_s)
     else:
         import anyio
 
-        fn = _raw_client if kind == "ucx-raw" else _pull_client
-        result = anyio.run(fn, port, budget_s, idle_s, backend="asyncio")
+        fn = {"ucx-raw": _raw_client, "nixl-pull": _nixl_pull_client}.get(kind, _pull_client)
+        result = anyio.run(fn, host, port, budget_s, idle_s, backend="asyncio")
     print(json.dumps({"result": result}), flush=True)
     return 0
 
@@ -283,15 +533,53 @@ def _json_lines(proc: subprocess.Popen[str]):
     raise RuntimeError(f"worker exited with {proc.wait()}")
 
 
-def _pair(kind: str, ucx: dict[str, str] | None, budget_s: float, idle_s: float) -> dict[str, Any]:
+@contextlib.contextmanager
+def _v1_tree():
+    """The ``transports`` package of ``V1_COMMIT`` in a temporary directory (None without git history)."""
+    with tempfile.TemporaryDirectory(prefix="kvo-v1-") as tmp:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", V1_COMMIT, "transports"], capture_output=True)
+        if archive.returncode != 0:
+            yield None
+            return
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        yield tmp
+
+
+class Net:
+    """Where a pair runs: loopback, or server in namespace ``a`` and client in ``b``."""
+
+    def __init__(self, ns: Any | None = None) -> None:
+        self.ns = ns
+
+    @property
+    def host(self) -> str:
+        return self.ns.addr_a if self.ns else "127.0.0.1"
+
+    def wrap(self, cmd: list[str], side: str) -> list[str]:
+        if not self.ns:
+            return cmd
+        return ["ip", "netns", "exec", self.ns.a if side == "server" else self.ns.b, *cmd]
+
+    def env(self, env: dict[str, str], side: str) -> dict[str, str]:
+        if self.ns and "UCX_TLS" in env:  # UCX in a namespace: name the veth that reaches the peer
+            env = {**env, "UCX_NET_DEVICES": self.ns._veth_a if side == "server" else self.ns._veth_b}
+        return env
+
+
+def _pair(kind: str, ucx: dict[str, str] | None, budget_s: float, idle_s: float, *, net: Net | None = None,
+          cwd: str | None = None) -> dict[str, Any]:
+    net = net or Net()
     env = _env(ucx)
     cmd = [sys.executable, "-m", "examples.bench_transport", "_worker"]
-    server = subprocess.Popen([*cmd, "server", kind], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    # cwd: python -m puts it first on sys.path, so ucx-pull-v1 runs with the old `transports`
+    server = subprocess.Popen(net.wrap([*cmd, "server", kind], "server"), cwd=cwd or ROOT, env=net.env(env, "server"),
+                              stdout=subprocess.PIPE, text=True)
     client = None
     try:
         port = next(_json_lines(server))["port"]
-        client = subprocess.Popen([*cmd, "client", kind, str(port), str(budget_s), str(idle_s)], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, text=True)
+        client = subprocess.Popen(
+            net.wrap([*cmd, "client", kind, net.host, str(port), str(budget_s), str(idle_s)], "client"),
+            cwd=cwd or ROOT, env=net.env(env, "client"), stdout=subprocess.PIPE, text=True)
         server_idle = None
         for msg in _json_lines(client):
             if msg.get("phase") == "idle":
@@ -324,20 +612,17 @@ def _memcpy(budget_s: float) -> dict[str, Any]:
         for mib in SIZES_MIB:
             src = torch.ones(mib * MiB, dtype=torch.uint8)
             dst = torch.empty_like(src)
-            times = []
-            for i in range(_reps(src.nbytes, budget_s) * 3 + 1):
-                t0 = time.perf_counter()
+            timer = _Timer(src.nbytes, budget_s * 3)
+            for _ in timer:
                 dst.copy_(src)
-                if i:
-                    times.append(time.perf_counter() - t0)
-            out[str(mib)] = _summary(times, src.nbytes)
+            out[str(mib)] = timer.result()
         return out
     finally:
         torch.set_num_threads(threads)
 
 
 def _gather(budget_s: float) -> dict[str, Any]:
-    """The CTX-side ``KVStore.gather`` of a request into wire form, which every pull includes."""
+    """The CTX-side ``KVStore.gather`` of a request into wire form (a pull of scattered blocks)."""
     import torch
 
     from transports import KVStore
@@ -350,33 +635,83 @@ def _gather(budget_s: float) -> dict[str, Any]:
         out = {}
         for mib in SIZES_MIB:
             store.put(f"g{mib}", torch.arange(mib), num_tokens=1, lease_s=3600)
-            times = []
-            for i in range(_reps(mib * MiB, budget_s) + 1):
-                t0 = time.perf_counter()
+            timer = _Timer(mib * MiB, budget_s)
+            for _ in timer:
                 store.gather(f"g{mib}", layout.full_slice())
-                if i:
-                    times.append(time.perf_counter() - t0)
-            out[str(mib)] = _summary(times, mib * MiB)
+            out[str(mib)] = timer.result()
         return out
     finally:
         torch.set_num_threads(threads)
 
 
+def _sockets_for(name: str, results: dict[str, Any]) -> dict[str, Any] | None:
+    return results.get("sockets [netns]" if name.endswith("[netns]") else "sockets")
+
+
+def _raw_for(name: str, results: dict[str, Any]) -> dict[str, Any] | None:
+    mode, _, cfg = name.partition(" ")
+    raw = {"ucx-pull": "ucx-raw", "ucx-pull-v1": "ucx-raw", "nixl-pull": "nixl-read"}.get(mode)
+    return results.get(f"{raw} {cfg}") if raw else None
+
+
 def _table(results: dict[str, dict[str, Any]]) -> str:
-    base = results.get("sockets", {})
-    head = "".join(f"{f'{m} MiB GB/s (x sock)':>24}" for m in SIZES_MIB)
-    lines = [f"{'mode':<28}{head}{'idle CPU % cli/srv':>22}"]
+    head = "".join(f"{f'{m} MiB GB/s (x sock, x raw) CPU':>38}" for m in SIZES_MIB)
+    lines = [f"{'mode':<30}{head}{'idle CPU % cli/srv':>20}",
+             f"{'':<30}" + "".join(f"{'CPU = client µs per transfer':>38}" for _ in SIZES_MIB)]
     for name, res in results.items():
         cells = ""
         for m in SIZES_MIB:
-            g = res[str(m)]["gbps"]
-            ratio = g / base[str(m)]["gbps"] if base else float("nan")
-            cells += f"{f'{g:6.2f} ({ratio:4.2f}x)':>24}"
+            r = res[str(m)]
+            base, raw = _sockets_for(name, results), _raw_for(name, results)
+            xs = f"{r['gbps'] / base[str(m)]['gbps']:4.2f}" if base and base is not res else "  - "
+            xr = f"{r['gbps'] / raw[str(m)]['gbps']:4.2f}" if raw else "  - "
+            cpu = f"{r['cpu_us_per_op']:6.0f}" if "cpu_us_per_op" in r else "     -"
+            cell = f"{r['gbps']:6.2f} ({xs}, {xr}) {cpu}"
+            cells += f"{cell:>38}"
         idle = ""
         if "idle_cpu_pct" in res:
             idle = f"{res['idle_cpu_pct']:5.1f} / {res.get('server_idle_cpu_pct', float('nan')):5.1f}"
-        lines.append(f"{name:<28}{cells}{idle:>22}")
+        lines.append(f"{name:<30}{cells}{idle:>20}")
     return "\n".join(lines)
+
+
+def targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 10's targets, each with the measured value (ratios from this one run)."""
+    checks: list[dict[str, Any]] = []
+
+    def check(what: str, value: float, op: str, bound: float) -> None:
+        ok = value >= bound if op == ">=" else value <= bound
+        checks.append({"target": what, "value": round(value, 3), "op": op, "bound": bound, "ok": ok})
+
+    for name, res in results.items():
+        mode, _, cfg = name.partition(" ")
+        if mode not in ("ucx-pull", "nixl-pull"):
+            continue
+        raw, base = _raw_for(name, results), _sockets_for(name, results)
+        for m in SIZES_MIB:
+            g = res[str(m)]["gbps"]
+            if raw:
+                check(f"{name} / raw at {m} MiB", g / raw[str(m)]["gbps"], ">=", 0.8)
+            if base and cfg == "[shm]" and m >= 1:
+                check(f"{name} / sockets at {m} MiB (one host)", g / base[str(m)]["gbps"], ">=", 1.5)
+            if base and cfg == "[netns]" and m >= 8:
+                check(f"{name} / sockets [netns] at {m} MiB", g / base[str(m)]["gbps"], ">=", 1.0)
+        old = results.get(f"ucx-pull-v1 {cfg}")
+        if old and "cpu_us_per_op" in res["1"]:
+            check(f"{name} GEN CPU per 1 MiB pull / ucx-pull-v1's", res["1"]["cpu_us_per_op"] / old["1"]["cpu_us_per_op"],
+                  "<=", 0.5)
+        for side, key in (("GEN", "idle_cpu_pct"), ("CTX", "server_idle_cpu_pct")):
+            if key in res:
+                check(f"{name} idle {side} CPU %", res[key], "<=", 5.0)
+    return checks
+
+
+def _nixl_available() -> str | None:
+    try:
+        import nixl_cu12._api  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken bundled library
+        return f"nixl_cu12 cannot be imported: {exc}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,30 +721,79 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench transport", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH", help="write the raw results here")
     p.add_argument("--budget", type=float, default=0.4, help="seconds of transfers per size and mode (approx.)")
-    p.add_argument("--idle", type=float, default=2.0, help="seconds of idle CPU measurement per UCX client")
-    p.add_argument("--configs", default="tcp,shm", help=f"UCX configs, of {sorted(CONFIGS) + sorted(VARIANTS)}")
-    p.add_argument("--modes", default="sockets,ucx-raw,ucx-pull,memcpy,gather")
-    p.add_argument("--variants", action="store_true", help="also run the configs the defaults were chosen against")
+    p.add_argument("--idle", type=float, default=2.0, help="seconds of idle CPU measurement per client")
+    p.add_argument("--configs", default="shm,tcp,netns",
+                   help=f"network configs, of {sorted(CONFIGS) + sorted(VARIANTS) + sorted(NIXL_VARIANTS)} "
+                        "(netns is skipped without root)")
+    p.add_argument("--modes", default="sockets,ucx-raw,ucx-pull,ucx-pull-v1,nixl-read,nixl-pull,memcpy,gather")
+    p.add_argument("--variants", action="store_true", help="also run the UCX configs the defaults were chosen against")
+    p.add_argument("--nixl-variants", action="store_true", help="also run nixl-read under the NIXL knobs probed")
+    p.add_argument("--quick", action="store_true", help="tiny budget and idle time (a smoke test)")
     args = p.parse_args(argv)
-    configs = {**CONFIGS, **VARIANTS}
-    names = args.configs.split(",") + (sorted(VARIANTS) if args.variants else [])
+    if args.quick:
+        args.budget, args.idle = 0.02, 0.5
+    configs = {**CONFIGS, **VARIANTS, **NIXL_VARIANTS}
+    names = [n for n in args.configs.split(",") if n] + (sorted(VARIANTS) if args.variants else [])
     modes = args.modes.split(",")
-    results: dict[str, dict[str, Any]] = {}
-    if "sockets" in modes:
-        results["sockets"] = _pair("sockets", None, args.budget, args.idle)
-    for kind in ("ucx-raw", "ucx-pull"):
-        if kind in modes:
-            for cfg in names:
-                results[f"{kind} [{cfg}]"] = _pair(kind, configs[cfg], args.budget, args.idle)
-                print(f"done: {kind} [{cfg}]", file=sys.stderr, flush=True)
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        netns = None
+        if "netns" in names:
+            from examples.two_node.launch import Netns
+
+            why = Netns.unavailable()
+            if why:
+                names.remove("netns")
+                notes.append(f"netns skipped: {why}")
+            else:
+                netns = stack.enter_context(Netns())
+        if (why := _nixl_available()):
+            for kind in ("nixl-read", "nixl-pull"):
+                if kind in modes:
+                    modes.remove(kind)
+                    notes.append(f"{kind} skipped: {why}")
+        v1 = stack.enter_context(_v1_tree()) if "ucx-pull-v1" in modes else None
+        if "ucx-pull-v1" in modes and v1 is None:
+            modes.remove("ucx-pull-v1")
+            notes.append(f"ucx-pull-v1 skipped: no git history with {V1_COMMIT}")
+        results: dict[str, dict[str, Any]] = {}
+
+        def run(label: str, kind: str, cfg: dict[str, str] | None, **kw: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                results[label] = _pair(kind, cfg, args.budget, args.idle, **kw)
+            except Exception as exc:  # one broken path must not lose the others' figures
+                notes.append(f"{label} failed: {exc}")
+            print(f"done: {label} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+
+        if "sockets" in modes:
+            run("sockets", "sockets", None)
+            if netns:
+                run("sockets [netns]", "sockets", None, net=Net(netns))
+        for kind in PAIR_MODES[1:]:
+            if kind not in modes:
+                continue
+            for cfg in names + (sorted(NIXL_VARIANTS) if kind == "nixl-read" and args.nixl_variants else []):
+                if cfg in NIXL_VARIANTS and kind != "nixl-read":
+                    continue
+                net = Net(netns) if cfg == "netns" else None
+                run(f"{kind} [{cfg}]", kind, configs[cfg], net=net, cwd=v1 if kind == "ucx-pull-v1" else None)
     if "memcpy" in modes:
         results["memcpy (1 thread)"] = _memcpy(args.budget)
     if "gather" in modes:
         results["ctx gather (1 thread)"] = _gather(args.budget)
     print(_table(results))
+    checks = targets(results)
+    for c in checks:
+        print(f"{'ok  ' if c['ok'] else 'MISS'} {c['target']}: {c['value']} (target {c['op']} {c['bound']})")
+    for note in notes:
+        print(f"note: {note}")
     if args.json:
-        meta = {"cpus": os.cpu_count(), "configs": {n: configs[n] for n in names}, "sizes_mib": SIZES_MIB}
-        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        meta = {"cpus": os.cpu_count(), "configs": {n: configs[n] for n in names}, "sizes_mib": SIZES_MIB,
+                "nixl": NIXL_DEFAULTS, "v1_commit": V1_COMMIT, "budget_s": args.budget, "notes": notes,
+                "loadavg": os.getloadavg()}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "targets": checks}, indent=2))
     return 0
 
 

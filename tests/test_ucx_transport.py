@@ -278,24 +278,29 @@ async def test_release(peer: Peer, transport: UCXTransport) -> None:
 
 
 @pytest.mark.anyio
-async def test_duplicate_concurrent_pull_and_cancel(slow_peer: Peer, transport: UCXTransport) -> None:
-    a, b = empty(), empty()
+async def test_concurrent_pulls_of_one_request_and_cancel(slow_peer: Peer, transport: UCXTransport) -> None:
     results: dict[str, object] = {}
 
-    async def pull(name: str, into: torch.Tensor) -> None:
+    async def pull(name: str, into: torch.Tensor, kv_slice: KVSlice) -> None:
         try:
-            results[name] = await transport.pull(slow_peer.address, "req-0", LAYOUT.full_slice(), into)
+            results[name] = await transport.pull(slow_peer.address, "req-0", kv_slice, into, release=False)
         except TransportError as exc:
             results[name] = exc
 
     with anyio.fail_after(20):
+        # two pulls of one request at once (as tensor-parallel GEN ranks pull their head slices):
+        # both are served, from pinned blocks; the entry stays until it is released
+        halves = KVSlice(0, LAYOUT.num_layers, 0, 2), KVSlice(0, LAYOUT.num_layers, 2, 4)
+        a, b = empty(halves[0]), empty(halves[1])
         await transport.connect(slow_peer.address)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(pull, "a", a)
+            tg.start_soon(pull, "a", a, halves[0])
             await anyio.sleep(0.2)
-            tg.start_soon(pull, "b", b)
-        assert results["a"] == a.nbytes and torch.equal(a, expected(0))
-        assert isinstance(results["b"], TransportError) and "BUSY" in str(results["b"])
+            tg.start_soon(pull, "b", b, halves[1])
+        assert results["a"] == a.nbytes and torch.equal(a, expected(0, halves[0]))
+        assert results["b"] == b.nbytes and torch.equal(b, expected(0, halves[1]))
+        assert "req-0" in (await slow_peer.astats())["held"]
+        await transport.release(slow_peer.address, "req-0")
 
         # cancel a pull while the server prepares it: the pull returns at once, but the receive it
         # posted cannot be withdrawn, so its landing stays busy until the KV has landed (the CTX

@@ -108,7 +108,6 @@ class UCXKVServer:
         self._lease_s = lease_s
         self._listener: Any = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._busy: set[str] = set()
         self._eps: set[Any] = set()
         self._handshaking = 0
         self._served = self._refused = self._bytes = self._auth_failures = self._malformed = 0
@@ -325,18 +324,14 @@ class UCXKVServer:
         await self._send_quietly(ep, _EMPTY, 2 * txid + 1)
 
     async def _serve_pull(self, ep: Any, peer: str | None, msg: wire.Pull, in_flight: set[int]) -> None:
-        rid = msg.request_id
+        """Serve one PULL. Pulls of the same request may run at once (tensor-parallel GEN ranks each
+        pull their head slice of it): the checkout pins the blocks, so a release by one of them (or
+        the lease) frees nothing under another's send; a pull that comes after the release is an
+        unknown request."""
         try:
-            if rid in self._busy:
-                await self._refuse(ep, msg.txid, rid, wire.Status.BUSY, "a pull of this request is already in flight")
-                return
-            self._busy.add(rid)
-            try:
-                await self._serve_pull_locked(ep, msg)
-            finally:
-                self._busy.discard(rid)
+            await self._serve_pull_locked(ep, msg)
         except Exception as exc:  # ucxx: the endpoint broke mid-pull; the reader sees it too
-            log.info("kv_pull_failed", peer=peer, request_id=rid, reason=f"{type(exc).__name__}: {exc}")
+            log.info("kv_pull_failed", peer=peer, request_id=msg.request_id, reason=f"{type(exc).__name__}: {exc}")
             try:
                 ep.abort(period=10**8)
             except Exception:

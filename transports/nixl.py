@@ -26,8 +26,9 @@ polls (20 µs naps doubling to 1 ms; asyncio cannot sleep less than 1 ms) only w
 in flight; the NIXL progress thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API
 would make it spin a core).
 
-Over TCP-only UCX a NIXL READ is emulated in software by UCX and is 10-30x slower than the ucxx
-tag path (docs/transport.md): use ``UCXTransport`` there.
+Over TCP-only UCX a NIXL READ is emulated in software by UCX (the CTX's progress thread answers
+every fragment) and is 1.4-3.3x slower than the ucxx tag path on a quiet machine, 10x under load
+(docs/transport.md): use ``UCXTransport`` there.
 """
 
 from __future__ import annotations
@@ -128,6 +129,21 @@ def mem_type(t: torch.Tensor) -> tuple[str, int]:
 def segments(layout: KVLayout, block_ids: Sequence[int], kv_slice: KVSlice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Byte offsets (remote in the pool, local in the wire-form ``into``) and lengths of a slice of
     ``block_ids``, adjacent pieces merged: one piece per contiguous run of blocks for a full slice."""
+    if kv_slice == layout.full_slice():  # whole blocks: one piece per run of consecutive ids, no numpy
+        bb = layout.block_bytes
+        r: list[int] = []
+        lo: list[int] = []
+        ln: list[int] = []
+        prev = -2
+        for i, b in enumerate(int(x) for x in block_ids):
+            if b == prev + 1:
+                ln[-1] += bb
+            else:
+                r.append(b * bb)
+                lo.append(i * bb)
+                ln.append(bb)
+            prev = b
+        return np.array(r, dtype=np.int64), np.array(lo, dtype=np.int64), np.array(ln, dtype=np.int64)
     e = layout.element_size
     heads, tokens = layout.num_kv_heads, layout.block_size * layout.head_dim
     block_bytes = layout.block_bytes
@@ -255,6 +271,7 @@ class NIXLTransport:
         self.agent = make_agent(f"kvo-gen-{secrets.token_hex(6)}", config)
         self._regions: list[tuple[int, int, str, Any]] = []  # (start, end, mem, reg descs)
         self._conns: dict[str, _Conn] = {}
+        self._agents: dict[str, str] = {}  # peer -> the NIXL name of its agent
         self._connecting: dict[str, asyncio.Future[_Conn]] = {}
         self._background: set[asyncio.Future[Any]] = set()
         self._ok = self._failed = self._bytes = self._adhoc = 0
@@ -308,6 +325,12 @@ class NIXLTransport:
                 info = await self._handshake(peer, reader, writer)
             self._check_layout(peer, info)
             meta = base64.b64decode(info["meta"])
+            old = self._agents.pop(peer, None)
+            if old is not None:  # a reconnect: forget what NIXL knew of the peer's previous agent
+                try:
+                    self.agent.remove_remote_agent(old)
+                except Exception:
+                    pass
             name = self.agent.add_remote_agent(meta)
             name = name.decode() if isinstance(name, bytes) else name
         except TimeoutError:
@@ -322,6 +345,7 @@ class NIXLTransport:
         except BaseException:
             writer.close()
             raise
+        self._agents[peer] = name
         conn = _Conn(peer, reader, writer, info, name)
         conn.reader_task = asyncio.ensure_future(conn.read_loop())
         log.info("nixl_connected", peer=peer, agent=name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 import structlog
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv  # a GEN with --tp starts its other ranks with the same flags
     _tame_malloc()
+    # SIGTERM unwinds like an exception, so that a node cleans up on the way out: a GEN rank 0
+    # reaps its other ranks (which get the signal too), every node closes its UCX endpoints
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     common.node_secret(args)  # a missing or bad secret: one line on stderr, before anything starts
     _configure_logging(args.log_level)
     return {"ctx": ctx.main, "gen": gen.main}[args.role](args)
