@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = structlog.get_logger("examples.metrics")
@@ -40,6 +40,14 @@ class _Families:
 
     def counter(self, name: str, doc: str, value: float, **extra: str) -> None:
         self._add(CounterMetricFamily, name, doc, value, extra)
+
+    def histogram(self, name: str, doc: str, snapshot: dict[str, Any]) -> None:
+        """A histogram from ``orchestrator._engine.Histogram.snapshot()`` (cumulative counts)."""
+        family = self.out.get(name)
+        if family is None:
+            family = self.out[name] = HistogramMetricFamily(name, doc, labels=self.names)
+        bounds = [*(repr(float(b)) for b in snapshot["bounds"]), "+Inf"]
+        family.add_metric(self.values, list(zip(bounds, snapshot["counts"])), snapshot["sum"])
 
     def _add(self, kind: type, name: str, doc: str, value: float, extra: dict[str, str]) -> None:
         family = self.out.get(name)
@@ -73,6 +81,10 @@ def gen_families(stats: Stats, fam: _Families) -> None:
         fam.gauge("kvo_gen_kv_quarantined_blocks", "KV blocks of failed receives UCX may still write into",
                   e["quarantined_blocks"])
     fam.gauge("kvo_gen_staging_peak_bytes", "peak bytes of staging (bounce) buffers", e["peak_staging_bytes"])
+    if "receive_seconds" in e:
+        fam.histogram("kvo_gen_kv_transfer_duration_seconds", "successful KV receives: from the receive's start "
+                      "(after admission) to the KV in place", e["receive_seconds"])
+        fam.histogram("kvo_gen_kv_transfer_bytes", "successful KV receives: bytes moved", e["receive_bytes"])
     pool = e["pool"]
     fam.gauge("kvo_gen_kv_used_blocks", "GEN KV blocks in use", pool["used_blocks"])
     fam.gauge("kvo_gen_kv_capacity_blocks", "GEN KV blocks in the pool", pool["num_blocks"])

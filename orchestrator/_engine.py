@@ -29,7 +29,9 @@ on an event loop (``await engine.serve()``, or ``EngineThreads`` for a ready-mad
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import queue
 import threading
 import time
@@ -92,6 +94,30 @@ class StepReport:
     model_s: float
 
 
+class Histogram:
+    """Cumulative counts of values in fixed buckets (Prometheus style: ``counts[i]`` are the values
+    ``<= bounds[i]``, the last one every value); O(log buckets) per value, on one thread."""
+
+    __slots__ = ("bounds", "_counts", "sum")
+
+    def __init__(self, bounds: Seq[float]) -> None:
+        self.bounds = tuple(bounds)
+        self._counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> dict[str, object]:
+        """{"bounds": [...], "counts": cumulative per bound then +Inf, "sum": float}."""
+        return {"bounds": list(self.bounds), "counts": list(itertools.accumulate(self._counts)), "sum": self.sum}
+
+
+RECEIVE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RECEIVE_BYTES_BUCKETS = tuple(float(1 << k) for k in range(12, 33, 2))  # 4 KiB .. 4 GiB
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStatistics:
     waiting: int
@@ -108,6 +134,10 @@ class EngineStatistics:
     inline_fallbacks: int
     quarantined_blocks: int
     """KV blocks of ended requests that a late receive may still write; freed when it ends."""
+    receive_seconds: dict[str, object]
+    """Histogram (``Histogram.snapshot``) of how long this rank's successful receives took."""
+    receive_bytes: dict[str, object]
+    """Histogram of the bytes each successful receive moved."""
     health: str | None
     budget: BudgetStatistics
     pool: PoolStatistics
@@ -151,6 +181,8 @@ class GenEngine:
         self._unhealthy: str | None = None
         self._quarantine: list[tuple[object, torch.Tensor]] = []  # (Landing, block ids)
         self._quarantined_blocks = 0
+        self._receive_seconds = Histogram(RECEIVE_SECONDS_BUCKETS)
+        self._receive_bytes = Histogram(RECEIVE_BYTES_BUCKETS)
         self._next_hold = clock() + config.kv_hold_interval_s
         self.receiver = (
             ReceiveGroup(
@@ -299,6 +331,7 @@ class GenEngine:
             if seq is None:  # cannot happen: one result per job, one job per receiving request
                 log.error("result_for_unknown_request", request_id=result.request_id)
                 continue
+            self._observe(result)
             quarantine = result.landing if result.landing is not None and result.landing.busy else None
             if seq.abort_failure is not None:
                 self._end(seq, RequestState.FAILED, *seq.abort_failure, quarantine=quarantine)
@@ -311,6 +344,11 @@ class GenEngine:
             else:
                 state = RequestState.ABORTED if result.failure is FailureReason.ABORTED else RequestState.FAILED
                 self._end(seq, state, result.failure, result.message, quarantine=quarantine)
+
+    def _observe(self, result: ReceiveResult) -> None:
+        if result.ok:
+            self._receive_seconds.observe(result.elapsed_s)
+            self._receive_bytes.observe(float(result.bytes_moved))
 
     def _start_receive(self, admission: Admission) -> float:
         """Start one admitted request's receive; returns the time this thread spent blocked."""
@@ -530,6 +568,8 @@ class GenEngine:
             peak_staging_bytes=self.receiver.peak_staging_bytes if self.receiver else 0,
             inline_fallbacks=self._inline_fallbacks,
             quarantined_blocks=self._quarantined_blocks,
+            receive_seconds=self._receive_seconds.snapshot(),
+            receive_bytes=self._receive_bytes.snapshot(),
             health=self.health(),
             budget=self.budget.statistics(),
             pool=self.pool.statistics(),

@@ -213,6 +213,7 @@ class TPGenEngine(GenEngine):
                 (msg.aborts.append if isinstance(item, str) else msg.arrivals.append)(item)  # type: ignore[arg-type]
         for result in self._drain_local_results():
             self._local_done.add(result.request_id)
+            self._observe(result)
             msg.outcomes.append((result.request_id, result.failure.value if result.failure else None, result.message))
             if result.landing is not None and result.landing.busy:
                 self._unquiet[result.request_id] = result.landing

@@ -116,6 +116,11 @@ def value(m: dict, name: str, **labels: str) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def front_gen_pulls(front: Any) -> bool:
+    """Whether the front's GEN receives KV (not the ``ideal`` mode)."""
+    return node_stats(front, "gen")["mode"] != "ideal"
+
+
 def ref_text(ids: list[int]) -> str:
     return TOK.decode(ids)
 
@@ -265,6 +270,10 @@ def test_metrics_move_with_requests(front: Any, client: openai.OpenAI) -> None:
     assert value(after, "kvo_ctx_prefills_total", node=ctx) > value(before, "kvo_ctx_prefills_total", node=ctx)
     assert value(after, "kvo_gen_transfer_budget_capacity_bytes", node=gen) > 0
     assert ("kvo_gen_exec_blocked_seconds", (("node", gen), ("quantile", "0.99"))) in after
+    if front_gen_pulls(front):  # the transfer histograms move with every receive
+        for h in ("kvo_gen_kv_transfer_duration_seconds_count", "kvo_gen_kv_transfer_bytes_count"):
+            assert value(after, h, node=gen) == value(before, h, node=gen) + 1
+        assert value(after, "kvo_gen_kv_transfer_bytes_sum", node=gen) > value(before, "kvo_gen_kv_transfer_bytes_sum", node=gen)
     # each node's own endpoint: the same series, without the node label
     for node in front["started"]:
         own = metrics(f"http://127.0.0.1:{node['metrics']}/metrics")

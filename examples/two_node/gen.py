@@ -240,6 +240,7 @@ class GenNode:
                 "transfer_budget_bytes": self.config.transfer_budget_bytes,
                 "inline_fallbacks": s.inline_fallbacks,
                 "receives_in_flight": s.receives_in_flight, "quarantined_blocks": s.quarantined_blocks,
+                "receive_seconds": s.receive_seconds, "receive_bytes": s.receive_bytes,
                 "budget": dataclasses.asdict(s.budget),
                 "pool": dataclasses.asdict(s.pool),
             },
