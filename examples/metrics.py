@@ -95,6 +95,17 @@ def gen_families(stats: Stats, fam: _Families) -> None:
         for q, key in QUANTILES:
             fam.gauge(f"kvo_gen_exec_{label}_seconds", f"execution thread, {label} time per iteration: quantile over "
                       "the recent iterations", loop[field][key] / 1e3, quantile=q)
+    tp = stats.get("tp") or {}
+    if tp.get("world_size", 1) > 1:  # a tensor-parallel GEN: rank 0 answers for the group
+        fam.gauge("kvo_gen_tp_ranks", "ranks of this tensor-parallel GEN group (every rank holds the same requests "
+                  "in the same states: rank consistency)", tp["world_size"])
+        for rank, rloop in sorted((tp.get("rank_loop") or {}).items()):
+            for field, label in (("orchestration_ms", "orchestration"), ("blocked_ms", "blocked"),
+                                 ("stalled_ms", "stalled"), ("model_ms", "model")):
+                for q, key in QUANTILES:
+                    fam.gauge(f"kvo_gen_rank_exec_{label}_seconds", f"execution thread of each rank, {label} time "
+                              "per iteration: quantile over its recent iterations (reported to rank 0 every second)",
+                              rloop[field][key] / 1e3, rank=str(rank), quantile=q)
 
 
 def ctx_families(stats: Stats, fam: _Families) -> None:
