@@ -112,7 +112,7 @@ def test_raise_nofile_reaches_the_hard_limit() -> None:
 
 @pytest.mark.integration
 def test_small_soak_no_failures_no_leaks_rss_sampled(tmp_path: Path) -> None:
-    cfg = soak.SoakConfig(requests=300, concurrency=128, isl=64, osl=8, sample_s=0.25, max_tokens_in_buffer=256,
+    cfg = soak.SoakConfig(requests=300, concurrency=128, isl=64, osl=8, sample_s=0.1, max_tokens_in_buffer=256,
                           progress=False, log_dir=tmp_path)
     report = soak.run_soak(cfg)
     assert report["requests"] == 300
@@ -131,10 +131,11 @@ def test_small_soak_no_failures_no_leaks_rss_sampled(tmp_path: Path) -> None:
         assert len(series) >= 5, f"{name}: {len(series)} RSS samples"
         assert all(s["rss_mib"] > 50 for s in series)  # a Python + torch process, not a wrapper
         assert report["rss"][name]["samples"] == len(series)
-        # the bytes/request fit is computed from the second half (>= 100 requests, >= 3 samples); its value
-        # on 300 requests is warm-up (2-20 KB/request measured), so only a loose sanity bound is asserted
+        # the bytes/request fit is computed from the second half (samples spanning >= 50 of its 150
+        # requests, >= 3 samples); its value on 300 requests is warm-up (2-20 KB/request measured), so
+        # only a loose sanity bound is asserted
         fig = report["rss"][name]
-        assert fig["fit_requests"] >= 100 and fig["fit_samples"] >= 3, fig
+        assert fig["fit_requests"] >= 50 and fig["fit_samples"] >= 3, fig
         assert np.isfinite(fig["bytes_per_request"]) and np.isfinite(fig["bytes_per_request_se"])
         assert abs(fig["bytes_per_request"]) < 1 << 20, fig["bytes_per_request"]
         assert fig["max_bytes_per_request"] == cfg.max_bytes_per_request
