@@ -24,14 +24,20 @@ def test_front_starts_a_tensor_parallel_gen(tmp_path: Path) -> None:
         body = {"model": "tiny", "prompt": "two ranks", "max_tokens": 10, "ignore_eos": True, "return_token_ids": True}
         r = httpx.post(info["url"] + "/v1/completions", json=body, timeout=60)
         assert r.json()["choices"][0]["token_ids"] == model.generate_reference(TOK.encode("two ranks"), 10)
-        time.sleep(1.5)  # the other rank reports its loop statistics every second; the front polls stats
-        text = httpx.get(info["url"] + "/metrics", timeout=10).text
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for fam in text_string_to_metric_families(text) for s in fam.samples}
         gen = info["gen"][0]
+        wanted = [("kvo_gen_rank_exec_blocked_seconds", (("node", gen), ("quantile", "0.99"), ("rank", rank)))
+                  for rank in ("0", "1")]  # each rank's execution-thread figures
+        deadline = time.monotonic() + 20  # rank 1 reports every second, through rank 0's next step (an idle
+        while True:                        # group steps once a second); the front polls the stats
+            text = httpx.get(info["url"] + "/metrics", timeout=10).text
+            samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                       for fam in text_string_to_metric_families(text) for s in fam.samples}
+            if all(w in samples for w in wanted) or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
         assert samples[("kvo_gen_tp_ranks", (("node", gen),))] == 2
-        for rank in ("0", "1"):  # each rank's execution-thread figures
-            assert ("kvo_gen_rank_exec_blocked_seconds", (("node", gen), ("quantile", "0.99"), ("rank", rank))) in samples
+        for w in wanted:
+            assert w in samples, w
 
 
 TWO_OF_EACH = """
