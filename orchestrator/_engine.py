@@ -144,6 +144,9 @@ class EngineStatistics:
 
 
 class GenEngine:
+    _pull_releases = True
+    """The last chunk of a pull lets the CTX free its copy (a tensor-parallel rank leaves that to rank 0)."""
+
     def __init__(
         self,
         config: OrchestratorConfig,
@@ -369,7 +372,8 @@ class GenEngine:
         handle = seq.request.kv_handle
         if mode is Mode.ORCHESTRATED:
             self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, admission.grant,
-                                            handle=handle, head_offset=self.config.kv_head_offset))
+                                            handle=handle, head_offset=self.config.kv_head_offset,
+                                            release=self._pull_releases))
             return 0.0
         # INLINE: the original path, on this thread, kept as the benchmark's baseline.
         t0 = self._clock()

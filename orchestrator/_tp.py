@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence as Seq
@@ -98,6 +97,8 @@ class TPGenEngine(GenEngine):
     Only rank 0 takes ``submit``/``abort`` and emits outputs; every rank steps. ``on_note(rank,
     request_id, payload)`` (rank 0) receives what other ranks attach with ``note()``.
     """
+
+    _pull_releases = False  # every rank pulls its slice of one copy; rank 0 tells the CTX once
 
     def __init__(self, *args: Any, sync: StepSync, on_note: Callable[[int, str, Any], None] | None = None,
                  **kwargs: Any) -> None:
@@ -353,7 +354,7 @@ class TPGenEngine(GenEngine):
         holding = len(self._receiving) + len(self._ready) + len(self._ending)
         sched = self.scheduler.schedule(active=holding, limit=self.config.prefetch_seqs)
         for admission in sched.admitted:
-            self._start_tp_receive(admission)
+            self._start_receive(admission)
         self._fill_slots()
         t1 = self._clock()
         stalled = max(0.0, (t1 - t0) - (time.thread_time() - c0))
@@ -362,21 +363,15 @@ class TPGenEngine(GenEngine):
             self._decode()
         return StepReport(batch_size, len(sched.admitted), sched.deferred, t1 - t0, 0.0, stalled, self._clock() - t1)
 
-    def _start_tp_receive(self, admission: Any) -> None:
-        from ._receiver import ReceiveJob, plan_chunks
-
+    def _start_receive(self, admission: Any) -> float:
+        """As ``GenEngine``'s orchestrated receive, but the grant stays with the engine (released at
+        the agreed step, not by the receive task) and the pull leaves the CTX's copy to rank 0."""
         seq = admission.seq
         self._admission_log.append(seq.request_id)
         self._admitted = (self._admitted[0] + 1, zlib.crc32(seq.request_id.encode(), self._admitted[1]))
         if admission.grant is not None:
-            self._grants[seq.request_id] = admission.grant  # released at the agreed step, not by the task
-        assert self.receiver is not None and seq.block_ids is not None and seq.request.peer is not None
-        kv_slice = self.config.kv_slice
-        chunks = plan_chunks(self.layout, seq.num_prompt_blocks, kv_slice, self.budget.capacity)
-        self._receiving[seq.request_id] = seq
-        self.receiver.submit(ReceiveJob(
-            seq.request_id, seq.request.peer, seq.block_ids[: seq.num_prompt_blocks], chunks, None,
-            handle=seq.request.kv_handle, head_offset=self.config.kv_head_offset, release=False))
+            self._grants[seq.request_id] = admission.grant
+        return super()._start_receive(dataclasses.replace(admission, grant=None))
 
     def _emit(self, output: RequestOutput) -> None:
         if self.rank == 0:
@@ -406,7 +401,6 @@ class LocalGroup:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._lock = threading.Lock()
 
     def sync(self, rank: int) -> StepSync:
         return self._Sync(rank, self.world_size)

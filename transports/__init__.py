@@ -26,6 +26,7 @@ from ._layout import scatter as scatter
 from ._layout import whole_run_view as whole_run_view
 from ._protocol import Landing as Landing
 from ._protocol import Transport as Transport
+from ._protocol import parse_peer as parse_peer
 from ._store import Checkout as Checkout
 from ._store import KVStore as KVStore
 from ._store import KVStoreStatistics as KVStoreStatistics
@@ -54,6 +55,7 @@ __all__ = [
     "dtype_name",
     "gather",
     "new_handle",
+    "parse_peer",
     "scatter",
     "whole_run_view",
 ]

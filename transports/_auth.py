@@ -49,6 +49,15 @@ def load_secret(env: str | None = SECRET_ENV, path: str | os.PathLike[str] | Non
     return raw
 
 
+def check_config_secret(what: str, secret: bytes | None, allow_insecure: bool) -> None:
+    """A transport config needs a secret of at least ``MIN_SECRET_BYTES``, or ``allow_insecure``."""
+    if secret is None and not allow_insecure:
+        raise ValueError(f"{what} needs a shared secret (transports._auth.load_secret(), env {SECRET_ENV}) "
+                         "or allow_insecure=True")
+    if secret is not None and len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"shared secret must be at least {MIN_SECRET_BYTES} bytes")
+
+
 def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 

@@ -27,6 +27,14 @@ import torch
 from ._layout import KVSlice
 
 
+def parse_peer(peer: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``host:port`` address (IPv6 hosts may be bracketed); ``ValueError`` otherwise."""
+    host, sep, port = peer.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected an address 'host:port', got {peer!r}")
+    return host.strip("[]"), int(port)
+
+
 class Landing:
     """Whether a transport may still write into a pull's destination.
 

@@ -63,7 +63,7 @@ from ._errors import (
 )
 from ._ids import InvalidRequestId, check_handle, check_request_id
 from ._layout import KVLayout, KVSlice, dtype_name
-from ._protocol import Landing
+from ._protocol import Landing, parse_peer
 
 try:
     from nixl_cu12 import _api as _nixl_api
@@ -91,10 +91,7 @@ class NIXLConfig:
     ucx_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.secret is None and not self.allow_insecure:
-            raise ValueError("NIXLConfig needs a shared secret (or allow_insecure=True)")
-        if self.secret is not None and len(self.secret) < _auth.MIN_SECRET_BYTES:
-            raise ValueError(f"the shared secret must be at least {_auth.MIN_SECRET_BYTES} bytes")
+        _auth.check_config_secret("NIXLConfig", self.secret, self.allow_insecure)
 
 
 def make_agent(name: str, config: NIXLConfig) -> Any:
@@ -187,13 +184,6 @@ def write_msg(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
 def layout_info(layout: KVLayout) -> dict[str, Any]:
     return {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
             "block_size": layout.block_size, "dtype": dtype_name(layout.dtype)}
-
-
-def parse_peer(peer: str) -> tuple[str, int]:
-    host, sep, port = peer.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad peer address {peer!r} (want host:port)")
-    return host.strip("[]"), int(port)
 
 
 # -- GEN side ---------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from ._errors import (
 )
 from ._ids import InvalidRequestId, check_handle, check_request_id
 from ._layout import KVLayout, KVSlice, dtype_name
-from ._protocol import Landing
+from ._protocol import Landing, parse_peer
 
 log = structlog.get_logger("transports.ucx")
 
@@ -140,24 +140,11 @@ class UCXConfig:
     ucx_env: tuple[tuple[str, str], ...] = ()  # extra UCX defaults, e.g. (("UCX_TLS", "tcp"),)
 
     def __post_init__(self) -> None:
-        if self.secret is None and not self.allow_insecure:
-            raise ValueError(
-                "UCXConfig needs a shared secret (transports._auth.load_secret(), env KVO_SHARED_SECRET) "
-                "or allow_insecure=True"
-            )
-        if self.secret is not None and len(self.secret) < _auth.MIN_SECRET_BYTES:
-            raise ValueError(f"shared secret must be at least {_auth.MIN_SECRET_BYTES} bytes")
+        _auth.check_config_secret("UCXConfig", self.secret, self.allow_insecure)
 
     def _warn_if_insecure(self, role: str) -> None:
         if self.secret is None:
             log.warning("ucx_auth_disabled", role=role, reason="allow_insecure=True and no secret")
-
-
-def parse_peer(peer: str) -> tuple[str, int]:
-    host, sep, port = peer.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"peer must be 'host:port', got {peer!r}")
-    return host.strip("[]"), int(port)
 
 
 def _ucx_buffer(t: torch.Tensor) -> Any:

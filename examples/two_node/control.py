@@ -67,7 +67,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from transports import InvalidRequestId, check_handle, check_request_id
+from transports import InvalidRequestId, check_handle, check_request_id, parse_peer
 from transports._auth import SECRET_ENV, new_nonce, verify
 from transports.wire import MAC_BYTES, NONCE_BYTES
 
@@ -92,10 +92,8 @@ class AuthError(ControlError):
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad address {addr!r}: expected HOST:PORT")
-    return host.strip("[]"), int(port)
+    """``(host, port)`` of a control address (the same rule as the data plane's peers)."""
+    return parse_peer(addr)
 
 
 def max_line_for(max_ids: int, max_value: int) -> int:
