@@ -34,6 +34,7 @@ from ._receiver import plan_chunks as plan_chunks
 from ._requests import DeferReason as DeferReason
 from ._requests import FailureReason as FailureReason
 from ._requests import GenRequest as GenRequest
+from ._requests import KVSource as KVSource
 from ._requests import ReceiveResult as ReceiveResult
 from ._requests import RequestOutput as RequestOutput
 from ._requests import RequestState as RequestState
@@ -46,7 +47,7 @@ from ._tp import TPGenEngine as TPGenEngine
 
 __all__ = [
     "BudgetStatistics", "DecodeBatch", "DecodeLoop", "DeferReason", "EngineStatistics", "EngineThreads",
-    "FailureReason", "GenEngine", "GenRequest", "Grant", "InvalidRequest", "KVBlockPool", "KVExhausted",
+    "FailureReason", "GenEngine", "GenRequest", "Grant", "InvalidRequest", "KVBlockPool", "KVExhausted", "KVSource",
     "KVLayout", "KVSlice", "LocalGroup", "LoopStatistics", "Mode", "NotRunning", "OrchestratorConfig", "OrchestratorError",
     "Percentiles", "PoolStatistics", "ReceiveGroup", "ReceiveJob", "ReceiveResult", "RequestOutput",
     "RequestState", "StepMessage", "StepReport", "StepSync", "TPGenEngine", "TorchStepSync", "TransferBudget", "Unavailable", "WouldBlock", "loop_caller", "plan_chunks",

@@ -40,22 +40,24 @@ from collections.abc import Callable, Sequence as Seq
 import structlog
 import torch
 
-from transports import InvalidRequestId, Transport, check_handle, check_request_id, scatter
+from transports import InvalidRequestId, KVSlice, Transport, check_handle, check_request_id, scatter
 
 from ._budget import TransferBudget
 from ._config import Mode, OrchestratorConfig
 from ._errors import InvalidRequest, Unavailable, WouldBlock
 from ._kvpool import KVBlockPool, PoolStatistics
 from ._budget import BudgetStatistics
-from ._receiver import ReceiveGroup, ReceiveJob, plan_chunks, shift_heads
+from ._receiver import ReceiveGroup, ReceiveJob, ReceivePart, plan_chunks, shift_heads
 from ._requests import (
     DeferReason,
     FailureReason,
     GenRequest,
+    KVSource,
     ReceiveResult,
     RequestOutput,
     RequestState,
     Sequence,
+    plan_sources,
 )
 from ._scheduler import Admission, Scheduler
 
@@ -141,6 +143,12 @@ class EngineStatistics:
     health: str | None
     budget: BudgetStatistics
     pool: PoolStatistics
+
+
+def _covering(chunks: Seq[KVSlice]) -> KVSlice:
+    """The one slice that covers ``chunks`` (the pieces ``plan_chunks`` cut from it)."""
+    return KVSlice(min(c.layer_start for c in chunks), max(c.layer_end for c in chunks),
+                   min(c.head_start for c in chunks), max(c.head_end for c in chunks))
 
 
 class GenEngine:
@@ -321,8 +329,12 @@ class GenEngine:
 
     def _tell_ctx(self, seq: Sequence) -> None:
         """The CTX may free its copy of ``seq``'s KV now (best effort, on the event loop)."""
-        if self.receiver is not None and seq.request.peer:
-            self.receiver.release_soon(seq.request.peer, seq.request_id, seq.request.kv_handle)
+        if self.receiver is not None:
+            seen: set[str] = set()
+            for src in seq.request.sources():
+                if src.peer not in seen:
+                    seen.add(src.peer)
+                    self.receiver.release_soon(src.peer, seq.request_id, src.kv_handle)
 
     def _drain_completions(self) -> None:
         while True:
@@ -364,16 +376,30 @@ class GenEngine:
                 scatter(self.pool.kv, seq.block_ids[: seq.num_prompt_blocks], seq.request.local_kv, slice_)
             self._run(seq)
             return 0.0
-        assert self.receiver is not None and seq.request.peer is not None
+        assert self.receiver is not None
         kv_slice = seq.request.kv_slice or self.config.kv_slice
         prompt_ids = seq.block_ids[: seq.num_prompt_blocks]
-        chunks = plan_chunks(self.layout, seq.num_prompt_blocks, kv_slice, self.budget.capacity)
         self._receiving[seq.request_id] = seq
-        handle = seq.request.kv_handle
+        sources = seq.request.sources()
+        try:
+            parts = self._plan_parts(seq, kv_slice, sources)
+        except ValueError as exc:  # no source holds some of this rank's heads: the receive fails now
+            if admission.grant is not None:
+                admission.grant.release()
+            self._on_result(ReceiveResult(seq.request_id, None, 0, 0.0, FailureReason.PROTOCOL_ERROR, str(exc)))
+            return 0.0
+        if self._pull_releases:  # a source none of this request's heads come from frees its copy now
+            used = {p.peer for p in parts}
+            for src in sources:
+                if src.peer not in used:
+                    self.receiver.release_soon(src.peer, seq.request_id, src.kv_handle)
+        first = parts[0]
+        job = ReceiveJob(seq.request_id, first.peer, prompt_ids, first.chunks, admission.grant, handle=first.handle,
+                         head_offset=self.config.kv_head_offset, release=self._pull_releases,
+                         parts=parts if len(parts) > 1 or first.peer_head_start else (),
+                         parts_at_once=seq.cost <= self.budget.capacity)  # staging of all parts fits at once
         if mode is Mode.ORCHESTRATED:
-            self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, admission.grant,
-                                            handle=handle, head_offset=self.config.kv_head_offset,
-                                            release=self._pull_releases))
+            self.receiver.submit(job)
             return 0.0
         # INLINE: the original path, on this thread, kept as the benchmark's baseline.
         t0 = self._clock()
@@ -383,16 +409,28 @@ class GenEngine:
             grant = self.budget.acquire_blocking(seq.cost, self.config.inline_reserve_timeout_s)
         except WouldBlock:
             # Slow fallback: a dedicated, unpooled buffer, allocated and touched on this thread.
+            # (one chunk per source; with several sources, each part's buffer is made as it starts)
             self._inline_fallbacks += 1
-            staging = torch.zeros(
-                self.layout.wire_shape(seq.num_prompt_blocks, kv_slice), dtype=self.layout.dtype,
-                device=self.pool.kv.device,
-            )
-            chunks = (kv_slice,)
-        self.receiver.connect_blocking(seq.request.peer, self.config.kv_transfer_timeout_ms / 1e3)
-        self.receiver.submit(ReceiveJob(seq.request_id, seq.request.peer, prompt_ids, chunks, grant, staging, handle,
-                                        head_offset=self.config.kv_head_offset))
+            parts = tuple(dataclasses.replace(p, chunks=(_covering(p.chunks),)) for p in parts)
+            if len(parts) == 1:
+                staging = torch.zeros(
+                    self.layout.wire_shape(seq.num_prompt_blocks, parts[0].chunks[0]), dtype=self.layout.dtype,
+                    device=self.pool.kv.device,
+                )
+        for part in parts:
+            self.receiver.connect_blocking(part.peer, self.config.kv_transfer_timeout_ms / 1e3)
+        self.receiver.submit(dataclasses.replace(job, grant=grant, staging=staging, chunks=parts[0].chunks,
+                                                 parts=parts if job.parts else ()))
         return self._clock() - t0
+
+    def _plan_parts(self, seq: Sequence, kv_slice: KVSlice, sources: tuple[KVSource, ...]) -> tuple[ReceivePart, ...]:
+        """This rank's heads of ``seq``, each from a source that holds it, in budget-sized chunks."""
+        parts = []
+        for src, h0, h1 in plan_sources(sources, kv_slice.head_start, kv_slice.head_end):
+            piece = KVSlice(kv_slice.layer_start, kv_slice.layer_end, h0, h1)
+            chunks = plan_chunks(self.layout, seq.num_prompt_blocks, piece, self.budget.capacity)
+            parts.append(ReceivePart(src.peer, src.kv_handle, chunks, src.head_start))
+        return tuple(parts)
 
     def _decode(self) -> None:
         seqs = list(self._running.values())
@@ -500,8 +538,11 @@ class GenEngine:
             return
         by_peer: dict[str, list[tuple[str, str | None]]] = {}
         for seq in self.scheduler.waiting:
-            if seq.request.peer:
-                by_peer.setdefault(seq.request.peer, []).append((seq.request_id, seq.request.kv_handle))
+            seen: set[str] = set()
+            for src in seq.request.sources():
+                if src.peer not in seen:
+                    seen.add(src.peer)
+                    by_peer.setdefault(src.peer, []).append((seq.request_id, src.kv_handle))
         for peer, items in by_peer.items():
             self.receiver.hold_soon(peer, items)
 
@@ -554,8 +595,20 @@ class GenEngine:
             plan_chunks(layout, layout.blocks_for(r.prompt_len), kv_slice, cfg.transfer_budget_bytes)
         except ValueError as exc:
             raise InvalidRequest(f"{r.request_id}: {exc}") from None
-        if cfg.mode is not Mode.IDEAL and not r.peer:
+        if cfg.mode is Mode.IDEAL:
+            return
+        sources = r.sources()
+        if not sources:
             raise InvalidRequest(f"{r.request_id}: a peer (the CTX node's address) is required")
+        try:
+            for src in r.kv_sources:
+                if not src.peer or src.head_start < 0 or (src.head_end is not None and src.head_end <= src.head_start):
+                    raise ValueError(f"bad KV source {src.peer!r} heads {src.head_start}:{src.head_end}")
+                if src.kv_handle is not None:
+                    check_handle(src.kv_handle)
+            plan_sources(sources, kv_slice.head_start, kv_slice.head_end)  # this rank's heads are all held
+        except (ValueError, InvalidRequestId) as exc:
+            raise InvalidRequest(f"{r.request_id}: {exc}") from None
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(

@@ -92,6 +92,11 @@ def shift_heads(kv_slice: KVSlice, by: int) -> KVSlice:
     return KVSlice(kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start + by, kv_slice.head_end + by)
 
 
+def _distinct_peers(parts: Sequence[ReceivePart]) -> list[ReceivePart]:
+    seen: set[str] = set()
+    return [p for p in parts if not (p.peer in seen or seen.add(p.peer))]  # type: ignore[func-returns-value]
+
+
 def plan_chunks(layout: KVLayout, num_blocks: int, kv_slice: KVSlice, capacity: int) -> tuple[KVSlice, ...]:
     """Split a pull so that no chunk's staging exceeds ``capacity`` bytes (layers first, then heads).
 
@@ -121,6 +126,18 @@ def plan_chunks(layout: KVLayout, num_blocks: int, kv_slice: KVSlice, capacity: 
 
 
 @dataclasses.dataclass(frozen=True)
+class ReceivePart:
+    """One source's share of a receive (fan-in from a tensor-parallel CTX): its peer and handle, the
+    chunks it serves (model head numbering) and the model-wide index of its first KV head (the wire
+    names heads in the peer's own numbering)."""
+
+    peer: str
+    handle: str | None
+    chunks: tuple[KVSlice, ...]
+    peer_head_start: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ReceiveJob:
     request_id: str
     peer: str
@@ -138,6 +155,13 @@ class ReceiveJob:
     release: bool = True
     """With the last chunk, let the peer free its copy (tensor-parallel ranks pull slices of one
     copy and leave the release to the engine, once every rank has its slice)."""
+    parts: tuple[ReceivePart, ...] = ()
+    """Several sources (fan-in); empty: ``peer`` serves ``chunks`` with ``handle``."""
+    parts_at_once: bool = False
+    """Pull the parts concurrently (set when their staging together fits the budget), else in turn."""
+
+    def all_parts(self) -> tuple[ReceivePart, ...]:
+        return self.parts or (ReceivePart(self.peer, self.handle, self.chunks),)
 
 
 class _Scatter:
@@ -420,22 +444,30 @@ class ReceiveGroup:
                     if rid in self._cancel_early:
                         self._cancel_early.discard(rid)
                         scope.cancel()
+                box = [0]  # bytes moved by finished pulls (of every part)
                 try:
                     with anyio.fail_after(self._timeout_s):  # from the start of this receive
-                        await self._transport.connect(peer)
                         ids = self._scatter.block_ids(job.block_ids)
                         keep: list[torch.Tensor] = []
-                        for i, chunk in enumerate(job.chunks):
-                            moved += await self._pull_chunk(job, ids, chunk, landing, keep, last=i == len(job.chunks) - 1)
+                        parts = job.all_parts()
+                        if len(parts) > 1 and job.parts_at_once:
+                            await self._receive_parts(job, parts, ids, landing, keep, box)
+                        else:
+                            for part in parts:
+                                await self._receive_part(job, part, ids, landing, keep, box)
                         await self._scatter.wait(keep)
                         if self._on_received is not None:  # e.g. checksums, before decode writes
                             self._on_received(rid, job.block_ids)
+                    moved = box[0]
                     result = ReceiveResult(rid, peer, moved, time.perf_counter() - started)
                 except TimeoutError:
+                    moved = box[0]
                     result = self._failed(job, moved, started, FailureReason.TIMEOUT, f"no KV within {self._timeout_s:.3f} s")
                 except TransportError as exc:
+                    moved = box[0]
                     result = self._failed(job, moved + exc.bytes_moved, started, failure_reason(exc), str(exc))
                 except Exception as exc:
+                    moved = box[0]
                     log.exception("receive_crashed", request_id=rid, peer=peer)
                     result = self._failed(job, moved, started, FailureReason.INTERNAL, repr(exc))
             if result is None:
@@ -446,17 +478,43 @@ class ReceiveGroup:
                 result = self._failed(job, moved, started, *self._stopped_reason())
             self._finish(job, result, landing)  # first: the execution thread learns of it now
         if job.release and result.failure not in _NO_RELEASE:  # then, in its own task, the peer may free its copy
-            self._spawn(self._release, peer, rid, job.handle)
+            for part in _distinct_peers(job.all_parts()):
+                self._spawn(self._release, part.peer, rid, part.handle)
+
+    async def _receive_part(self, job: ReceiveJob, part: ReceivePart, ids: torch.Tensor, landing: Landing,
+                            keep: list[torch.Tensor], box: list[int]) -> None:
+        await self._transport.connect(part.peer)
+        for i, chunk in enumerate(part.chunks):
+            box[0] += await self._pull_chunk(job, part, ids, chunk, landing, keep, last=i == len(part.chunks) - 1)
+
+    async def _receive_parts(self, job: ReceiveJob, parts: tuple[ReceivePart, ...], ids: torch.Tensor,
+                             landing: Landing, keep: list[torch.Tensor], box: list[int]) -> None:
+        """Fan-in: every source's part at once; the first failure cancels the others and is raised."""
+        errors: list[Exception] = []
+        async with anyio.create_task_group() as tg:
+
+            async def one(part: ReceivePart) -> None:
+                try:
+                    await self._receive_part(job, part, ids, landing, keep, box)
+                except Exception as exc:
+                    if not errors:
+                        errors.append(exc)
+                    tg.cancel_scope.cancel()
+
+            for part in parts:
+                tg.start_soon(one, part)
+        if errors:
+            raise errors[0]
 
     async def _pull_chunk(
-        self, job: ReceiveJob, ids: torch.Tensor, chunk: KVSlice, landing: Landing, keep: list[torch.Tensor],
-        *, last: bool,
+        self, job: ReceiveJob, part: ReceivePart, ids: torch.Tensor, chunk: KVSlice, landing: Landing,
+        keep: list[torch.Tensor], *, last: bool,
     ) -> int:
         dest = shift_heads(chunk, -job.head_offset)  # where the chunk goes in this pool
         if job.staging is None:
             direct = whole_run_view(self._pool, job.block_ids, dest)
             if direct is not None:  # the blocks are one run: land in them, no staging, no scatter
-                return await self._pull(job, chunk, direct, landing, last=last)
+                return await self._pull(job, part, chunk, direct, landing, last=last)
         shape = self._layout.wire_shape(int(job.block_ids.numel()), chunk)
         if job.staging is not None and len(job.chunks) == 1:
             staging = job.staging
@@ -467,7 +525,7 @@ class ReceiveGroup:
             self._staging_bytes += nbytes
             self._peak_staging_bytes = max(self._peak_staging_bytes, self._staging_bytes)
         try:
-            moved = await self._pull(job, chunk, staging, landing, last=last)
+            moved = await self._pull(job, part, chunk, staging, landing, last=last)
             self._scatter.scatter(ids, staging, dest, keep)
             return moved
         finally:
@@ -478,14 +536,17 @@ class ReceiveGroup:
         with self._lock:
             self._staging_bytes -= nbytes
 
-    async def _pull(self, job: ReceiveJob, chunk: KVSlice, into: torch.Tensor, landing: Landing, *, last: bool) -> int:
+    async def _pull(self, job: ReceiveJob, part: ReceivePart, chunk: KVSlice, into: torch.Tensor, landing: Landing,
+                    *, last: bool) -> int:
         # with release (the last chunk), the peer frees its copy once this pull succeeded.
         # A peer that is busy now refuses before sending anything: retry until the deadline.
+        wire_slice = shift_heads(chunk, -part.peer_head_start)  # the heads as the peer numbers them
         backoff = _BUSY_BACKOFF_S[0]
         while True:
             try:
                 return await self._transport.pull(
-                    job.peer, job.request_id, chunk, into, handle=job.handle, release=last and job.release, landing=landing)
+                    part.peer, job.request_id, wire_slice, into, handle=part.handle, release=last and job.release,
+                    landing=landing)
             except PeerBusy:
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, _BUSY_BACKOFF_S[1])

@@ -63,11 +63,49 @@ class FailureReason(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class KVSource:
+    """Where some of a request's KV heads are held: one CTX rank's transport address, the model-wide
+    KV heads ``[head_start, head_end)`` it holds (``head_end`` None: every head from ``head_start``),
+    and the handle it issued (None: the request's ``kv_handle``).
+
+    A CTX running tensor-parallel holds each KV head on one rank (or a few, when heads are
+    replicated); a GEN rank pulls each of its heads from one source that holds it (fan-in)."""
+
+    peer: str
+    head_start: int = 0
+    head_end: int | None = None
+    kv_handle: str | None = None
+
+    def covers(self, head: int) -> bool:
+        return self.head_start <= head and (self.head_end is None or head < self.head_end)
+
+
+def plan_sources(sources: tuple[KVSource, ...], head_start: int, head_end: int) -> list[tuple[KVSource, int, int]]:
+    """Which source serves which of the heads ``[head_start, head_end)``: ``(source, h0, h1)`` runs in
+    head order, each head from the first source that holds it. Raises ValueError naming the first
+    head no source holds."""
+    runs: list[tuple[KVSource, int, int]] = []
+    for head in range(head_start, head_end):
+        src = next((s for s in sources if s.covers(head)), None)
+        if src is None:
+            raise ValueError(f"no KV source holds KV head {head} (sources: "
+                             + ", ".join(f"{s.peer} heads {s.head_start}:{'' if s.head_end is None else s.head_end}"
+                                         for s in sources) + ")")
+        if runs and runs[-1][0] is src and runs[-1][2] == head:
+            runs[-1] = (src, runs[-1][1], head + 1)
+        else:
+            runs.append((src, head, head + 1))
+    return runs
+
+
+@dataclasses.dataclass(frozen=True)
 class GenRequest:
     """A request whose prompt was prefilled on ``peer`` (a CTX node) and is to be decoded here.
 
     ``first_token`` is the token the CTX prefill produced (at position ``prompt_len``);
-    ``max_tokens`` counts output tokens including that first one.
+    ``max_tokens`` counts output tokens including that first one. A CTX that runs tensor-parallel
+    holds the KV heads on several ranks: ``kv_sources`` then names each of them (and ``peer`` may be
+    left out); a GEN rank pulls each of its heads from a source that holds it.
     """
 
     request_id: str
@@ -81,6 +119,15 @@ class GenRequest:
     eos_token: int | None = None
     local_kv: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
     """``IDEAL`` mode only: the prompt's KV in wire form, copied in at admission if given."""
+    kv_sources: tuple[KVSource, ...] = ()
+    """The CTX ranks holding the KV (tensor-parallel CTX); empty: ``peer`` holds every head."""
+
+    def sources(self) -> tuple[KVSource, ...]:
+        """Every source of this request's KV, each with its handle filled in."""
+        if self.kv_sources:
+            return tuple(s if s.kv_handle is not None else dataclasses.replace(s, kv_handle=self.kv_handle)
+                         for s in self.kv_sources)
+        return (KVSource(self.peer, 0, None, self.kv_handle),) if self.peer else ()
 
 
 @dataclasses.dataclass(frozen=True)
