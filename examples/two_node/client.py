@@ -90,9 +90,9 @@ class RequestRecord:
     @property
     def checksum_ok(self) -> bool | None:
         """None when GEN received no KV (nothing to compare), else whether both lists are equal."""
-        if self.gen_head_checksums:
+        if self.gen_head_checksums:  # whole-block checksums too where the CTX has whole blocks (TP1)
             return self.gen_head_checksums == self.ctx_head_checksums and (
-                not self.gen_checksums or self.gen_checksums == self.ctx_checksums)
+                not self.gen_checksums or not self.ctx_checksums or self.gen_checksums == self.ctx_checksums)
         if not self.gen_checksums:
             return None
         return self.gen_checksums == self.ctx_checksums
@@ -250,7 +250,7 @@ async def run_load(
                     await stream.send({
                         "op": "generate", "request_id": rec.request_id, "prompt_len": int(reply["prompt_len"]),
                         "first_token": int(reply["first_token"]), "max_tokens": mts[i], "kv_peer": reply["kv_peer"],
-                        "kv_handle": handle,
+                        "kv_handle": handle, **({"kv_sources": reply["kv_sources"]} if reply.get("kv_sources") else {}),
                     })
                     while True:
                         msg = await stream.receive()

@@ -31,8 +31,13 @@ CTX node (``ctx`` subcommand)::
 
     -> {"op": "prefill", "request_id": str, "prompt_ids": [int, ...], "max_tokens": int}
     <- {"ok": true, "request_id": str, "first_token": int, "prompt_len": int,
-        "kv_peer": "host:port" (its UCX listener), "kv_handle": str, "block_checksums": [int, ...]}
+        "kv_peer": "host:port" (its UCX listener), "kv_handle": str, "block_checksums": [int, ...],
+        "head_checksums": [[int, ...], ...], "kv_sources": [{"peer": "host:port", "head_start": int,
+        "head_end": int}, ...]}
        kv_handle: the unguessable token that GEN must present to pull or release this KV
+       kv_sources: where each KV head is held: one entry (kv_peer, every head) for a CTX TP1; one
+       per rank for ``ctx --tp M`` (kv_peer is then rank 0's listener; block_checksums is empty and
+       head_checksums [block][model head] is the parity check)
     -> {"op": "release", "request_id": str, "kv_handle": str}   <- {"ok": true, "released": bool}
        (a wrong handle releases nothing: "released": false)
     -> {"op": "stats"}                            <- {"ok": true, ...store/pool/control statistics...}
@@ -40,7 +45,9 @@ CTX node (``ctx`` subcommand)::
 GEN node (``gen`` subcommand)::
 
     -> {"op": "generate", "request_id": str, "prompt_len": int, "first_token": int,
-        "max_tokens": int, "kv_peer": "host:port", "kv_handle": str}
+        "max_tokens": int, "kv_peer": "host:port", "kv_handle": str, "kv_sources": [...] (optional)}
+       kv_sources as the CTX's prefill reply gave it (needed when the CTX runs tensor-parallel);
+       without it kv_peer holds every head
     <- {"tokens": [int, ...]}                     zero or more, as decode produces them
     <- {"done": true, "state": "finished"|"failed"|"aborted", "failure": str|null,
         "message": str, "kv_checksums": [int, ...]}   (checksums of the blocks GEN received)
@@ -179,6 +186,27 @@ def kv_handle(msg: dict[str, Any]) -> str:
         return check_handle(msg.get("kv_handle"))
     except InvalidRequestId as exc:
         raise ControlError(str(exc)) from None
+
+
+MAX_KV_SOURCES = 64
+
+
+def kv_sources(msg: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """``msg["kv_sources"]`` as ``(peer, head_start, head_end)``; [] when absent; raises ControlError."""
+    value = msg.get("kv_sources")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_KV_SOURCES:
+        raise ControlError(f"field 'kv_sources' must be a list of 1..{MAX_KV_SOURCES} sources")
+    out = []
+    for src in value:
+        if not isinstance(src, dict):
+            raise ControlError("field 'kv_sources' must hold objects")
+        peer = field(src, "peer", str)
+        h0 = field(src, "head_start", int, lo=0, hi=1 << 16)
+        h1 = field(src, "head_end", int, lo=h0 + 1, hi=1 << 16)
+        out.append((peer, h0, h1))
+    return out
 
 
 def int_list(msg: dict[str, Any], name: str, *, max_len: int, lo: int, hi: int) -> list[int]:

@@ -6,12 +6,18 @@
                      ─> reply first_token, prompt_len, kv_peer, kv_handle, block checksums
     UCX PULL from GEN ─> UCXKVServer serves the blocks, then the store frees them
     GEN's RELEASE, a control "release" with the handle, or the lease expiring ─> the store frees them
+
+With ``--tp M`` the node is M rank processes, each holding its KV heads (examples/two_node/ctx_tp.py):
+the prefill reply's ``kv_sources`` names every rank's UCX address and head range, and GEN pulls each
+head from the rank that holds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -20,11 +26,11 @@ import structlog
 import torch
 
 from examples.metrics import ctx_node_stats, serve_node_metrics
-from examples.two_node import control
+from examples.two_node import control, ctx_tp, gen_tp
 from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, ucx_config
 from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
-from transports import KVStore
+from transports import KVStore, new_handle
 from transports.ucx import UCXKVServer
 
 log = structlog.get_logger("examples.ctx")
@@ -38,15 +44,44 @@ class CtxNode:
         self.pool = KVBlockPool(self.layout, args.num_blocks)
         self.store = KVStore(self.layout, self.pool.kv)
         self.ucx_addr = ""
+        self.rank = getattr(args, "tp_rank", 0)
+        self.head_range = (tuple(self.model.kv_head_range()) if args.tp > 1
+                           else (0, self.model.config.num_kv_heads))
         self._freed = anyio.Event()
         self._exec = anyio.CapacityLimiter(1)  # the CTX execution thread: one prefill at a time
         self._prefills = 0
-        self.control = control_server(args, self.handle, self.model.config)
+        self.group: ctx_tp.CtxGroup | None = None
+        if args.tp > 1:
+            self.group = ctx_tp.CtxGroup(self, args.tp_group, self.rank, args.tp)
+        self.control = control_server(args, self.handle, self.model.config) if self.rank == 0 else None
 
-    def _on_free(self, block_ids: torch.Tensor) -> None:
+    def on_free(self, block_ids: torch.Tensor) -> None:
         """Any thread: give the blocks back and wake every prefill waiting for blocks."""
         self.pool.free(block_ids)
+        if self.group is not None:
+            self.group.notify_freed()
         self._call(self._wake_allocators)
+
+    def rank_stats(self) -> dict[str, Any]:
+        s, p = self.store.statistics(), self.pool.statistics()
+        return {"rank": self.rank, "head_range": list(self.head_range), "store": dataclasses.asdict(s),
+                "pool": {"num_blocks": p.num_blocks, "used_blocks": p.used_blocks, "peak_used_blocks": p.peak_used_blocks}}
+
+    async def _in_group(self, op: tuple[Any, ...], local: Any = None) -> Any:
+        """Rank 0: run ``op`` on every rank (their execution threads, in lockstep) and wait for it."""
+        assert self.group is not None
+        done = anyio.Event()
+        box: list[Any] = []
+
+        def finished(result: Any) -> None:  # on the execution thread
+            box.append(result)
+            self._call(done.set)
+
+        self.group.submit(op, local, finished)
+        await done.wait()
+        if isinstance(box[0], BaseException):
+            raise control.ControlError(str(box[0]))
+        return box[0]
 
     def _wake_allocators(self) -> None:
         freed, self._freed = self._freed, anyio.Event()  # one event per generation of frees
@@ -67,18 +102,31 @@ class CtxNode:
             await stream.send(await self._prefill(msg))
         elif op == "release":  # only with the handle of the prefill: a wrong one releases nothing
             rid, handle = control.request_id(msg), control.kv_handle(msg)
-            await stream.send({"ok": True, "released": self.store.release(rid, handle=handle)})
+            released = (await self._in_group(("release", rid, handle)) if self.group is not None
+                        else self.store.release(rid, handle=handle))
+            await stream.send({"ok": True, "released": released})
         elif op == "stats":
-            s, p = self.store.statistics(), self.pool.statistics()
-            await stream.send({"ok": True, "role": "ctx", "prefills": self._prefills,
-                               "store": dataclasses.asdict(s),
-                               "pool": {"num_blocks": p.num_blocks, "used_blocks": p.used_blocks,
-                                        "peak_used_blocks": p.peak_used_blocks},
-                               "control": dataclasses.asdict(self.control.statistics())})
+            await stream.send(await self.stats())
         elif op == "ping":
-            await stream.send({"ok": True, "role": "ctx"})
+            await stream.send({"ok": True, "role": "ctx", **self._health()})
         else:
             raise control.ControlError(f"unknown op {op!r}")
+
+    def _health(self) -> dict[str, Any]:
+        why = self.group.broken if self.group is not None else None
+        return {"healthy": why is None, "health": why}
+
+    async def stats(self) -> dict[str, Any]:
+        """Figures of the node; with ``--tp``, ``store`` and ``pool`` add up every rank's (``ranks``)."""
+        assert self.control is not None
+        ranks = [self.rank_stats()]
+        if self.group is not None and self.group.broken is None:
+            ranks = await self._in_group(("stats",))
+        store = {k: sum(r["store"][k] for r in ranks) for k in ranks[0]["store"]}
+        pool = {k: sum(r["pool"][k] for r in ranks) for k in ranks[0]["pool"]}
+        return {"ok": True, "role": "ctx", "prefills": self._prefills, "store": store, "pool": pool,
+                "tp": {"world_size": self.args.tp, "ranks": ranks, "rank_pids": getattr(self.args, "tp_pids", [])},
+                "control": dataclasses.asdict(self.control.statistics()), **self._health()}
 
     async def _prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
         cfg = self.model.config
@@ -88,17 +136,21 @@ class CtxNode:
         n = self.layout.blocks_for(len(prompt))
         if n > self.pool.num_blocks:
             raise control.ControlError(f"prompt needs {n} KV blocks, the CTX pool has {self.pool.num_blocks}")
+        if self.group is not None and self.group.broken is not None:
+            raise control.ControlError(f"CTX unavailable: {self.group.broken}")
         try:
             block_ids = await self._allocate(n)
         except TimeoutError:
             raise control.ControlError(f"no {n} free KV blocks within {self.args.alloc_wait_s} s") from None
+        if self.group is not None:
+            return await self._prefill_in_group(rid, prompt, block_ids)
         try:
             t0 = time.perf_counter()
             first = await anyio.to_thread.run_sync(self.model.prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
             checksums = block_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
             per_head = head_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
             handle = self.store.put(rid, block_ids, num_tokens=len(prompt), lease_s=self.args.lease_s,
-                                    on_release=lambda: self._on_free(block_ids))
+                                    on_release=lambda: self.on_free(block_ids))
         except ValueError as exc:  # duplicate id
             self.pool.free(block_ids)
             raise control.ControlError(str(exc)) from None
@@ -109,18 +161,69 @@ class CtxNode:
         log.debug("prefill_done", request_id=rid, tokens=len(prompt), ms=round((time.perf_counter() - t0) * 1e3, 2))
         return {"ok": True, "request_id": rid, "first_token": first, "prompt_len": len(prompt),
                 "kv_peer": self.ucx_addr, "kv_handle": handle, "block_checksums": checksums,
-                "head_checksums": per_head}
+                "head_checksums": per_head,
+                "kv_sources": [{"peer": self.ucx_addr, "head_start": 0, "head_end": self.head_range[1]}]}
+
+    async def _prefill_in_group(self, rid: str, prompt: list[int], block_ids: torch.Tensor) -> dict[str, Any]:
+        """Every rank prefills its shard and holds its heads under one handle; the reply names them all."""
+        handle = new_handle()
+        t0 = time.perf_counter()
+        try:
+            out = await self._in_group(("prefill", rid, prompt, handle, self.args.lease_s, self.args.kv_checksums),
+                                       block_ids)
+        except control.ControlError:
+            self.pool.free(block_ids)  # the group broke before (or while) running it
+            raise
+        if not out["ok"]:
+            raise control.ControlError(out["error"])
+        self._prefills += 1
+        log.debug("prefill_done", request_id=rid, tokens=len(prompt), ranks=self.args.tp,
+                  ms=round((time.perf_counter() - t0) * 1e3, 2))
+        return {"ok": True, "request_id": rid, "first_token": out["first_token"], "prompt_len": len(prompt),
+                "kv_peer": self.ucx_addr, "kv_handle": handle, "block_checksums": [],
+                "head_checksums": out["head_checksums"], "kv_sources": out["kv_sources"]}
 
     async def run(self) -> None:
         self._call = loop_caller()
-        async with UCXKVServer(self.store, ucx_config(self.args), port=self.args.ucx_port, lease_s=self.args.lease_s) as server:
+        args = self.args
+        ucx_port = args.ucx_port + self.rank if args.ucx_port else 0  # rank r listens on --ucx-port + r
+        async with UCXKVServer(self.store, ucx_config(self.args), port=ucx_port, lease_s=self.args.lease_s,
+                               head_start=self.head_range[0], total_kv_heads=self.model.config.num_kv_heads) as server:
             self.ucx_addr = f"{self.args.advertise or self.args.host}:{server.port}"
-            async with anyio.create_task_group() as tg:
-                port = await tg.start(self.control.serve, self.args.host, self.args.port)
-                metrics = (None if self.args.metrics_port is None else serve_node_metrics(
-                    "ctx", lambda: ctx_node_stats(self), host=self.args.host, port=self.args.metrics_port))
-                announce_ready(role="ctx", ctrl=f"{self.args.host}:{port}", ucx=self.ucx_addr, metrics=metrics)
-                log.info("ctx_ready", ctrl_port=port, ucx=self.ucx_addr)
+            if self.group is not None:
+                await self._run_group()
+                return
+            await self._serve_control()
+
+    async def _serve_control(self) -> None:
+        async with anyio.create_task_group() as tg:
+            if getattr(self.args, "tp_children", None):
+                assert self.group is not None
+                tg.start_soon(gen_tp.watch_children, self.args.tp_children, self.group.mark_broken)
+            assert self.control is not None
+            port = await tg.start(self.control.serve, self.args.host, self.args.port)
+            metrics = (None if self.args.metrics_port is None else serve_node_metrics(
+                "ctx", lambda: ctx_node_stats(self), host=self.args.host, port=self.args.metrics_port))
+            announce_ready(role="ctx", ctrl=f"{self.args.host}:{port}", ucx=self.ucx_addr, metrics=metrics,
+                           tp=self.args.tp)
+            log.info("ctx_ready", ctrl_port=port, ucx=self.ucx_addr, tp=self.args.tp)
+
+    async def _run_group(self) -> None:
+        """``--tp``: this rank's execution thread runs the group's operations (rank 0 leads)."""
+        group = self.group
+        assert group is not None
+        exec_thread = threading.Thread(target=group.lead if self.rank == 0 else group.follow, name="execution",
+                                       daemon=True)
+        exec_thread.start()
+        if self.rank != 0:  # serves pulls of its heads until rank 0 stops the group (or it breaks)
+            log.info("ctx_rank_ready", rank=self.rank, ucx=self.ucx_addr, heads=list(self.head_range))
+            await anyio.to_thread.run_sync(exec_thread.join, abandon_on_cancel=True)
+            return
+        try:
+            await self._serve_control()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(control.ControlError):
+                await self._in_group(("stop",))  # every rank leaves (a broken group: nothing to tell)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -134,8 +237,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
     p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
                    help="CRC32 of each prefilled KV block in the prefill reply (a parity check; costs CPU per request)")
+    ctx_tp.add_args(p)
 
 
 def main(args: argparse.Namespace) -> int:
-    anyio.run(CtxNode(args).run, backend="asyncio")
+    ctx_tp.check_args(args)
+    children = []
+    if args.tp > 1:
+        if args.tp_rank == 0:
+            children = gen_tp.start_group(args, args.argv)
+            args.tp_pids = [c.pid for c in children]
+            args.tp_children = children
+        else:
+            gen_tp.join_group(args)
+    try:
+        anyio.run(CtxNode(args).run, backend="asyncio")
+    finally:
+        gen_tp.stop_children(children)
+        gen_tp.leave_group()
     return 0

@@ -45,6 +45,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ctx-nodes", type=int, default=1, help="CTX processes; the client spreads requests over them")
     p.add_argument("--gen-tp", type=int, default=1, choices=[1, 2, 4, 8],
                    help="GEN tensor-parallel ranks (each pulls its KV heads; one process per rank)")
+    p.add_argument("--ctx-tp", type=int, default=1, choices=[1, 2, 4, 8],
+                   help="CTX tensor-parallel ranks (each holds its KV heads and serves them; GEN ranks fan in)")
     p.add_argument("--netns", action="store_true", help="run CTX and GEN in two network namespaces (root)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--no-progress", action="store_true")
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         gen_host = ns.addr_b if ns else "127.0.0.1"
         ctxs = [
             stack.enter_context(NodeProcess.start(
-                ["ctx", "--host", ctx_host, "--num-blocks", str(args.num_blocks)], env=env, netns=ns.a if ns else None))
+                ["ctx", "--host", ctx_host, "--num-blocks", str(args.num_blocks), "--tp", str(args.ctx_tp)],
+                env=env, netns=ns.a if ns else None))
             for _ in range(args.ctx_nodes)
         ]
         ctx_addrs = [c.info["ctrl"] for c in ctxs]
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     reference = reference_tokens(prompts, args.osl)
     mismatched = [r.request_id for r in result.records if r.ok and r.tokens != reference[r.index]]
     compared = [r for r in result.records if r.ok]
-    checksums_ok = all(r.checksum_ok for r in compared) and all(r.ctx_checksums for r in compared)
+    checksums_ok = all(r.checksum_ok for r in compared) and all(r.ctx_checksums or r.ctx_head_checksums for r in compared)
     parity = bool(compared) and not mismatched and len(compared) == len(result.records) and checksums_ok
     return summary, {
         "requests": summary["requests"],
@@ -135,6 +138,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
             "tp": gen_stats.get("tp", {"world_size": 1}),
         },
         "ctx": {"nodes": len(ctx_stats), "prefills": [c["prefills"] for c in ctx_stats],
+                "tp": [c.get("tp", {}).get("world_size", 1) for c in ctx_stats],
                 "held_requests_after": sum(c["store"]["held_requests"] for c in ctx_stats)},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "wall_s": load_s,

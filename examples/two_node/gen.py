@@ -32,6 +32,7 @@ from orchestrator import (
     GenEngine,
     GenRequest,
     InvalidRequest,
+    KVSource,
     Mode,
     OrchestratorConfig,
     RequestOutput,
@@ -156,6 +157,7 @@ class GenNode:
             max_tokens=control.field(msg, "max_tokens", int, lo=1, hi=limit),
             peer=control.field(msg, "kv_peer", str) if pulls else None,
             kv_handle=control.kv_handle(msg) if pulls else None,
+            kv_sources=tuple(KVSource(peer, h0, h1) for peer, h0, h1 in control.kv_sources(msg)) if pulls else (),
         )
         # submit first (it refuses a live id), then own the stream: no await in between, so no
         # output of this request can reach the pump before its stream is there, and a refused

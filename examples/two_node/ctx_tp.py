@@ -1,0 +1,248 @@
+"""A CTX node as a tensor-parallel group: ``python -m examples.two_node ctx --tp M``.
+
+    rank 0 (the node the user starts)             ranks 1..M-1 (child processes, same flags)
+      control plane, READY line                     no control plane
+      every rank: the model's shard, a KV pool of its KV heads only, a KVStore, its own UCX listener
+      (lease expiry, pulls and releases served per rank, independently)
+
+    Every operation that needs the whole group runs on each rank's execution thread, in lockstep,
+    led by rank 0:   rank 0 broadcasts (op) ─> every rank runs it ─> results all-gathered to rank 0
+      prefill:  every rank allocates its blocks (all-gather: did everyone get them?), prefills its
+                shard (the model's all-reduces), stores its heads under ONE handle rank 0 chose, and
+                reports its UCX address, its head range and its per-head checksums
+      release:  every rank frees its copy (the control plane's release, with the handle)
+      stats:    every rank's store and pool figures
+      noop:     a heartbeat once a second while idle, so that an idle group's collectives never time
+                out and a dead rank is noticed within --tp-timeout-s
+      stop:     rank 0 is stopping: every rank leaves
+
+GEN then pulls each of its KV heads straight from the CTX rank that holds it (``kv_sources`` in the
+prefill reply; fan-in when a GEN rank's heads span several CTX ranks) and releases each CTX rank
+once. When a rank dies, rank 0's next collective fails: it reports unhealthy and refuses prefills;
+the other ranks' next collective fails and they exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import torch
+
+from examples.two_node.gen_tp import head_checksums
+
+log = structlog.get_logger("examples.ctx_tp")
+
+HEARTBEAT_S = 1.0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tensor parallelism")
+    g.add_argument("--tp", type=int, default=1,
+                   help="CTX ranks (1, 2, 4; 8 allowed): M processes, one TP group, each holding its KV heads "
+                        "and serving them on its own UCX listener (--ucx-port P: rank r listens on P + r)")
+    g.add_argument("--tp-timeout-s", type=float, default=10.0,
+                   help="a group operation that a rank does not join within this fails the group (a rank that died)")
+    g.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by rank 0 for its children
+    g.add_argument("--tp-init", default=None, help=argparse.SUPPRESS)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse at start what could not work (not at the first request)."""
+    from examples.tp import TensorParallel, plan_shards
+    from examples.two_node.common import model_config
+
+    if args.tp not in (1, 2, 4, 8):
+        raise SystemExit(f"error: --tp must be 1, 2, 4 or 8, got {args.tp}")
+    try:
+        plan_shards(model_config(args), TensorParallel(0, args.tp))
+    except ValueError as exc:
+        raise SystemExit(f"error: --tp {args.tp} does not fit this model: {exc}") from None
+
+
+@dataclasses.dataclass
+class _Job:
+    op: tuple[Any, ...]
+    local: Any
+    done: Callable[[Any], None]
+
+
+class GroupBroken(RuntimeError):
+    pass
+
+
+class CtxGroup:
+    """One rank's side of the group's lockstep operations (see the module docstring)."""
+
+    def __init__(self, node: Any, group: Any, rank: int, world_size: int) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.node = node
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.broken: str | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._freed = threading.Condition()
+
+    # -- rank 0, any thread ------------------------------------------------------------------------
+    def submit(self, op: tuple[Any, ...], local: Any, done: Callable[[Any], None]) -> None:
+        """Run ``op`` on every rank; ``done(result)`` gets the merged result or the exception."""
+        with self._lock:
+            if self.broken is not None or self._stopped:
+                done(GroupBroken(self.broken or "the CTX group is stopping"))
+                return
+            self._jobs.put(_Job(op, local, done))
+
+    def mark_broken(self, why: str) -> None:
+        """Any thread: the group cannot serve any more (a rank process exited)."""
+        self._break(why)
+
+    def notify_freed(self) -> None:
+        """Any thread: blocks were freed on this rank (wakes an allocation waiting for them)."""
+        with self._freed:
+            self._freed.notify_all()
+
+    # -- execution thread --------------------------------------------------------------------------
+    def lead(self) -> None:
+        """Rank 0's execution thread: run queued operations (a heartbeat when idle) until stop."""
+        while True:
+            try:
+                job = self._jobs.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                job = _Job(("noop",), None, lambda _: None)
+            try:
+                self._dist.broadcast_object_list([job.op], src=0, group=self.group)
+                result = self.run(job.op, job.local)
+            except Exception as exc:  # a rank died or the group broke: no further collective
+                self._break(f"{type(exc).__name__}: {exc}")
+                job.done(GroupBroken(self.broken))
+                self._fail_queued()
+                return
+            job.done(result)
+            if job.op[0] == "stop":
+                self._fail_queued()
+                return
+
+    def follow(self) -> None:
+        """Ranks 1..M-1: run what rank 0 broadcasts until it says stop or the group breaks."""
+        while True:
+            box: list[Any] = [None]
+            try:
+                self._dist.broadcast_object_list(box, src=0, group=self.group)
+                op = box[0]
+                self.run(op, None)
+            except Exception as exc:
+                self._break(f"{type(exc).__name__}: {exc}")
+                return
+            if op[0] == "stop":
+                return
+
+    def _break(self, why: str) -> None:
+        with self._lock:
+            if self.broken is None:
+                self.broken = f"tensor-parallel CTX group broken at rank {self.rank}: {why}"
+                log.error("ctx_tp_group_broken", rank=self.rank, reason=why)
+
+    def _fail_queued(self) -> None:
+        with self._lock:
+            self._stopped = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.done(GroupBroken(self.broken or "the CTX group stopped"))
+
+    def _gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    # -- the operations (every rank, same order) --------------------------------------------------
+    def run(self, op: tuple[Any, ...], local: Any) -> Any:
+        kind = op[0]
+        if kind == "prefill":
+            return self._prefill(*op[1:], local_blocks=local)
+        if kind == "release":
+            rid, handle = op[1:]
+            return any(self._gather(self.node.store.release(rid, handle=handle)))
+        if kind == "stats":
+            return self._gather(self.node.rank_stats())
+        if kind in ("noop", "stop"):
+            return None
+        raise ValueError(f"unknown CTX group operation {kind!r}")
+
+    def _allocate_blocking(self, n: int, wait_s: float) -> torch.Tensor | None:
+        from orchestrator import KVExhausted
+
+        deadline = time.monotonic() + wait_s
+        with self._freed:
+            while True:
+                try:
+                    return self.node.pool.allocate(n)
+                except KVExhausted:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None
+                    self._freed.wait(left)
+
+    def _prefill(self, rid: str, prompt: list[int], handle: str, lease_s: float, checksums: bool, *,
+                 local_blocks: torch.Tensor | None) -> dict[str, Any]:
+        node = self.node
+        n = node.layout.blocks_for(len(prompt))
+        # 1. every rank's blocks (rank 0 waited for its own before it submitted; the others' frees
+        #    follow GEN's releases closely, so their wait is short and bounded below the group timeout)
+        blocks = local_blocks if local_blocks is not None else \
+            self._allocate_blocking(n, min(node.args.alloc_wait_s, node.args.tp_timeout_s / 2))
+        got = self._gather(blocks is not None)
+        if not all(got):
+            if blocks is not None:
+                node.pool.free(blocks)
+            missing = [r for r, ok in enumerate(got) if not ok]
+            return {"ok": False, "error": f"CTX ranks {missing} have no {n} free KV blocks"}
+        assert blocks is not None
+        # 2. prefill the shard (collectives inside), hold this rank's heads under the group's handle
+        first = node.model.prefill(prompt, node.pool.kv, blocks)
+        crcs = head_checksums(node.pool.kv, blocks) if checksums else []
+        stored, error = True, None
+        try:
+            node.store.put(rid, blocks, num_tokens=len(prompt), lease_s=lease_s, handle=handle,
+                           on_release=lambda: node.on_free(blocks))
+        except ValueError as exc:  # a duplicate id
+            node.pool.free(blocks)
+            stored, error = False, str(exc)
+        h0, h1 = node.head_range
+        parts = self._gather({"ok": stored, "error": error, "peer": node.ucx_addr, "head_start": h0, "head_end": h1,
+                              "crcs": crcs, "first": first})
+        if not all(p["ok"] for p in parts):
+            if stored:
+                node.store.release(rid, handle=handle)
+            return {"ok": False, "error": next(p["error"] for p in parts if not p["ok"])}
+        if len({p["first"] for p in parts}) != 1:  # cannot happen with an exact model: say so loudly
+            raise RuntimeError(f"CTX ranks disagree on the first token of {rid}: {[p['first'] for p in parts]}")
+        return {"ok": True, "first_token": first, "kv_sources": [
+            {"peer": p["peer"], "head_start": p["head_start"], "head_end": p["head_end"]} for p in parts],
+            "head_checksums": merge_head_checksums(parts) if checksums else []}
+
+
+def merge_head_checksums(parts: list[dict[str, Any]]) -> list[list[int]]:
+    """``[block][model head]`` from every rank's ``[block][its heads]`` (a replicated head once)."""
+    by_head: dict[int, list[int]] = {}
+    for p in parts:
+        for i, head in enumerate(range(p["head_start"], p["head_end"])):
+            if head not in by_head and p["crcs"]:
+                by_head[head] = [row[i] for row in p["crcs"]]
+    if not by_head:
+        return []
+    heads = sorted(by_head)
+    return [[by_head[h][b] for h in heads] for b in range(len(by_head[heads[0]]))]
