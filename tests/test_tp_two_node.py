@@ -106,3 +106,60 @@ def test_a_killed_rank_stops_the_group_and_clients_get_errors_not_hangs() -> Non
     assert "group broken" in (ping["health"] or "") or "stopped" in (ping["health"] or "")
     assert unhealthy_after < 20, [(r.state, r.failure, r.message[:60], round(r.t_end - r.t_start, 1)) for r in after.records]  # the watchdog sees the rank die; a step stuck on it fails by --tp-timeout-s
     assert c["store"]["held_requests"] == 0
+
+
+# -- CTX tensor parallelism and fan-in --------------------------------------------------------------
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(2, 1), (2, 4), (4, 1)])
+def test_ctx_tp_to_gen_tp_fans_in_and_equals_a_single_process(ctx_tp: int, gen_tp: int) -> None:
+    # (2, 1): GEN's one rank pulls head 0 from CTX rank 0 and head 1 from CTX rank 1 (fan-in);
+    # (2, 4): each GEN rank pulls a slice of one CTX rank; (4, 1): two KV heads on four CTX ranks
+    # are replicated (vLLM's rule): GEN pulls each head once and the copies nobody pulls are freed
+    _, report = run_demo("--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp), "--requests", "10", "--concurrency", "5",
+                         "--isl", "64", "--osl", "6")
+    check(report, 10)  # tokens equal the reference; every (block, head) checksum equals the CTX ranks'
+    assert report["ctx"]["tp"] == [ctx_tp]
+    assert report["gen"]["tp"]["world_size"] == gen_tp
+
+
+def test_a_killed_ctx_rank_makes_the_ctx_refuse_prefills_and_nothing_hangs() -> None:
+    env = node_env()
+    with NodeProcess.start(["ctx", "--tp", "2", "--tp-timeout-s", "5"], env=env) as ctx, \
+            NodeProcess.start(["gen", "--step", "device", "--kv-transfer-timeout-ms", "10000"], env=env) as gen:
+
+        async def drive() -> tuple[client.LoadResult, client.LoadResult, dict, float, dict]:
+            ok = await _load(ctx, gen, "before", 4)
+            c = await _stats(ctx)
+            assert c["tp"]["world_size"] == 2 and [r["head_range"] for r in c["tp"]["ranks"]] == [[0, 1], [1, 2]]
+            os.kill(c["tp"]["rank_pids"][0], signal.SIGKILL)
+            t0 = time.monotonic()
+            with anyio.fail_after(30):
+                while (ping := await control.call(ctx.info["ctrl"], {"op": "ping"}, secret=ctx.secret))["healthy"]:
+                    await anyio.sleep(0.1)
+            unhealthy_after = time.monotonic() - t0
+            after = await _load(ctx, gen, "after", 4)
+            with anyio.fail_after(30):
+                while (g := await _stats(gen))["rest_problems"]:
+                    await anyio.sleep(0.05)
+            return ok, after, ping, unhealthy_after, g
+
+        ok, after, ping, unhealthy_after, g = anyio.run(drive)
+        assert ctx.alive()  # rank 0 stays up and says what is wrong
+    assert all(r.ok for r in ok.records)
+    assert all(r.state == "error" and r.failure == "prefill_rejected" for r in after.records), \
+        [(r.state, r.failure, r.message) for r in after.records]
+    assert "exited" in (ping["health"] or "") or "broken" in (ping["health"] or "")
+    assert unhealthy_after < 20
+    assert g["healthy"] and g["rest_problems"] == []
+
+
+@pytest.mark.parametrize(("role", "tp", "why"), [("ctx", "3", "must be 1, 2, 4 or 8"), ("ctx", "8", "does not fit"),
+                                                 ("gen", "8", "does not fit")])
+def test_a_tp_size_the_model_cannot_split_is_refused_at_start(role: str, tp: str, why: str) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "examples.two_node", role, "--tp", tp, "--insecure"],
+                          capture_output=True, text=True, timeout=120, env=node_env())
+    assert proc.returncode != 0
+    assert why in proc.stderr, proc.stderr
