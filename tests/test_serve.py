@@ -388,11 +388,13 @@ def test_cluster_file() -> None:
     assert "--mode" in args and args[args.index("--mode") + 1] == "ideal" and "--tp" not in args
     tp = parse({"ctx": [{"addr": "10.0.0.1:9000"}], "gen": [{"launch": {"tensor_parallel_size": 4}}]})
     assert node_args(tp.gen[0], tp)[-2:] == ["--tp", "4"]
+    ctx_tp = parse({"ctx": [{"launch": {"tensor_parallel_size": 2}}], "gen": [{"addr": "10.0.0.2:9100"}]})
+    assert node_args(ctx_tp.ctx[0], ctx_tp)[-2:] == ["--tp", "2"]
     for bad, what in [({"secret": "x"}, "secret"), ({"transfer": {"backend": "tcp"}}, "backend"),
                       ({"transfer": {"max_tokens_in_buffer": 1, "transfer_budget_bytes": 2}}, "not both"),
                       ({"limits": {"max_tokens": "many"}}, "limits.max_tokens"), ({"gen": []}, "gen"),
                       ({"ctx": [{"addr": "nohost"}]}, "ctx[0].addr"), ({"colour": 1}, "unknown"),
-                      ({"ctx": [{"launch": {"tensor_parallel_size": 2}}]}, "tensor_parallel_size")]:
+                      ({"ctx": [{"launch": {"tensor_parallel_size": 3}}]}, "tensor_parallel_size")]:
         raw = {"ctx": [{"addr": "10.0.0.1:9000"}], "gen": [{"addr": "10.0.0.2:9100"}], **bad}
         with pytest.raises(ConfigError, match=re.escape(what)):
             parse(raw)

@@ -1,5 +1,6 @@
-"""The front starting a tensor-parallel GEN node (``launch.tensor_parallel_size``): tokens through
-the OpenAI endpoint equal the single-process reference. Apart from tests/test_serve.py because a TP
+"""The front starting tensor-parallel CTX and GEN nodes (``launch.tensor_parallel_size``): tokens
+through the OpenAI endpoint equal the single-process reference (CTX TP2 -> GEN TP2: the prefill's
+``kv_sources`` pass through the front). Apart from tests/test_serve.py because a TP
 group takes ~30 s to start on this machine."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ pytestmark = pytest.mark.integration
 def test_front_starts_a_tensor_parallel_gen(tmp_path: Path) -> None:
     model = TinyModel(ModelConfig())
     tp_yaml = CLUSTER_YAML.replace("mode: orchestrated,", "mode: orchestrated, tensor_parallel_size: 2,")
+    tp_yaml = tp_yaml.replace("- launch: {metrics_port: 0,", "- launch: {metrics_port: 0, tensor_parallel_size: 2,")
+    assert tp_yaml.count("tensor_parallel_size: 2") == 2
     with running_front(tmp_path, tp_yaml) as info:
         body = {"model": "tiny", "prompt": "two ranks", "max_tokens": 10, "ignore_eos": True, "return_token_ids": True}
         r = httpx.post(info["url"] + "/v1/completions", json=body, timeout=60)

@@ -291,6 +291,7 @@ class Flight:
                 "op": "generate", "request_id": g.request_id, "prompt_len": int(self.prefill["prompt_len"]),
                 "first_token": int(self.prefill["first_token"]), "max_tokens": g.max_tokens,
                 "kv_peer": self.prefill["kv_peer"], "kv_handle": self.handle,
+                **({"kv_sources": self.prefill["kv_sources"]} if self.prefill.get("kv_sources") else {}),
             })
             self.sent = True
         except CONTROL_ERRORS as exc:

@@ -139,6 +139,8 @@ def node_args(spec: NodeSpec, cfg: ClusterConfig) -> list[str]:
     """The ``python -m examples.two_node`` arguments of a node the front starts. KV checksums are off
     (the front does not compare them; ``args: ["--kv-checksums"]`` turns them back on)."""
     args = [spec.role, "--host", spec.host, "--no-kv-checksums"]
+    if spec.role == "ctx" and spec.tensor_parallel_size > 1:
+        args += ["--tp", str(spec.tensor_parallel_size)]
     if spec.role == "gen":
         t = cfg.transfer
         args += ["--mode", spec.mode, "--step", spec.step, "--kv-transfer-timeout-ms", str(t.kv_transfer_timeout_ms)]
