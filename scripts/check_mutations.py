@@ -25,7 +25,7 @@ M = [
  ("free blocks on end", "orchestrator/_engine.py", "            else:\n                self.pool.free(seq.block_ids)\n", "            else:\n                pass\n", "tests/test_engine.py"),
  ("cancel-safe waiter", "orchestrator/_budget.py", "                waiter.grant.release()\n", "                pass\n", "tests/test_budget.py"),
  ("timeout", "orchestrator/_receiver.py", "with anyio.fail_after(self._timeout_s):", "with anyio.fail_after(None):", "tests/test_engine.py"),
- ("abort tells CTX", "orchestrator/_receiver.py", "            self._spawn(self._release, peer, rid, job.handle)\n", "            pass\n", "tests/test_engine.py"),
+ ("abort tells CTX", "orchestrator/_receiver.py", "                self._spawn(self._release, part.peer, rid, part.handle)\n", "                pass\n", "tests/test_engine.py"),
 
  # issue 5: each fault protection, removed once, must fail its real-process test
  ("abort while waiting tells CTX", "orchestrator/_engine.py", "            self._tell_ctx(seq)  # the CTX may free its copy now\n", "            pass\n", "tests/test_faults.py -k abort_in_flight"),
@@ -64,6 +64,12 @@ M = [
  ("11 a broken step's arrivals fail too", "orchestrator/_tp.py", "            for request in message.arrivals:  # taken from the inbox for this step: they fail with the rest\n                self._enqueue(request)\n", "", "tests/test_tp_engine.py -k broken"),
  ("11 an unhealthy rank fails what is in its inbox", "orchestrator/_tp.py", "        self._drain_inbox()  # whatever arrived since the last step fails with the rest, never hangs\n", "", "tests/test_tp_engine.py -k broken"),
  ("10 pump goes past a gone client", "examples/two_node/gen.py", "                except (anyio.BrokenResourceError, anyio.ClosedResourceError):\n                    log.debug(\"output_dropped\"", "                except ZeroDivisionError:\n                    log.debug(\"output_dropped\"", "tests/test_control.py -k pump"),
+ # issue 9: fan-in from a tensor-parallel CTX
+ ("9 fan-in parts concurrent only within the budget", "orchestrator/_engine.py", "parts_at_once=seq.cost <= self.budget.capacity)", "parts_at_once=True)", "tests/test_fan_in.py -k chunked"),
+ ("9 a source's heads in its own numbering", "orchestrator/_receiver.py", "wire_slice = shift_heads(chunk, -part.peer_head_start)", "wire_slice = chunk", "tests/test_fan_in.py"),
+ ("9 a source no head comes from is freed", "orchestrator/_engine.py", "            used = {p.peer for p in parts}\n", "            used = {src.peer for src in sources}\n", "tests/test_fan_in.py -k replicated"),
+ ("9 every source told once", "orchestrator/_engine.py", "            for src in seq.request.sources():\n                if src.peer not in seen:\n                    seen.add(src.peer)\n                    self.receiver.release_soon", "            for src in seq.request.sources()[:1]:\n                if src.peer not in seen:\n                    seen.add(src.peer)\n                    self.receiver.release_soon", "tests/test_fan_in.py -k 'pulls_its_heads'"),
+ ("9 every head held at submit", "orchestrator/_engine.py", "            plan_sources(sources, kv_slice.head_start, kv_slice.head_end)  # this rank's heads are all held\n", "", "tests/test_fan_in.py -k unheld"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:
