@@ -4,7 +4,7 @@
     listen: {host: 127.0.0.1, port: 8000}
     secret_file: /etc/kvo/secret      # optional; else KVO_SHARED_SECRET (never the secret itself here)
     transfer:                         # passed to the GEN nodes the front starts
-      backend: ucx
+      backend: ucx                    # ucx | nixl: --kv-transport of every node the front starts (CTX and GEN)
       max_tokens_in_buffer: 2048      # or transfer_budget_bytes: 1048576
       kv_transfer_timeout_ms: 60000
     limits:
@@ -25,7 +25,7 @@
 
 A node is either ``addr`` (running; its transfer knobs are its own command line's) or ``launch``
 (the front starts it as a child process with ``examples.two_node.launch.NodeProcess`` and stops it
-on exit): ``host`` (127.0.0.1), ``mode``, ``step`` and ``tensor_parallel_size`` (GEN: ``--tp``),
+on exit): ``host`` (127.0.0.1), ``mode``, ``step`` and ``tensor_parallel_size`` (``--tp``, CTX or GEN),
 ``metrics_port`` (the node's own ``--metrics-port``), and ``args`` (more command-line flags, verbatim).
 """
 
@@ -39,7 +39,7 @@ import yaml
 
 from examples.two_node.control import parse_addr
 
-BACKENDS = ("ucx",)
+BACKENDS = ("ucx", "nixl")  # OrchestratorConfig.kv_transport's names (docs/transport.md: ucx is the default)
 
 
 class ConfigError(ValueError):
@@ -192,8 +192,8 @@ def _nodes(top: dict[str, Any], role: str) -> tuple[NodeSpec, ...]:
             raise ConfigError(f"{where}.launch.step: {step!r} is not model or device")
         port = launch.get("metrics_port")
         tp = _typed(launch.get("tensor_parallel_size", 1), int, f"{where}.launch.tensor_parallel_size")
-        if tp < 1 or (role == "ctx" and tp != 1):
-            raise ConfigError(f"{where}.launch.tensor_parallel_size: {tp} (a CTX node is TP1; a GEN 1, 2, 4 or 8)")
+        if tp not in (1, 2, 4, 8):
+            raise ConfigError(f"{where}.launch.tensor_parallel_size: {tp} (1, 2, 4 or 8)")
         out.append(NodeSpec(role, host=_typed(launch.get("host", "127.0.0.1"), str, f"{where}.launch.host"),
                             mode=mode, step=step, metrics_port=None if port is None else _typed(port, int, "metrics_port"),
                             tensor_parallel_size=tp,
