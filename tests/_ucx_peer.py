@@ -71,7 +71,24 @@ async def _main(args: argparse.Namespace) -> None:
             if args.send_delay:
                 await anyio.sleep(args.send_delay)
 
-    async with Server(store, config, port=args.port, lease_s=args.lease) as server:
+    if args.backend == "nixl":  # the same store behind a NIXL server; both delays hold up the lookup
+        from transports.nixl import NIXLConfig, NIXLKVServer
+
+        config = NIXLConfig(secret=secret, allow_insecure=args.insecure, max_pulls_per_connection=args.max_pulls,
+                            handshake_timeout_s=args.handshake_timeout)
+
+        class Server(NIXLKVServer):  # type: ignore[no-redef]
+            async def _before_send(self, msg: object) -> None:
+                if args.send_delay or args.gather_delay:
+                    await anyio.sleep(args.send_delay + args.gather_delay)
+
+            def statistics(self):  # type: ignore[override]  (the UCX server's names, for the tests)
+                s = super().statistics()
+                return argparse.Namespace(connections=s.connections, pulls_served=s.served, pulls_refused=s.refused,
+                                          auth_failures=s.auth_failures, malformed_frames=0, pinned=s.pinned)
+
+    async with Server(store, config, port=args.port, lease_s=args.lease,
+                      **({"host": "127.0.0.1", "expire_interval_s": 0.2} if args.backend == "nixl" else {})) as server:
         print(json.dumps({"port": server.port, "pid": __import__("os").getpid()}), flush=True)
         while True:
             line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
@@ -102,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-unauthenticated", type=int, default=64)
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--insecure", action="store_true")
+    p.add_argument("--backend", choices=["ucx", "nixl"], default="ucx", help="serve with UCXKVServer or NIXLKVServer")
     args = p.parse_args(argv)
     import anyio
     import structlog

@@ -1,6 +1,8 @@
 """NIXLTransport (GEN) against a NIXLKVServer (CTX), both in this process: parity with the CTX's
 blocks (scattered ids, full and partial slices), authentication (a wrong secret moves zero bytes),
-clean refusals, and the transport benchmark's NIXL paths in quick mode."""
+clean refusals, a stale connection replaced once, head slices from a CTX holding some heads, and
+the transport benchmark's NIXL paths in quick mode. The conformance tests shared with the UCX path
+(a CTX in another process) are in test_ucx_transport.py, parametrised by backend."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from transports import (  # noqa: E402
     KVSlice,
     KVStore,
     Landing,
+    PeerClosed,
     ProtocolViolation,
     Transport,
     UnknownRequest,
@@ -98,7 +101,8 @@ async def test_wrong_secret_moves_zero_bytes() -> None:
                 with pytest.raises(AuthenticationFailed):
                     await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle)
                 assert not into.any() and t.statistics().bytes_moved == 0
-        assert server.statistics().auth_failures == 2 and server.statistics().served == 0
+        # the wrong secret fails on the CTX; the secretless GEN gives up itself (the CTX asks for auth)
+        assert server.statistics().auth_failures == 1 and server.statistics().served == 0
         assert store.statistics().held_requests == 1  # the entry is still there
 
 
@@ -171,7 +175,7 @@ async def test_ctx_restart_reconnects_and_hold_renews() -> None:
     config = NIXLConfig(secret=SECRET)
     async with NIXLTransport(config, layout=LAYOUT) as t:
         into = torch.zeros(LAYOUT.wire_shape(len(IDS)), dtype=LAYOUT.dtype)
-        async with NIXLKVServer(store, config, host="127.0.0.1", expire_interval_s=0.1) as first:
+        async with NIXLKVServer(store, config, host="127.0.0.1", expire_interval_s=0.1, lease_s=0.5) as first:
             port = first.port
             peer = f"127.0.0.1:{port}"
             await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
@@ -185,3 +189,107 @@ async def test_ctx_restart_reconnects_and_hold_renews() -> None:
             await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle)
             assert torch.equal(into, gather(store.pool, IDS, LAYOUT.full_slice()))
             await _until(lambda: second.statistics().served == 1)
+
+
+class _DropsConnections(NIXLKVServer):
+    """A CTX that drops every GEN connection when a lookup of a request in ``drop_on`` arrives (as a
+    CTX that restarted between two pulls does), before answering it: no READ can have been posted."""
+
+    drop_on: set[str] = set()
+
+    async def _before_send(self, msg) -> None:
+        if msg.get("rid") in self.drop_on:
+            if msg["rid"].endswith("-once"):
+                self.drop_on.discard(msg["rid"])
+            for w in list(self._conns):
+                w.close()
+            await asyncio.sleep(3600)  # never answered: the connection is gone
+
+
+@pytest.mark.anyio
+async def test_a_stale_connection_is_replaced_once_before_any_read() -> None:
+    store = _store()
+    h1 = store.put("r1", IDS, num_tokens=25, lease_s=60)
+    h2 = store.put("r2-once", torch.tensor([1, 4]), num_tokens=8, lease_s=60)
+    h3 = store.put("r3", torch.tensor([6]), num_tokens=4, lease_s=60)
+    config = NIXLConfig(secret=SECRET)
+    async with _DropsConnections(store, config, host="127.0.0.1") as server:
+        server.drop_on = {"r2-once", "r3"}
+        peer = f"127.0.0.1:{server.port}"
+        async with NIXLTransport(config, layout=LAYOUT) as t:
+            into = torch.zeros(LAYOUT.wire_shape(len(IDS)), dtype=LAYOUT.dtype)
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=h1)  # the connection served once
+            two = torch.zeros(LAYOUT.wire_shape(2), dtype=LAYOUT.dtype)
+            await t.pull(peer, "r2-once", LAYOUT.full_slice(), two, handle=h2)  # dropped, then retried on a new one
+            assert torch.equal(two, gather(store.pool, torch.tensor([1, 4]), LAYOUT.full_slice()))
+            assert t.statistics().pulls_retried == 1
+            one = torch.zeros(LAYOUT.wire_shape(1), dtype=LAYOUT.dtype)
+            with pytest.raises(PeerClosed):  # dropped on the retry too: one retry only, then it fails
+                await t.pull(peer, "r3", LAYOUT.full_slice(), one, handle=h3)
+            assert t.statistics().pulls_retried == 2 and not one.any()
+            assert store.statistics().held_requests == 1  # r3 is still held (r1, r2 were pulled)
+
+
+@pytest.mark.anyio
+async def test_head_slices_from_a_ctx_that_holds_only_some_heads() -> None:
+    """GEN tensor parallelism: a GEN rank holding 2 of the model's 4 KV heads pulls heads 2..4 from a
+    CTX that holds all four, and heads 0..2 (its own numbering) from a CTX rank that holds only the
+    model's heads 2..4; a CTX whose model has another number of heads is refused at connect."""
+    from transports import IncompatiblePeer
+
+    gen_layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float16)
+    full = _store()
+    hf = full.put("r1", IDS, num_tokens=25, lease_s=60)
+    half = KVStore(gen_layout, gen_layout.new_pool(16).uniform_())
+    hh = half.put("r1", IDS, num_tokens=25, lease_s=60)
+    config = NIXLConfig(secret=SECRET)
+    async with NIXLKVServer(full, config, host="127.0.0.1") as a, \
+            NIXLKVServer(half, config, host="127.0.0.1", head_start=2, total_kv_heads=4) as b, \
+            NIXLKVServer(half, config, host="127.0.0.1") as c:  # says its model has 2 heads
+        async with NIXLTransport(config, layout=gen_layout, total_kv_heads=4) as t:
+            upper = KVSlice(0, 3, 2, 4)
+            into = torch.zeros(gen_layout.wire_shape(len(IDS)), dtype=gen_layout.dtype)
+            await t.pull(f"127.0.0.1:{a.port}", "r1", upper, into, handle=hf)
+            assert torch.equal(into, gather(full.pool, IDS, upper))
+            into.zero_()
+            await t.pull(f"127.0.0.1:{b.port}", "r1", gen_layout.full_slice(), into, handle=hh)
+            assert torch.equal(into, gather(half.pool, IDS, gen_layout.full_slice()))
+            with pytest.raises(IncompatiblePeer, match="kv_heads 2 vs 4"):
+                await t.connect(f"127.0.0.1:{c.port}")
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_read_keeps_its_landing_busy_until_the_data_is_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ cannot be withdrawn: a pull cancelled while its 32 MiB READ runs returns at once, and
+    its landing goes idle only when NIXL ended the READ, by which time every byte has landed.
+
+    Over TCP: on shared memory / cma, NIXL's ``transfer()`` copies the data before it returns (the
+    READ is never in flight when the pull could be cancelled); over TCP UCX emulates the GET with
+    the target's progress thread, so the READ runs for tens of ms after ``transfer()``."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")  # read when the agents below create their UCX contexts
+    big = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, block_size=256, dtype=torch.float16)  # 4 MiB blocks
+    store = KVStore(big, big.new_pool(10).uniform_())
+    ids = torch.arange(1, 9)
+    handle = store.put("big", ids, num_tokens=8 * 256, lease_s=60)
+    want = gather(store.pool, ids, big.full_slice())
+    config = NIXLConfig(secret=SECRET)
+    async with NIXLKVServer(store, config, host="127.0.0.1") as server:
+        peer = f"127.0.0.1:{server.port}"
+        async with NIXLTransport(config, layout=big) as t:
+            into = torch.zeros(big.wire_shape(len(ids)), dtype=big.dtype)
+            t.register(into)
+            await t.connect(peer)
+            landing, at_idle = Landing(), []
+            task = asyncio.ensure_future(t.pull(peer, "big", big.full_slice(), into, handle=handle, landing=landing,
+                                                release=False))
+            while not landing.busy:  # the READ is posted
+                assert not task.done()
+                await asyncio.sleep(0)
+            task.cancel()
+            landing.when_idle(lambda: at_idle.append(torch.equal(into, want)))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await _until(lambda: not landing.busy)
+            assert at_idle == [True]  # idle only once the whole READ had landed
+            await _until(lambda: server.statistics().pinned == 0)
+    assert store.statistics().held_requests == 1

@@ -1,4 +1,9 @@
-"""UCXTransport (in this process) against a UCXKVServer in another process (tests/_ucx_peer.py)."""
+"""UCXTransport (in this process) against a UCXKVServer in another process (tests/_ucx_peer.py).
+
+The conformance tests (every test that takes the ``backend`` fixture) run against both data planes:
+``ucx`` (UCXTransport / UCXKVServer) and ``nixl`` (NIXLTransport / NIXLKVServer, the same peer
+process with ``--backend nixl``); the nixl ones skip only if ``nixl_cu12`` cannot be imported.
+The rest test what only the UCX path has (its wire frames, tags, UCX settings, the receive grace)."""
 
 from __future__ import annotations
 
@@ -34,15 +39,48 @@ ucxx = pytest.importorskip("ucxx")
 from transports.ucx import UCXConfig, UCXTransport as _UCXTransport, _ucx_buffer, apply_ucx_defaults  # noqa: E402
 
 
-class UCXTransport(_UCXTransport):
-    """The real transport; a pull or release that names no handle presents the one the test peer
-    issued for that request (``handle_for``), as a GEN presents the CTX's handle from the prefill."""
+class PresentsHandles:
+    """Mixed into a real transport: a pull or release that names no handle presents the one the test
+    peer issued for that request (``handle_for``), as a GEN presents the CTX's handle from the prefill."""
 
     async def pull(self, peer, request_id, kv_slice, into, *, handle=None, **kw):  # type: ignore[override]
         return await super().pull(peer, request_id, kv_slice, into, handle=handle or _handle(request_id), **kw)
 
     async def release(self, peer, request_id, *, handle=None):  # type: ignore[override]
         return await super().release(peer, request_id, handle=handle or _handle(request_id))
+
+
+class UCXTransport(PresentsHandles, _UCXTransport):
+    pass
+
+
+def _nixl_missing() -> str | None:
+    try:
+        import nixl_cu12._api  # noqa: F401
+    except ImportError as exc:
+        return f"nixl_cu12 cannot be imported ({exc}); run.sh installs it (pip install -c constraints.txt '.[nixl]')"
+    return None
+
+
+BACKENDS = [pytest.param("ucx"),
+            pytest.param("nixl", marks=pytest.mark.skipif(_nixl_missing() is not None, reason=str(_nixl_missing())))]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The data plane under test: ``ucx`` or ``nixl``."""
+    return request.param
+
+
+def make_transport(backend: str, *, secret: bytes | None = b"test-secret-0123456789abcdef", layout=None,
+                   total_kv_heads=None, **config: object):
+    """The GEN side of ``backend``: UCXConfig/NIXLConfig share these knob names."""
+    if backend == "ucx":
+        return UCXTransport(UCXConfig(secret=secret, **config), layout=layout, total_kv_heads=total_kv_heads)  # type: ignore[arg-type]
+    from transports.nixl import NIXLConfig, NIXLTransport
+
+    cls = type("NIXLTransport", (PresentsHandles, NIXLTransport), {})
+    return cls(NIXLConfig(secret=secret, **config), layout=layout, total_kv_heads=total_kv_heads)  # type: ignore[arg-type]
 
 
 def _handle(request_id: str) -> str | None:
@@ -65,12 +103,13 @@ class Peer:
     """A CTX process; ``stats()`` asks it what its store still holds."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, secret: bytes | None = SECRET,
-                 prefix: list[str] | None = None, log: Path | None = None) -> None:
+                 prefix: list[str] | None = None, log: Path | None = None, backend: str = "ucx") -> None:
         full_env = {**os.environ, **(env or {})}
         full_env.pop("KVO_SHARED_SECRET", None)
         if secret is not None:
             full_env["KVO_SHARED_SECRET"] = secret.decode()
-        cmd = [*(prefix or []), sys.executable, "-m", "tests._ucx_peer", "--requests", str(REQUESTS), "--blocks", str(BLOCKS), *args]
+        cmd = [*(prefix or []), sys.executable, "-m", "tests._ucx_peer", "--requests", str(REQUESTS), "--blocks", str(BLOCKS), *args,
+               "--backend", backend]
         stderr = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
         if log is not None:
@@ -117,22 +156,22 @@ class Peer:
 
 
 @pytest.fixture(scope="module")
-def peer() -> Iterator[Peer]:
-    p = Peer()
+def peer(backend: str) -> Iterator[Peer]:
+    p = Peer(backend=backend)
     yield p
     p.stop()
 
 
 @pytest.fixture(scope="module")
-def slow_peer() -> Iterator[Peer]:
-    p = Peer("--gather-delay", "0.6")
+def slow_peer(backend: str) -> Iterator[Peer]:
+    p = Peer("--gather-delay", "0.6", backend=backend)
     yield p
     p.stop()
 
 
 @pytest.fixture
-async def transport():
-    t = UCXTransport(UCXConfig(secret=SECRET, connect_timeout_s=5))
+async def transport(backend: str):
+    t = make_transport(backend, connect_timeout_s=5)
     yield t
     await t.aclose()
 
@@ -176,11 +215,11 @@ def test_config_requires_secret_or_explicit_insecure() -> None:
 
 
 @pytest.mark.anyio
-async def test_bad_or_dead_address_is_unreachable() -> None:
+async def test_bad_or_dead_address_is_unreachable(backend: str) -> None:
     from transports import PeerUnreachable
 
     with anyio.fail_after(15):
-        async with UCXTransport(UCXConfig(secret=SECRET, connect_timeout_s=1.0)) as transport:
+        async with make_transport(backend, connect_timeout_s=1.0) as transport:
             with pytest.raises(PeerUnreachable, match="host:port"):
                 await transport.connect("no-port-here")
             t0 = anyio.current_time()
@@ -230,10 +269,11 @@ async def test_chunked_pull_keeps_the_entry_until_the_last_chunk(peer: Peer, tra
 async def test_concurrent_pulls_on_one_endpoint_do_not_mix(peer: Peer, transport: UCXTransport) -> None:
     ids = range(2, 26)
     out = {i: empty() for i in ids}
-    with anyio.fail_after(30):
+    with anyio.fail_after(30), structlog_capture() as logs:
         async with anyio.create_task_group() as tg:
             for i in ids:
                 tg.start_soon(transport.pull, peer.address, f"req-{i}", LAYOUT.full_slice(), out[i])
+    assert [e["event"] for e in logs].count(f"{transport.name}_connected") == 1  # one connect, shared by all
     for i in ids:
         assert torch.equal(out[i], expected(i)), i
     assert transport.statistics().endpoints == 1
@@ -278,7 +318,7 @@ async def test_release(peer: Peer, transport: UCXTransport) -> None:
 
 
 @pytest.mark.anyio
-async def test_concurrent_pulls_of_one_request_and_cancel(slow_peer: Peer, transport: UCXTransport) -> None:
+async def test_concurrent_pulls_of_one_request_and_cancel(slow_peer: Peer, transport: UCXTransport, backend: str) -> None:
     results: dict[str, object] = {}
 
     async def pull(name: str, into: torch.Tensor, kv_slice: KVSlice) -> None:
@@ -308,10 +348,17 @@ async def test_concurrent_pulls_of_one_request_and_cancel(slow_peer: Peer, trans
         c, landing = empty(), Landing()
         with anyio.move_on_after(0.2) as scope:
             await transport.pull(slow_peer.address, "req-1", LAYOUT.full_slice(), c, landing=landing)
-        assert scope.cancelled_caught and landing.busy
-        await wait_idle(landing)
-        assert torch.equal(c, expected(1))
-        await wait_released(slow_peer, "req-1")  # it was sent in full, with release
+        if backend == "ucx":
+            assert scope.cancelled_caught and landing.busy
+            await wait_idle(landing)
+            assert torch.equal(c, expected(1))
+            await wait_released(slow_peer, "req-1")  # it was sent in full, with release
+        else:  # NIXL: cancelled before its READ was posted (the lookup is slow): nothing may land, the
+            # CTX unpins when its answer comes, and keeps the entry
+            assert scope.cancelled_caught and not landing.busy
+            await anyio.sleep(0.8)  # past the lookup's answer
+            assert torch.isnan(c).all() and "req-1" in (await slow_peer.astats())["held"]
+            assert (await slow_peer.astats())["pinned"] == 0
         d = empty()
         await transport.pull(slow_peer.address, "req-2", LAYOUT.full_slice(), d)  # same endpoint
         assert torch.equal(d, expected(2))
@@ -325,6 +372,7 @@ async def wait_idle(landing: Landing, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # the receive grace is UCX's (NIXL: test_nixl_transport)
 async def test_cancelled_pull_returns_at_once_and_its_landing_ends_with_the_receive(transport: UCXTransport) -> None:
     """A pull cancelled while its receive is posted returns at once with its landing busy; within the
     grace the KV lands and the landing ends, the endpoint survives. Past the grace the endpoint (and
@@ -371,8 +419,8 @@ async def test_cancelled_pull_returns_at_once_and_its_landing_ends_with_the_rece
 
 
 @pytest.mark.anyio
-async def test_peer_killed_mid_pull_then_restarted(transport: UCXTransport) -> None:
-    victim = Peer("--send-delay", "5")  # the pulls wait in the data phase, receive posted
+async def test_peer_killed_mid_pull_then_restarted(transport: UCXTransport, backend: str) -> None:
+    victim = Peer("--send-delay", "5", backend=backend)  # the pulls wait in the data phase (UCX: receive posted)
     port = victim.port
     try:
         with anyio.fail_after(30):
@@ -395,7 +443,7 @@ async def test_peer_killed_mid_pull_then_restarted(transport: UCXTransport) -> N
             assert anyio.current_time() - killed_at < 5
             assert transport.statistics().endpoints == 0  # the stale endpoint is gone
 
-            again = Peer("--port", str(port))
+            again = Peer("--port", str(port), backend=backend)
             try:
                 into = empty()
                 await transport.pull(again.address, "req-2", LAYOUT.full_slice(), into)
@@ -407,16 +455,33 @@ async def test_peer_killed_mid_pull_then_restarted(transport: UCXTransport) -> N
 
 
 @pytest.mark.anyio
-async def test_wrong_or_missing_secret_moves_zero_bytes(peer: Peer) -> None:
+async def test_wrong_or_missing_secret_moves_zero_bytes(peer: Peer, backend: str) -> None:
     rid = "req-39"
     with anyio.fail_after(30):
-        for config in (UCXConfig(secret=b"wrong-secret-wrong-secret"), UCXConfig(allow_insecure=True)):
-            async with UCXTransport(config) as t:
+        for config in ({"secret": b"wrong-secret-wrong-secret"}, {"secret": None, "allow_insecure": True}):
+            async with make_transport(backend, **config) as t:  # type: ignore[arg-type]
                 into = empty()
                 with pytest.raises(AuthenticationFailed):
                     await t.pull(peer.address, rid, LAYOUT.full_slice(), into)
                 assert torch.isnan(into).all()
-                assert t.statistics().endpoints == 0
+                assert t.statistics().endpoints == 0 and t.statistics().bytes_moved == 0
+        if backend == "nixl":  # a raw client that skips the handshake and looks the request up
+            import asyncio
+
+            from transports.nixl import read_msg, write_msg
+
+            reader, writer = await asyncio.open_connection("127.0.0.1", peer.port)
+            try:
+                assert (await read_msg(reader, 1024))["t"] == "challenge"
+                write_msg(writer, {"t": "lookup", "id": 1, "rid": rid, "handle": handle_for(rid), "slice": [0, 4, 0, 4],
+                                   "dtype": "float16", "shape": list(LAYOUT.wire_shape(BLOCKS)), "keep": False})
+                assert (await read_msg(reader, 1024))["t"] == "fail"  # no metadata, so no rkey: nothing can be read
+                assert await reader.read() == b""  # and the connection is closed
+            finally:
+                writer.close()
+            stats = await peer.astats()
+            assert rid in stats["held"] and stats["auth_failures"] >= 2  # wrong secret, raw lookup
+            return
         # a raw client that skips the handshake and asks for KV straight away
         apply_ucx_defaults()
         ep = await ucxx.create_endpoint("127.0.0.1", peer.port)
@@ -439,14 +504,14 @@ async def test_wrong_or_missing_secret_moves_zero_bytes(peer: Peer) -> None:
 
 
 @pytest.mark.anyio
-async def test_secure_client_refuses_insecure_server() -> None:
-    open_peer = Peer("--insecure", secret=None)
+async def test_secure_client_refuses_insecure_server(backend: str) -> None:
+    open_peer = Peer("--insecure", secret=None, backend=backend)
     try:
         with anyio.fail_after(20):
-            async with UCXTransport(UCXConfig(secret=SECRET)) as t:
+            async with make_transport(backend) as t:
                 with pytest.raises(AuthenticationFailed, match="does not authenticate"):
                     await t.connect(open_peer.address)
-            async with UCXTransport(UCXConfig(allow_insecure=True)) as t:
+            async with make_transport(backend, secret=None, allow_insecure=True) as t:
                 into = empty()
                 await t.pull(open_peer.address, "req-3", LAYOUT.full_slice(), into)
                 assert torch.equal(into, expected(3))
@@ -505,6 +570,7 @@ def test_pull_across_network_namespaces() -> None:
 
 # -- issue 8: hardening of the data plane -----------------------------------------------------------
 @pytest.mark.anyio
+@pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # UCX wire frames
 async def test_a_malformed_frame_fails_its_request_only(peer: Peer, transport: UCXTransport) -> None:
     """A PULL whose request id breaks the rule gets PULL_ERR and an empty data message; a RELEASE of
     such an id gets RELEASE_OK(False); pulls sharing the endpoint go on, the endpoint survives."""
@@ -563,21 +629,24 @@ async def test_a_bad_request_id_never_reaches_the_wire_and_release_does_not_rais
 
 
 @pytest.mark.anyio
-async def test_a_layout_mismatch_fails_the_connection_once_with_a_clear_error(peer: Peer) -> None:
+async def test_a_layout_mismatch_fails_the_connection_once_with_a_clear_error(peer: Peer, backend: str) -> None:
     from transports import IncompatiblePeer, KVLayout
 
     other = KVLayout(num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads, head_dim=LAYOUT.head_dim,
                      block_size=32, dtype=LAYOUT.dtype)
     with anyio.fail_after(20):
-        async with UCXTransport(UCXConfig(secret=SECRET, dead_peer_backoff_s=30), layout=other) as t:
-            with pytest.raises(IncompatiblePeer, match="block_size 16 vs 32"):
-                await t.connect(peer.address)
-            t0 = anyio.current_time()
-            for _ in range(5):  # later pulls fail at once, without connecting again
-                with pytest.raises(IncompatiblePeer):
-                    await t.pull(peer.address, "req-35", LAYOUT.full_slice(), empty())
-            assert anyio.current_time() - t0 < 0.5
-        async with UCXTransport(UCXConfig(secret=SECRET), layout=LAYOUT) as t:  # the right layout connects
+        async with make_transport(backend, dead_peer_backoff_s=30, layout=other) as t:
+            with structlog_capture() as logs:
+                with pytest.raises(IncompatiblePeer, match="block_size 16 vs 32"):
+                    await t.connect(peer.address)
+                t0 = anyio.current_time()
+                for _ in range(5):  # later pulls fail at once, without connecting again
+                    with pytest.raises(IncompatiblePeer):
+                        await t.pull(peer.address, "req-35", LAYOUT.full_slice(), empty())
+                assert anyio.current_time() - t0 < 0.5
+            assert [e["event"] for e in logs].count(f"{backend}_incompatible_peer") == 1  # one handshake
+            assert t.statistics().peers_down == 1
+        async with make_transport(backend, layout=LAYOUT) as t:  # the right layout connects
             await t.connect(peer.address)
 
 
@@ -599,16 +668,16 @@ async def test_gen_keeps_below_the_ctx_pull_limit_so_nothing_is_refused_busy() -
 
 
 @pytest.mark.anyio
-async def test_a_refused_port_and_a_dead_peer_fail_at_once_not_one_connect_timeout_each() -> None:
+async def test_a_refused_port_and_a_dead_peer_fail_at_once_not_one_connect_timeout_each(backend: str) -> None:
     from transports import PeerUnreachable
 
     with anyio.fail_after(30):
-        async with UCXTransport(UCXConfig(secret=SECRET, connect_timeout_s=5.0)) as t:
+        async with make_transport(backend, connect_timeout_s=5.0) as t:
             t0 = anyio.current_time()
             with pytest.raises(PeerUnreachable, match="refused"):
                 await t.pull("127.0.0.1:1", "req-0", LAYOUT.full_slice(), empty())
             assert anyio.current_time() - t0 < 1.0  # not the 5 s connect timeout
-            victim = Peer()
+            victim = Peer(backend=backend)
             try:
                 await t.pull(victim.address, "req-0", LAYOUT.full_slice(), empty())
             finally:
@@ -630,16 +699,16 @@ async def test_a_refused_port_and_a_dead_peer_fail_at_once_not_one_connect_timeo
 
 
 @pytest.mark.anyio
-async def test_a_ctx_restarted_while_idle_is_reached_on_the_first_try() -> None:
-    first = Peer()
+async def test_a_ctx_restarted_while_idle_is_reached_on_the_first_try(backend: str) -> None:
+    first = Peer(backend=backend)
     port = first.port
     try:
         with anyio.fail_after(40):
-            async with UCXTransport(UCXConfig(secret=SECRET)) as t:
+            async with make_transport(backend) as t:
                 into = empty()
                 await t.pull(first.address, "req-0", LAYOUT.full_slice(), into)  # an endpoint, now idle
                 first.kill()
-                second = Peer("--port", str(port))
+                second = Peer("--port", str(port), backend=backend)
                 try:
                     await t.pull(second.address, "req-1", LAYOUT.full_slice(), into)  # the stale endpoint is replaced
                     assert torch.equal(into, expected(1))
@@ -650,19 +719,19 @@ async def test_a_ctx_restarted_while_idle_is_reached_on_the_first_try() -> None:
 
 
 @pytest.mark.anyio
-async def test_auth_failures_are_logged_with_the_peer_address(tmp_path: Path) -> None:
+async def test_auth_failures_are_logged_with_the_peer_address(tmp_path: Path, backend: str) -> None:
     log = tmp_path / "ctx.log"
-    p = Peer(log=log)
+    p = Peer(log=log, backend=backend)
     try:
         with anyio.fail_after(20):
-            async with UCXTransport(UCXConfig(secret=b"wrong-secret-wrong-secret")) as t:
+            async with make_transport(backend, secret=b"wrong-secret-wrong-secret") as t:
                 with pytest.raises(AuthenticationFailed):
                     await t.connect(p.address)
             await p.astats()
     finally:
         p.stop()
     events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-    failed = [e for e in events if e.get("event") == "ucx_auth_failed"]
+    failed = [e for e in events if e.get("event") == f"{backend}_auth_failed"]
     assert failed and failed[0]["peer"] and failed[0]["peer"].startswith("127.0.0.1:")
 
 
@@ -687,3 +756,24 @@ async def test_unauthenticated_endpoints_are_bounded() -> None:
         for ep in silent:
             ep.abort()
         p.stop()
+
+
+@pytest.mark.anyio
+async def test_peers_are_bounded(peer: Peer, backend: str) -> None:
+    """``max_peers``: a GEN keeps per-peer state for at most that many CTX peers at once."""
+    from transports import PeerUnreachable
+
+    second = Peer(backend=backend)
+    try:
+        with anyio.fail_after(30):
+            async with make_transport(backend, max_peers=1) as t:
+                await t.pull(peer.address, "req-36", LAYOUT.full_slice(), empty())
+                with pytest.raises(PeerUnreachable, match="too many KV peers"):
+                    await t.pull(second.address, "req-36", LAYOUT.full_slice(), empty())
+                assert t.statistics().endpoints == 1
+            async with make_transport(backend, max_peers=2) as t:  # within the bound: both connect
+                await t.connect(peer.address)
+                await t.connect(second.address)
+                assert t.statistics().endpoints == 2
+    finally:
+        second.stop()

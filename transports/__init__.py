@@ -1,7 +1,9 @@
 """Transports that move a request's KV from a CTX node to a GEN node.
 
 The orchestrator depends only on the ``Transport`` protocol; ``inproc`` serves tests, ``ucx``
-(imported explicitly, ``transports.ucx``) is the real data plane.
+(imported explicitly, ``transports.ucx``) is the real data plane, the default; ``nixl``
+(``transports.nixl``, needs ``nixl-cu12``) is the one-sided READ one. A node picks one with
+``--kv-transport ucx|nixl`` (``examples.two_node.common.kv_transport`` / ``kv_server``).
 """
 
 from ._errors import AuthenticationFailed as AuthenticationFailed

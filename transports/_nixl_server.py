@@ -56,13 +56,20 @@ def _pin(store: KVStore, request_id: str, handle: str | None) -> tuple[list[int]
 
 
 class NIXLKVServer:
-    """``async with NIXLKVServer(store, config, port=0) as server: await server.serve_forever()``"""
+    """``async with NIXLKVServer(store, config, port=0) as server: await server.serve_forever()``
+
+    ``head_start``/``total_kv_heads`` place this node's KV heads in the model (tensor parallelism):
+    the store holds ``store.layout.num_kv_heads`` heads from ``head_start``; GEN is told at connect
+    and names them in this node's own numbering (0 .. num_kv_heads) when it pulls."""
 
     def __init__(self, store: KVStore, config: Any, *, host: str = "0.0.0.0", port: int = 0, lease_s: float = 30.0,
-                 expire_interval_s: float = 1.0, idle_notif_poll_s: float = 0.5, busy_notif_poll_s: float = 0.001) -> None:
+                 expire_interval_s: float = 1.0, idle_notif_poll_s: float = 0.5, busy_notif_poll_s: float = 0.001,
+                 head_start: int = 0, total_kv_heads: int | None = None) -> None:
         from .nixl import make_agent
 
         self.store, self.config, self.host, self._port, self._lease_s = store, config, host, port, lease_s
+        self._heads = [head_start, head_start + store.layout.num_kv_heads]
+        self._total_kv_heads = total_kv_heads if total_kv_heads is not None else store.layout.num_kv_heads
         self._expire_interval_s = expire_interval_s
         self._idle_poll, self._busy_poll = idle_notif_poll_s, busy_notif_poll_s
         if config.secret is None:
@@ -115,6 +122,9 @@ class NIXLKVServer:
     async def serve_forever(self) -> None:
         await anyio.sleep_forever()
 
+    async def _before_send(self, msg: dict[str, Any]) -> None:
+        """Test seam: runs after a lookup arrived, before it is answered (the READ comes after)."""
+
     # -- notifications and pins ---------------------------------------------------------------------
 
     def _drain_notifs(self) -> None:
@@ -162,11 +172,13 @@ class NIXLKVServer:
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         from .nixl import _MAX_MESSAGE_BYTES, _PRE_AUTH_BYTES, layout_info, read_msg, write_msg
 
-        peer = writer.get_extra_info("peername")
+        name = writer.get_extra_info("peername")
+        peer = f"{name[0]}:{name[1]}" if isinstance(name, tuple) and len(name) >= 2 else str(name)
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
         self._conns.add(writer)
+        lookups: set[asyncio.Task[Any]] = set()  # answered in their own tasks: a slow one holds up no other
         try:
             secret = self.config.secret
             ns = _auth.new_nonce()
@@ -177,25 +189,36 @@ class NIXLKVServer:
             if resp.get("t") != "response" or (
                     secret is not None and not _auth.verify(_auth.client_mac(secret, ns, nc), bytes.fromhex(str(resp.get("mac", ""))))):
                 self._auth_failures += 1
-                log.warning("nixl_auth_failed", peer=str(peer))
+                log.warning("nixl_auth_failed", peer=peer)
                 write_msg(writer, {"t": "fail"})
                 await writer.drain()
                 return
             info = json.dumps({"layout": layout_info(self.store.layout), "pool": self._pool_info,
+                               "heads": self._heads, "total_kv_heads": self._total_kv_heads,
                                "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
                                "lease_ms": int(self._lease_s * 1000)}).encode()
             mac = _auth.server_mac(secret, ns, nc, info) if secret is not None else b""
             write_msg(writer, {"t": "ok", "mac": mac.hex(), "info": info.decode()})
             while True:
                 msg = await read_msg(reader, _MAX_MESSAGE_BYTES)
+                if msg["t"] == "lookup":
+                    if len(lookups) >= self.config.max_pulls_per_connection:
+                        write_msg(writer, {**self._refuse("BUSY", "too many lookups in flight"), "id": msg.get("id")})
+                        continue
+                    lookup = asyncio.ensure_future(self._answer_lookup(writer, msg))
+                    lookups.add(lookup)
+                    lookup.add_done_callback(lookups.discard)
+                    continue
                 answer = self._handle(msg)
                 if answer is not None:
                     write_msg(writer, {**answer, "id": msg.get("id")})
         except (OSError, asyncio.IncompleteReadError, TimeoutError, ProtocolViolation, ValueError) as exc:
-            log.debug("nixl_connection_ended", peer=str(peer), reason=f"{type(exc).__name__}: {exc}")
+            log.debug("nixl_connection_ended", peer=peer, reason=f"{type(exc).__name__}: {exc}")
         except asyncio.CancelledError:  # the server closes; asyncio's stream callback would log a re-raise
             pass
         finally:
+            for lookup in list(lookups):  # not answered: nothing was pinned for them
+                lookup.cancel()
             self._conns.discard(writer)
             self._handlers.discard(task)
             writer.close()
@@ -204,10 +227,15 @@ class NIXLKVServer:
         self._refused += 1
         return {"t": "error", "status": status, "reason": reason[:200]}
 
+    async def _answer_lookup(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+        from .nixl import write_msg
+
+        await self._before_send(msg)
+        if not writer.is_closing():  # the GEN went away meanwhile: nothing to pin for it
+            write_msg(writer, {**self._lookup(msg), "id": msg.get("id")})
+
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         kind = msg["t"]
-        if kind == "lookup":
-            return self._lookup(msg)
         if kind == "unpin":
             self._done(str(msg.get("token")), ok=False)
             return None

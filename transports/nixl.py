@@ -62,7 +62,8 @@ from ._errors import (
     UnknownRequest,
 )
 from ._ids import InvalidRequestId, check_handle, check_request_id
-from ._layout import KVLayout, KVSlice, dtype_name
+from ._layout import KVLayout, KVSlice, dtype_from_name, dtype_name
+from ._peers import PeerConnections
 from ._protocol import Landing, parse_peer
 
 try:
@@ -86,6 +87,9 @@ class NIXLConfig:
     handshake_timeout_s: float = 5.0
     request_timeout_s: float = 5.0  # a lookup or release answer
     pin_timeout_s: float = 30.0  # CTX: a lookup's blocks stay pinned this long without its notification
+    dead_peer_backoff_s: float = 1.0  # GEN: after a failed connect, pulls to that peer fail at once this long
+    max_peers: int = 256  # GEN: distinct CTX peers connected (or connecting) at once
+    max_pulls_per_connection: int = 256  # CTX: lookups pinned at once for one GEN connection (more: BUSY)
     progress_delay_us: int = 1000  # the NIXL progress thread's poll() timeout (0 spins a core)
     progress_thread: bool = True
     ucx_env: tuple[tuple[str, str], ...] = ()
@@ -191,8 +195,10 @@ def layout_info(layout: KVLayout) -> dict[str, Any]:
 
 class _Conn:
     def __init__(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: dict[str, Any],
-                 agent_name: str) -> None:
+                 agent_name: str, remote: KVLayout) -> None:
         self.peer, self.reader, self.writer, self.info, self.agent_name = peer, reader, writer, info, agent_name
+        self.remote = remote  # the CTX's KV layout (its pool: only the heads it holds)
+        self.answered = 0  # lookups it answered (a connection that served before may have gone stale since)
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.error: TransportError | None = None
         self.ids = itertools.count(1)
@@ -213,6 +219,7 @@ class _Conn:
     def fail(self, err: TransportError) -> None:
         if self.error is None:
             self.error = err
+            log.info("nixl_connection_failed", peer=self.peer, reason=str(err))
         for fut in self.waiting.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -240,35 +247,51 @@ class _Conn:
 
 @dataclasses.dataclass
 class NIXLTransportStatistics:
-    peers: int
+    endpoints: int  # live control connections (one per CTX peer)
     pulls_ok: int
     pulls_failed: int
+    pulls_retried: int  # on a fresh connection, after a reused one turned out stale before any KV moved
     bytes_moved: int
+    peers_down: int
     adhoc_registrations: int  # pulls into memory not registered with register(): registered per pull
 
 
 class NIXLTransport:
     """GEN side (implements ``transports.Transport``). ``register(pool)`` once; pulls into memory
-    inside a registered tensor need no registration (others are registered for the one pull)."""
+    inside a registered tensor need no registration (others are registered for the one pull).
+
+    ``layout``: this node's KV layout; a peer whose layout differs (layers, head size, block size,
+    dtype, or a different number of KV heads in the model than ``total_kv_heads``, default
+    ``layout.num_kv_heads``) is refused once at connect with ``IncompatiblePeer``. A CTX may hold
+    only some heads (tensor parallelism): a pull names them in that CTX's own numbering.
+
+    Connections follow ``UCXTransport``'s rules: one connect attempt per peer at a time, a refused
+    port fails at once, a failed connect marks the peer down for ``dead_peer_backoff_s``, at most
+    ``max_peers`` peers, and a pull whose reused connection turned out stale before its READ was
+    posted reconnects once."""
 
     name = "nixl"
 
-    def __init__(self, config: NIXLConfig, *, layout: KVLayout | None = None) -> None:
+    def __init__(self, config: NIXLConfig, *, layout: KVLayout | None = None, total_kv_heads: int | None = None) -> None:
         self.config = config
         self.layout = layout
+        self.total_kv_heads = total_kv_heads if total_kv_heads is not None else (layout.num_kv_heads if layout else None)
         if config.secret is None:
             log.warning("nixl_auth_disabled", role="gen")
         self.agent = make_agent(f"kvo-gen-{secrets.token_hex(6)}", config)
         self._regions: list[tuple[int, int, str, Any]] = []  # (start, end, mem, reg descs)
-        self._conns: dict[str, _Conn] = {}
-        self._agents: dict[str, str] = {}  # peer -> the NIXL name of its agent
-        self._connecting: dict[str, asyncio.Future[_Conn]] = {}
+        self._peers: PeerConnections[_Conn] = PeerConnections(
+            self._open, max_peers=config.max_peers, backoff_s=config.dead_peer_backoff_s,
+            usable=lambda c: c.error is None, discard=self._close_conn)
+        self._agents: dict[str, str] = {}  # peer -> the NIXL name of its agent (at most max_peers)
+        self._reads: dict[str, int] = {}  # peer -> READs in flight (its agent is not forgotten meanwhile)
         self._background: set[asyncio.Future[Any]] = set()
-        self._ok = self._failed = self._bytes = self._adhoc = 0
+        self._ok = self._failed = self._bytes = self._adhoc = self._retried = 0
         self._closed = False
 
     def statistics(self) -> NIXLTransportStatistics:
-        return NIXLTransportStatistics(len(self._conns), self._ok, self._failed, self._bytes, self._adhoc)
+        return NIXLTransportStatistics(self._peers.live, self._ok, self._failed, self._retried, self._bytes,
+                                       self._peers.down, self._adhoc)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Register ``tensor``'s memory with NIXL once (the GEN's KV pool or staging arena)."""
@@ -285,47 +308,52 @@ class NIXLTransport:
         await self._conn(peer)
 
     async def _conn(self, peer: str) -> _Conn:
-        if self._closed:
-            raise PeerClosed("transport is closed", peer=peer)
-        conn = self._conns.get(peer)
-        if conn is not None and conn.error is None:
-            return conn
-        self._conns.pop(peer, None)
-        attempt = self._connecting.get(peer)
-        if attempt is None:
-            attempt = asyncio.ensure_future(self._open(peer))
-            self._connecting[peer] = attempt
-            attempt.add_done_callback(lambda _: self._connecting.pop(peer, None))
-        conn = await asyncio.shield(attempt)
-        self._conns[peer] = conn
-        return conn
+        return await self._peers.get(peer)
+
+    def _close_conn(self, conn: _Conn) -> None:
+        conn.fail(PeerClosed("transport closed", peer=conn.peer))
+        if conn.reader_task is not None:
+            conn.reader_task.cancel()
+
+    def _forget_agent(self, peer: str) -> None:
+        """Forget what NIXL knew of ``peer``'s agent, unless a READ from it is still in flight."""
+        if self._reads.get(peer):
+            return
+        name = self._agents.pop(peer, None)
+        if name is not None:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception as exc:
+                log.debug("nixl_remove_agent_failed", peer=peer, reason=repr(exc))
 
     async def _open(self, peer: str) -> _Conn:
         try:
             host, port = parse_peer(peer)
         except ValueError as exc:
             raise PeerUnreachable(str(exc), peer=peer) from None
-        try:
+        try:  # a refused port fails here at once
             with anyio.fail_after(self.config.connect_timeout_s):
                 reader, writer = await asyncio.open_connection(host, port)
-        except (OSError, TimeoutError) as exc:
-            raise PeerUnreachable(f"connect to {peer} failed: {type(exc).__name__}: {exc}", peer=peer) from None
+        except TimeoutError as exc:
+            raise PeerUnreachable(f"connect to {peer} timed out after {self.config.connect_timeout_s}s", peer=peer) from exc
+        except OSError as exc:
+            why = os.strerror(exc.errno) if exc.errno else str(exc)  # e.g. "Connection refused"
+            raise PeerUnreachable(f"connect to {peer} failed: {why}", peer=peer) from None
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
                 info = await self._handshake(peer, reader, writer)
-            self._check_layout(peer, info)
+            remote = self._check_layout(peer, info)
             meta = base64.b64decode(info["meta"])
-            old = self._agents.pop(peer, None)
-            if old is not None:  # a reconnect: forget what NIXL knew of the peer's previous agent
-                try:
-                    self.agent.remove_remote_agent(old)
-                except Exception:
-                    pass
+            self._forget_agent(peer)  # a reconnect: the peer's previous agent is gone
+            for old in [p for p in self._agents if p not in self._peers.conns and not self._reads.get(p)]:
+                if len(self._agents) < self.config.max_peers:
+                    break
+                self._forget_agent(old)  # bounded: agents of peers no longer connected go first
             name = self.agent.add_remote_agent(meta)
             name = name.decode() if isinstance(name, bytes) else name
-        except TimeoutError:
+        except TimeoutError as exc:
             writer.close()
-            raise PeerUnreachable(f"handshake with {peer} timed out", peer=peer) from None
+            raise PeerUnreachable(f"handshake with {peer} timed out", peer=peer) from exc
         except (OSError, asyncio.IncompleteReadError) as exc:
             writer.close()
             raise PeerClosed(f"{peer} closed during the handshake: {exc}", peer=peer) from None
@@ -336,7 +364,7 @@ class NIXLTransport:
             writer.close()
             raise
         self._agents[peer] = name
-        conn = _Conn(peer, reader, writer, info, name)
+        conn = _Conn(peer, reader, writer, info, name, remote)
         conn.reader_task = asyncio.ensure_future(conn.read_loop())
         log.info("nixl_connected", peer=peer, agent=name)
         return conn
@@ -347,7 +375,9 @@ class NIXLTransport:
         if challenge.get("t") != "challenge":
             raise ProtocolViolation(f"expected a challenge from {peer}, got {challenge.get('t')!r}", peer=peer)
         ns = bytes.fromhex(challenge["ns"])
-        if not challenge.get("auth") and secret is not None and not self.config.allow_insecure:
+        if challenge.get("auth") and secret is None:
+            raise AuthenticationFailed(f"{peer} requires authentication and no secret is configured", peer=peer)
+        if not challenge.get("auth") and not self.config.allow_insecure:
             raise AuthenticationFailed(f"{peer} does not authenticate (set allow_insecure to accept)", peer=peer)
         nc = _auth.new_nonce()
         mac = _auth.client_mac(secret, ns, nc) if secret is not None else b""
@@ -361,13 +391,27 @@ class NIXLTransport:
                 raise AuthenticationFailed(f"{peer} did not prove it holds the shared secret", peer=peer)
         return json.loads(info_raw)
 
-    def _check_layout(self, peer: str, info: dict[str, Any]) -> None:
-        if self.layout is None:
-            return
-        ours, theirs = layout_info(self.layout), info.get("layout", {})
-        if ours != theirs:
-            diff = ", ".join(f"{k} {theirs.get(k)} vs {v}" for k, v in ours.items() if theirs.get(k) != v)
-            raise IncompatiblePeer(f"{peer} serves KV of another layout (CTX vs this GEN: {diff})", peer=peer)
+    def _check_layout(self, peer: str, info: dict[str, Any]) -> KVLayout:
+        """The CTX's pool layout; ``IncompatiblePeer`` when its model's KV differs from ours."""
+        theirs = info["layout"]
+        remote = KVLayout(num_layers=int(theirs["num_layers"]), num_kv_heads=int(theirs["num_kv_heads"]),
+                          head_dim=int(theirs["head_dim"]), block_size=int(theirs["block_size"]),
+                          dtype=dtype_from_name(str(theirs["dtype"])))
+        if int(info["pool"]["block_bytes"]) != remote.block_bytes:
+            raise ProtocolViolation(f"{peer}: pool block size disagrees with its layout", peer=peer)
+        layout = self.layout
+        if layout is None:
+            return remote
+        total = int(info.get("total_kv_heads", remote.num_kv_heads))
+        theirs_t = (remote.num_layers, total, remote.head_dim, remote.block_size, dtype_name(remote.dtype))
+        ours = (layout.num_layers, self.total_kv_heads, layout.head_dim, layout.block_size, dtype_name(layout.dtype))
+        if theirs_t != ours:
+            names = ("layers", "kv_heads", "head_dim", "block_size", "dtype")
+            diff = ", ".join(f"{n} {t} vs {o}" for n, t, o in zip(names, theirs_t, ours) if t != o)
+            err = IncompatiblePeer(f"{peer} serves KV of another layout (CTX vs this GEN: {diff})", peer=peer)
+            log.error("nixl_incompatible_peer", peer=peer, reason=str(err))
+            raise err
+        return remote
 
     def _check_pull(self, peer: str, request_id: str, handle: str | None, kv_slice: KVSlice,
                     into: torch.Tensor) -> None:
@@ -396,14 +440,33 @@ class NIXLTransport:
         self._bytes += n
         return n
 
+    async def _lookup(self, peer: str, lookup: dict[str, Any]) -> tuple[_Conn, dict[str, Any]]:
+        """Pin the request's blocks on the CTX: ``(connection, answer)``. A reused connection that
+        turns out stale here (nothing can have moved yet: no READ is posted before the answer) is
+        replaced once."""
+        conn = await self._conn(peer)
+        reused = conn.answered > 0  # it served before: the peer may have restarted since
+        try:
+            answer = await conn.request(lookup, self.config.request_timeout_s)
+            conn.answered += 1
+            return conn, answer
+        except PeerClosed as exc:
+            if not reused or conn.error is None:  # a fresh connection, or a slow answer: no retry
+                raise
+            self._retried += 1
+            log.info("nixl_pull_retry", peer=peer, request_id=lookup["rid"], reason=str(exc))
+        self._peers.drop(peer, conn)
+        conn = await self._conn(peer)
+        answer = await conn.request(lookup, self.config.request_timeout_s)
+        conn.answered += 1
+        return conn, answer
+
     async def _pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, handle: str | None,
                     release: bool, landing: Landing) -> int:
-        conn = await self._conn(peer)
-        answer = await conn.request(
-            {"t": "lookup", "rid": request_id, "handle": handle,
-             "slice": [kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start, kv_slice.head_end],
-             "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release},
-            self.config.request_timeout_s)
+        conn, answer = await self._lookup(peer, {
+            "t": "lookup", "rid": request_id, "handle": handle,
+            "slice": [kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start, kv_slice.head_end],
+            "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release})
         if answer.get("t") == "error":
             raise _error(answer, peer, request_id)
         if answer.get("t") != "found":
@@ -411,8 +474,7 @@ class NIXLTransport:
             raise conn.error  # type: ignore[misc]
         token, blocks = str(answer["token"]), answer["blocks"]
         pool = conn.info["pool"]
-        layout = self.layout or KVLayout(**{**conn.info["layout"], "dtype": into.dtype})
-        remote, local, lengths = segments(layout, blocks, kv_slice)
+        remote, local, lengths = segments(conn.remote, blocks, kv_slice)  # the CTX's pool, its head numbering
         if (any(not 0 <= int(b) < pool["num_blocks"] for b in blocks) or int(lengths.sum()) != into.numel() * into.element_size()):
             conn.send({"t": "unpin", "token": token})
             conn.fail(ProtocolViolation(f"{peer} answered blocks that do not fit `into` or its pool", peer=peer))
@@ -438,7 +500,9 @@ class NIXLTransport:
                 conn.send({"t": "unpin", "token": token})
                 raise PeerClosed(f"NIXL READ from {peer} could not be posted: {exc}", peer=peer) from None
         unpin = lambda: conn.send({"t": "unpin", "token": token})  # noqa: E731  (a READ that failed)
+        self._reads[peer] = self._reads.get(peer, 0) + 1
         watch = asyncio.ensure_future(self._watch(xfer, state, landing, adhoc, into.numel() * into.element_size(), unpin))
+        watch.add_done_callback(lambda _: self._read_ended(peer))
         try:
             state = await asyncio.shield(watch)
         except BaseException:  # cancelled: the watcher goes on until NIXL ends the READ
@@ -448,6 +512,11 @@ class NIXLTransport:
         if state != "DONE":
             raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
         return into.numel() * into.element_size()
+
+    def _read_ended(self, peer: str) -> None:
+        self._reads[peer] -= 1
+        if not self._reads[peer]:
+            del self._reads[peer]
 
     async def _watch(self, xfer: Any, state: str, landing: Landing, adhoc: Any, nbytes: int, unpin: Any) -> str:
         """Poll the READ until it is no longer in progress (backing off 50 µs .. 2 ms), then end landing."""
@@ -486,21 +555,24 @@ class NIXLTransport:
             log.warning("nixl_release_failed", peer=peer, request_id=str(request_id)[:40], reason=str(exc))
 
     async def hold(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
+        """Best effort: ask ``peer`` to renew these requests' leases (no reply is awaited)."""
+        valid = [(rid, h) for rid, h in items if h is not None]
+        if not valid:
+            return
         try:
             conn = await self._conn(peer)
-            conn.send({"t": "hold", "items": [[check_request_id(r), check_handle(h)] for r, h in items]})
+            conn.send({"t": "hold", "items": [[check_request_id(r), check_handle(h)] for r, h in valid]})
         except Exception as exc:
-            log.warning("nixl_hold_failed", peer=peer, reason=str(exc))
+            log.warning("nixl_hold_failed", peer=peer, requests=len(valid), reason=str(exc))
 
     async def aclose(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         for watch in list(self._background):  # READs still in flight land before the memory goes
             await asyncio.shield(watch)
-        for conn in self._conns.values():
-            conn.fail(PeerClosed("transport closed", peer=conn.peer))
-            if conn.reader_task is not None:
-                conn.reader_task.cancel()
-        self._conns.clear()
+        for conn in self._peers.close():
+            self._close_conn(conn)
         for _, _, _, descs in self._regions:
             self.agent.deregister_memory(descs)
         self._regions.clear()

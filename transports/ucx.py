@@ -38,7 +38,6 @@ import itertools
 import math
 import os
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +58,7 @@ from ._errors import (
 )
 from ._ids import InvalidRequestId, check_handle, check_request_id
 from ._layout import KVLayout, KVSlice, dtype_name
+from ._peers import PeerConnections
 from ._protocol import Landing, parse_peer
 
 log = structlog.get_logger("transports.ucx")
@@ -164,13 +164,6 @@ def _consume(task: asyncio.Future[Any]) -> None:
     """Retrieve a finished task's outcome so that asyncio does not report it as never retrieved."""
     if not task.cancelled():
         task.exception()
-
-
-def _again(exc: TransportError, peer: str) -> TransportError:
-    """A fresh copy of a shared failure (one connect attempt fails every pull that waited for it)."""
-    copy = type(exc)(str(exc), peer=peer)
-    copy.__cause__ = exc
-    return copy
 
 
 class _NothingMoved(Exception):
@@ -281,9 +274,10 @@ class UCXTransport:
         apply_ucx_defaults(dict(config.ucx_env))
         config._warn_if_insecure("gen")
         self._ucxx: Any = None
-        self._eps: dict[str, _Endpoint] = {}
-        self._connecting: dict[str, asyncio.Future[_Endpoint]] = {}
-        self._down: dict[str, tuple[float, TransportError]] = {}  # peer -> (until, why)
+        # one connect attempt per peer, dead-peer backoff, at most max_peers (shared with transports.nixl)
+        self._peers: PeerConnections[_Endpoint] = PeerConnections(
+            self._open, max_peers=config.max_peers, backoff_s=config.dead_peer_backoff_s,
+            usable=lambda c: c.error is None, discard=lambda c: c.abort())
         self._background: set[asyncio.Future[Any]] = set()
         self._txids = itertools.count(1)
         self._pulls_ok = 0
@@ -293,8 +287,12 @@ class UCXTransport:
         self._closed = False
 
     def statistics(self) -> UCXTransportStatistics:
-        return UCXTransportStatistics(len(self._eps), self._pulls_ok, self._pulls_failed, self._retried, self._bytes,
-                                      len(self._down))
+        return UCXTransportStatistics(self._peers.live, self._pulls_ok, self._pulls_failed, self._retried, self._bytes,
+                                      self._peers.down)
+
+    @property
+    def _eps(self) -> dict[str, _Endpoint]:
+        return self._peers.conns
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -304,49 +302,7 @@ class UCXTransport:
         await self._endpoint(peer)
 
     async def _endpoint(self, peer: str) -> _Endpoint:
-        if self._closed:
-            raise PeerClosed("transport is closed", peer=peer)
-        conn = self._eps.get(peer)
-        if conn is not None:
-            if conn.error is None:
-                return conn
-            del self._eps[peer]
-        down = self._down.get(peer)
-        if down is not None:
-            until, why = down
-            if time.monotonic() < until:
-                raise _again(why, peer)
-            del self._down[peer]
-        attempt = self._connecting.get(peer)
-        if attempt is None:
-            if len(self._eps) + len(self._connecting) >= self.config.max_peers:
-                raise PeerUnreachable(f"too many KV peers: {self.config.max_peers} already connected", peer=peer)
-            attempt = asyncio.ensure_future(self._open(peer))
-            self._connecting[peer] = attempt
-            attempt.add_done_callback(lambda fut: self._connected(peer, fut))
-        try:
-            return await asyncio.shield(attempt)  # one attempt per peer, whoever started it is cancelled
-        except TransportError as exc:
-            raise _again(exc, peer) from exc
-
-    def _connected(self, peer: str, fut: asyncio.Future[_Endpoint]) -> None:
-        self._connecting.pop(peer, None)
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if exc is None:
-            if self._closed:
-                fut.result().abort()
-            else:
-                self._eps[peer] = fut.result()
-            return
-        if isinstance(exc, TransportError) and not isinstance(exc.__cause__, TimeoutError):
-            # refused, unreachable, rejected: the peer is down (a timeout already cost its waiters
-            # the whole time; whoever comes next may try again)
-            now = time.monotonic()
-            self._down = {p: d for p, d in self._down.items() if d[0] > now}  # bounded: expired ones go
-            if len(self._down) < self.config.max_peers:
-                self._down[peer] = (now + self.config.dead_peer_backoff_s, exc)
+        return await self._peers.get(peer)
 
     async def _open(self, peer: str) -> _Endpoint:
         try:
@@ -616,11 +572,8 @@ class UCXTransport:
         self._closed = True
         for task in list(self._background):
             task.cancel()
-        for attempt in list(self._connecting.values()):
-            attempt.cancel()
-        for conn in list(self._eps.values()):
+        for conn in self._peers.close():
             conn.abort()
-        self._eps.clear()
         if self._ucxx is not None:
             self._ucxx = None
             _ucx_release()

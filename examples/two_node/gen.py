@@ -273,8 +273,10 @@ class GenNode:
     async def run(self) -> None:
         args = self.args
         self._call = loop_caller()
-        transport = (UCXTransport(ucx_config(args), layout=self.config.layout,
-                                  total_kv_heads=self.model.config.num_kv_heads)
+        from examples.two_node.common import backend, kv_transport  # --kv-transport ucx|nixl
+
+        self.config = dataclasses.replace(self.config, kv_transport=backend(args))
+        transport = (kv_transport(args, self.config.layout, total_kv_heads=self.model.config.num_kv_heads)
                      if self.config.mode is not Mode.IDEAL else None)
         try:
             if args.tp > 1:
