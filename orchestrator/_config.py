@@ -8,6 +8,10 @@ import enum
 from transports import KVLayout, KVSlice
 
 
+KV_TRANSPORTS = ("ucx", "nixl")
+"""The names ``OrchestratorConfig.kv_transport`` accepts."""
+
+
 class Mode(enum.Enum):
     """How the GEN node sets up receives."""
 
@@ -47,6 +51,10 @@ class OrchestratorConfig:
     """Tensor parallelism: the model-wide index of this rank's first KV head. The pool holds
     ``layout.num_kv_heads`` heads from there; requests pull that head range from their CTX."""
     device: str = "cpu"
+    kv_transport: str = "ucx"
+    """The KV data plane the node builds its transport with: ``ucx`` (ucxx tag messages; the default:
+    fastest over TCP, measured in docs/transport.md) or ``nixl`` (one-sided NIXL READ; for shared
+    memory, cma, RDMA). Only a name here: the orchestrator never imports either library."""
     debug_poison_freed_blocks: bool = False
     """Fill every freed KV block with NaN, so that a read of a freed block cannot go unnoticed."""
 
@@ -61,6 +69,8 @@ class OrchestratorConfig:
             raise ValueError("kv_hold_interval_s must be positive")
         if self.max_prefetch_seqs is not None and self.max_prefetch_seqs < 1:
             raise ValueError("max_prefetch_seqs must be >= 1")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, not {self.kv_transport!r}")
 
     @property
     def kv_slice(self) -> KVSlice:

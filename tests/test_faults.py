@@ -3,7 +3,8 @@
 Each scenario is a failure reported in the field (see issue 5): CTX killed mid-transfer, GEN killed
 while CTX holds KV, client aborts in flight and while waiting, a completion that never arrives.
 Every test ends with the engine at rest (budget full, nothing in flight, every block free) and the
-CTX holding nothing it should not.
+CTX holding nothing it should not. Each test runs with both KV transports (``backend``: ucx, nixl;
+nixl skips only when ``nixl_cu12`` cannot be imported).
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from examples.two_node import control
 from examples.two_node.launch import NodeProcess, node_env
 from orchestrator import DecodeBatch, FailureReason, GenEngine, GenRequest, OrchestratorConfig, RequestState
 from tests._ucx_peer import LAYOUT, handle_for
-from tests.test_ucx_transport import SECRET, Peer, expected, wait_released
-from transports.ucx import UCXConfig, UCXTransport
+from tests.test_ucx_transport import BACKENDS, Peer, expected, make_transport, wait_released
 
 pytestmark = pytest.mark.integration
 
@@ -32,6 +32,12 @@ TOKENS = BLOCKS * LAYOUT.block_size
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The KV transport of the GEN engine and of the CTX peers: ``ucx`` or ``nixl``."""
+    return request.param
 
 
 class ExactStep:
@@ -77,8 +83,8 @@ class Gen:
 
 
 @pytest.fixture
-async def gen():
-    transport = UCXTransport(UCXConfig(secret=SECRET, connect_timeout_s=5))
+async def gen(backend: str):
+    transport = make_transport(backend, connect_timeout_s=5)
     made: list[Gen] = []
 
     async with anyio.create_task_group() as tg:
@@ -112,9 +118,9 @@ def failure(g: Gen, rid: str):
 
 
 @pytest.mark.anyio
-async def test_ctx_killed_mid_transfer_fails_its_requests_only_then_restart_works(gen) -> None:
-    slow = Peer("--gather-delay", "3")  # its pulls are in flight for 3 s
-    fast = Peer()
+async def test_ctx_killed_mid_transfer_fails_its_requests_only_then_restart_works(gen, backend: str) -> None:
+    slow = Peer("--gather-delay", "3", backend=backend)  # its pulls are in flight for 3 s
+    fast = Peer(backend=backend)
     try:
         g = await gen()
         doomed = [f"req-{i}" for i in range(4)]
@@ -136,7 +142,7 @@ async def test_ctx_killed_mid_transfer_fails_its_requests_only_then_restart_work
             assert state(g, rid) is RequestState.FINISHED
         await g.rest()  # budget full and every block free after the failures
 
-        restarted = Peer("--port", str(slow.port))  # same address: no stale endpoint may be reused
+        restarted = Peer("--port", str(slow.port), backend=backend)  # same address: no stale endpoint may be reused
         try:
             g.submit("req-5", restarted)
             await g.step_until(lambda: "req-5" in g.final)
@@ -150,8 +156,8 @@ async def test_ctx_killed_mid_transfer_fails_its_requests_only_then_restart_work
 
 
 @pytest.mark.anyio
-async def test_abort_in_flight_and_while_waiting_returns_everything_and_tells_ctx(gen) -> None:
-    peer = Peer("--gather-delay", "1.5")
+async def test_abort_in_flight_and_while_waiting_returns_everything_and_tells_ctx(gen, backend: str) -> None:
+    peer = Peer("--gather-delay", "1.5", backend=backend)
     try:
         g = await gen(transfer_budget_bytes=BLOCKS * LAYOUT.block_bytes)  # the budget holds one request
         g.submit("req-20", peer)  # in flight (slow gather)
@@ -172,8 +178,8 @@ async def test_abort_in_flight_and_while_waiting_returns_everything_and_tells_ct
 
 
 @pytest.mark.anyio
-async def test_completion_that_never_arrives_times_out_instead_of_hanging(gen) -> None:
-    peer = Peer("--send-delay", "60")  # agrees to send, then never does
+async def test_completion_that_never_arrives_times_out_instead_of_hanging(gen, backend: str) -> None:
+    peer = Peer("--send-delay", "60", backend=backend)  # agrees to send (UCX) or to look up (NIXL), then never does
     try:
         g = await gen(kv_transfer_timeout_ms=1_000)
         start = time.monotonic()
@@ -187,10 +193,11 @@ async def test_completion_that_never_arrives_times_out_instead_of_hanging(gen) -
         peer.stop()
 
 
-def test_gen_killed_while_ctx_holds_kv_ctx_frees_it_when_the_lease_expires() -> None:
+def test_gen_killed_while_ctx_holds_kv_ctx_frees_it_when_the_lease_expires(backend: str) -> None:
     env = node_env()
-    with NodeProcess.start(["ctx", "--lease-s", "1.5", "--num-blocks", "256"], env=env) as ctx, \
-            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"]], env=env) as gen_node:
+    kv = ["--kv-transport", backend]
+    with NodeProcess.start(["ctx", "--lease-s", "1.5", "--num-blocks", "256", *kv], env=env) as ctx, \
+            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], *kv], env=env) as gen_node:
 
         async def scenario() -> dict:
             for i in range(3):
@@ -232,10 +239,11 @@ async def wait_aborted_and_at_rest(gen_node: NodeProcess, aborted: int, timeout:
             await anyio.sleep(0.05)
 
 
-def test_client_cancel_mid_generation_releases_everything() -> None:
+def test_client_cancel_mid_generation_releases_everything(backend: str) -> None:
     env = node_env()
-    with NodeProcess.start(["ctx", "--num-blocks", "256"], env=env) as ctx, \
-            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "256"], env=env) as gen_node:
+    kv = ["--kv-transport", backend]
+    with NodeProcess.start(["ctx", "--num-blocks", "256", *kv], env=env) as ctx, \
+            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "256", *kv], env=env) as gen_node:
 
         async def scenario() -> dict:
             stream = await open_generation(ctx, gen_node, "cancel-me", prompt_len=80)
@@ -246,7 +254,7 @@ def test_client_cancel_mid_generation_releases_everything() -> None:
         assert stats["engine"]["pool"]["used_blocks"] == 0 and stats["engine"]["budget"]["in_use"] == 0
 
 
-def test_clients_resetting_mid_stream_do_not_kill_gen() -> None:
+def test_clients_resetting_mid_stream_do_not_kill_gen(backend: str) -> None:
     # A client that vanishes with a TCP reset while tokens stream: GEN's next send fails before (or
     # instead of) its EOF watcher noticing. Regression: that error escaped the request's task group
     # as an ExceptionGroup and took the control server, and the GEN node, down with it.
@@ -254,8 +262,9 @@ def test_clients_resetting_mid_stream_do_not_kill_gen() -> None:
     import struct
 
     env = node_env()
-    with NodeProcess.start(["ctx", "--num-blocks", "512"], env=env) as ctx, \
-            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "512"], env=env) as gen_node:
+    kv = ["--kv-transport", backend]
+    with NodeProcess.start(["ctx", "--num-blocks", "512", *kv], env=env) as ctx, \
+            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "512", *kv], env=env) as gen_node:
 
         async def scenario() -> dict:
             for i in range(6):

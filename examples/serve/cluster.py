@@ -138,7 +138,7 @@ class Cluster:
 def node_args(spec: NodeSpec, cfg: ClusterConfig) -> list[str]:
     """The ``python -m examples.two_node`` arguments of a node the front starts. KV checksums are off
     (the front does not compare them; ``args: ["--kv-checksums"]`` turns them back on)."""
-    args = [spec.role, "--host", spec.host, "--no-kv-checksums"]
+    args = [spec.role, "--host", spec.host, "--no-kv-checksums", "--kv-transport", cfg.transfer.backend]
     if spec.role == "ctx" and spec.tensor_parallel_size > 1:
         args += ["--tp", str(spec.tensor_parallel_size)]
     if spec.role == "gen":

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         common.add_model_args(p)
         common.add_security_args(p)
         common.add_control_args(p)
+        common.add_transport_args(p)
     sub.add_parser("client", help="drive a load (see: client --help)")
     sub.add_parser("demo", help="start CTX and GEN, drive a load, check parity (see: demo --help)")
     args = parser.parse_args(argv)

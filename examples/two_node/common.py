@@ -1,4 +1,5 @@
-"""What both nodes share: model flags, the secret and the UCX config, the control server, checksums, READY."""
+"""What both nodes share: model flags, the secret, the KV transport (``--kv-transport ucx|nixl``: its
+config, the CTX's server and the GEN's transport), the control server, checksums, READY."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import sys
 import zlib
+from typing import Any
 
 import structlog
 import torch
@@ -13,6 +15,8 @@ import torch
 from examples.tiny_model import ModelConfig, TinyModel
 from examples.two_node import control
 from examples.two_node.control import ControlLimits
+from orchestrator._config import KV_TRANSPORTS
+from transports import KVLayout, KVStore
 from transports._auth import SECRET_ENV, load_secret
 from transports.ucx import UCXConfig
 
@@ -89,6 +93,55 @@ def node_secret(args: argparse.Namespace) -> bytes | None:
 
 def ucx_config(args: argparse.Namespace) -> UCXConfig:
     return UCXConfig(secret=node_secret(args), allow_insecure=args.insecure)
+
+
+def add_transport_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV transport (both nodes must agree)")
+    g.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="ucx",
+                   help="the KV data plane: ucx (ucxx tag messages; the default, fastest over TCP) or nixl "
+                        "(one-sided NIXL READ; for shared memory, cma, RDMA; needs nixl-cu12). docs/transport.md")
+
+
+def backend(args: argparse.Namespace) -> str:
+    """The node's KV transport (``--kv-transport``; ``ucx`` for a namespace built without it)."""
+    name = getattr(args, "kv_transport", "ucx")
+    if name not in KV_TRANSPORTS:
+        raise SystemExit(f"error: --kv-transport {name!r} is not one of {', '.join(KV_TRANSPORTS)}")
+    return name
+
+
+def nixl_config(args: argparse.Namespace) -> Any:
+    try:
+        from transports.nixl import NIXLConfig
+    except ImportError as exc:
+        raise SystemExit(f"error: --kv-transport nixl: {exc}") from None
+    return NIXLConfig(secret=node_secret(args), allow_insecure=args.insecure)
+
+
+def kv_server(args: argparse.Namespace, store: KVStore, *, port: int, lease_s: float, head_start: int = 0,
+              total_kv_heads: int | None = None) -> Any:
+    """The CTX's KV server for ``--kv-transport`` (an async context manager with ``.port``): a
+    ``UCXKVServer`` (listens on every interface) or a ``NIXLKVServer`` (its control port on ``--host``)."""
+    if backend(args) == "nixl":
+        from transports.nixl import NIXLKVServer
+
+        return NIXLKVServer(store, nixl_config(args), host=args.host, port=port, lease_s=lease_s,
+                            head_start=head_start, total_kv_heads=total_kv_heads)
+    from transports.ucx import UCXKVServer
+
+    return UCXKVServer(store, ucx_config(args), port=port, lease_s=lease_s, head_start=head_start,
+                       total_kv_heads=total_kv_heads)
+
+
+def kv_transport(args: argparse.Namespace, layout: KVLayout, *, total_kv_heads: int | None = None) -> Any:
+    """The GEN's ``transports.Transport`` for ``--kv-transport``: ``UCXTransport`` or ``NIXLTransport``."""
+    if backend(args) == "nixl":
+        from transports.nixl import NIXLTransport
+
+        return NIXLTransport(nixl_config(args), layout=layout, total_kv_heads=total_kv_heads)
+    from transports.ucx import UCXTransport
+
+    return UCXTransport(ucx_config(args), layout=layout, total_kv_heads=total_kv_heads)
 
 
 def control_server(args: argparse.Namespace, handler: control.Handler, model: ModelConfig) -> control.ControlServer:

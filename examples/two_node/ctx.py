@@ -187,8 +187,10 @@ class CtxNode:
         self._call = loop_caller()
         args = self.args
         ucx_port = args.ucx_port + self.rank if args.ucx_port else 0  # rank r listens on --ucx-port + r
-        async with UCXKVServer(self.store, ucx_config(self.args), port=ucx_port, lease_s=self.args.lease_s,
-                               head_start=self.head_range[0], total_kv_heads=self.model.config.num_kv_heads) as server:
+        from examples.two_node.common import kv_server  # --kv-transport ucx|nixl
+
+        async with kv_server(self.args, self.store, port=ucx_port, lease_s=self.args.lease_s,
+                             head_start=self.head_range[0], total_kv_heads=self.model.config.num_kv_heads) as server:
             self.ucx_addr = f"{self.args.advertise or self.args.host}:{server.port}"
             if self.group is not None:
                 await self._run_group()

@@ -48,6 +48,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ctx-tp", type=int, default=1, choices=[1, 2, 4, 8],
                    help="CTX tensor-parallel ranks (each holds its KV heads and serves them; GEN ranks fan in)")
     p.add_argument("--netns", action="store_true", help="run CTX and GEN in two network namespaces (root)")
+    p.add_argument("--kv-transport", default="ucx", choices=["ucx", "nixl"],
+                   help="the KV data plane both nodes use (docs/transport.md: ucx is the default, fastest over TCP)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -69,14 +71,15 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         gen_host = ns.addr_b if ns else "127.0.0.1"
         ctxs = [
             stack.enter_context(NodeProcess.start(
-                ["ctx", "--host", ctx_host, "--num-blocks", str(args.num_blocks), "--tp", str(args.ctx_tp)],
+                ["ctx", "--host", ctx_host, "--num-blocks", str(args.num_blocks), "--tp", str(args.ctx_tp),
+                 "--kv-transport", args.kv_transport],
                 env=env, netns=ns.a if ns else None))
             for _ in range(args.ctx_nodes)
         ]
         ctx_addrs = [c.info["ctrl"] for c in ctxs]
         gen = stack.enter_context(NodeProcess.start(
             ["gen", "--host", gen_host, *[a for addr in ctx_addrs for a in ("--ctx", addr)], "--mode", args.mode,
-             "--tp", str(args.gen_tp),
+             "--tp", str(args.gen_tp), "--kv-transport", args.kv_transport,
              "--num-blocks", str(args.num_blocks), "--max-tokens-in-buffer", str(args.max_tokens_in_buffer),
              "--kv-transfer-timeout-ms", str(args.kv_transfer_timeout_ms)],
             env=env, netns=ns.b if ns else None))
@@ -95,6 +98,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 
         t0 = time.perf_counter()
         result, gen_stats = anyio.run(drive, backend="asyncio")
+        connected = f'"{args.kv_transport}_connected"' in gen.log_tail(10_000)  # the GEN really used it
         ctx_stats = [anyio.run(lambda a=a: control.call(a, {"op": "stats"}, secret=secret), backend="asyncio")
                      for a in ctx_addrs]
         load_s = time.perf_counter() - t0
@@ -121,7 +125,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         "itl_ms": summary["itl_ms"],
         "duration_s": summary["duration_s"],
         "transport": {
-            "backend": "ucx",
+            "backend": args.kv_transport,
+            "backend_connected": connected,
             "authenticated": True,
             "netns": bool(args.netns),
             "ucx_defaults": dict(UCX_DEFAULTS),
@@ -151,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--netns: {why}", file=sys.stderr)
         return 2
     summary, report = run(args)
-    client.print_summary(summary, title=f"two-node demo ({report['gen']['mode']}, {'netns' if args.netns else 'loopback'})")
+    client.print_summary(summary, title=f"two-node demo ({report['gen']['mode']}, {'netns' if args.netns else 'loopback'}, "
+                                        f"KV over {report['transport']['backend']})")
     g = report["gen"]
     print(f"parity: {'OK' if report['parity'] else 'MISMATCH'}  "
           f"({report['parity_detail']['compared']} requests, {report['parity_detail']['kv_blocks_compared']} KV blocks "
