@@ -70,6 +70,19 @@ M = [
  ("9 a source no head comes from is freed", "orchestrator/_engine.py", "            used = {p.peer for p in parts}\n", "            used = {src.peer for src in sources}\n", "tests/test_fan_in.py -k replicated"),
  ("9 every source told once", "orchestrator/_engine.py", "            for src in seq.request.sources():\n                if src.peer not in seen:\n                    seen.add(src.peer)\n                    self.receiver.release_soon", "            for src in seq.request.sources()[:1]:\n                if src.peer not in seen:\n                    seen.add(src.peer)\n                    self.receiver.release_soon", "tests/test_fan_in.py -k 'pulls_its_heads'"),
  ("9 every head held at submit", "orchestrator/_engine.py", "            plan_sources(sources, kv_slice.head_start, kv_slice.head_end)  # this rank's heads are all held\n", "", "tests/test_fan_in.py -k unheld"),
+ # issue 10: the NIXL backend's hardening (parity with the UCX path), each protection removed once
+ ("10 nixl one connect per peer", "transports/_peers.py", "        attempt = self._connecting.get(peer)\n", "        attempt = None\n", "tests/test_ucx_transport.py -k 'concurrent_pulls_on_one_endpoint and nixl'"),
+ ("10 nixl dead-peer backoff", "transports/_peers.py", "                self._down[peer] = (now + self.backoff_s, exc)\n", "                pass\n", "tests/test_ucx_transport.py -k 'layout_mismatch and nixl'"),
+ ("10 nixl bounded peers", "transports/_peers.py", "            if len(self.conns) + len(self._connecting) >= self.max_peers:", "            if False:", "tests/test_ucx_transport.py -k 'peers_are_bounded and nixl'"),
+ ("10 nixl reconnect once", "transports/nixl.py", "            if not reused or conn.error is None:  # a fresh connection, or a slow answer: no retry\n                raise\n", "            raise\n", "tests/test_nixl_transport.py -k stale"),
+ ("10 nixl layout checked at connect", "transports/nixl.py", "        if theirs_t != ours:", "        if False:", "tests/test_ucx_transport.py -k 'layout_mismatch and nixl'"),
+ ("10 nixl the CTX's model heads", "transports/nixl.py", 'total = int(info.get("total_kv_heads", remote.num_kv_heads))', "total = remote.num_kv_heads", "tests/test_nixl_transport.py -k head_slices"),
+ ("10 nixl READ offsets in the CTX's layout", "transports/nixl.py", "segments(conn.remote, blocks, kv_slice)", "segments(self.layout or conn.remote, blocks, kv_slice)", "tests/test_nixl_transport.py -k head_slices"),
+ ("10 nixl landing busy until the READ ends", "transports/nixl.py", "        while (state := self.agent.check_xfer_state(xfer)) == \"PROC\":\n", "        state = \"DONE\"\n        while False:\n", "tests/test_nixl_transport.py -k cancelled_read"),
+ ("10 nixl holds renew leases", "transports/nixl.py", "        valid = [(rid, h) for rid, h in items if h is not None]\n", "        valid = []\n", "tests/test_nixl_transport.py -k hold_renews"),
+ ("10 nixl release checks the handle", "transports/_nixl_server.py", 'ok = self.store.release(check_request_id(msg.get("rid")), handle=check_handle(msg.get("handle")))', 'ok = self.store.release(check_request_id(msg.get("rid")))', "tests/test_ucx_transport.py -k 'wrong_handle and nixl'"),
+ ("10 nixl CTX verifies the secret", "transports/_nixl_server.py", "                    secret is not None and not _auth.verify(", "                    False and not _auth.verify(", "tests/test_ucx_transport.py -k 'wrong_or_missing_secret and nixl'"),
+ ("10 node --kv-transport reaches the GEN", "examples/two_node/common.py", '    if backend(args) == "nixl":\n        from transports.nixl import NIXLTransport\n', '    if False:\n        from transports.nixl import NIXLTransport\n', "tests/test_two_node.py -k 'loopback and nixl'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:
