@@ -18,9 +18,14 @@ JSON shape (``--step device`` or ``model``)::
     {"modes": {"ideal"|"inline"|"orchestrated": {output_tok_s, tpot_ms{mean,p50,p95,p99}, ttft_ms{...},
                itl_ms{...}, exec_blocked_ms{p50,p99,max}, exec_stalled_ms{...}, exec_orchestration_ms{...},
                deferrals{backpressure,kv_exhausted}, peak_staging_bytes, inline_fallbacks, failures,
-               requests, ...}},
+               requests, exec_per_rank{"0".."N-1": {exec_blocked_ms, exec_stalled_ms, ...}}, ...}},
      "ratios": {"inline"|"orchestrated": {"throughput", "tpot_mean", "tpot_p99"}},
      "config": {...}}
+
+With ``--gen-tp N`` every GEN figure of the execution thread (``exec_*``) is over all N ranks (the
+median of their p50s, the worst rank's p99 and max) and ``exec_per_rank`` holds each rank's own.
+``--gen-tp 4 --kv-heads 4`` is the public case's shape (CTX TP1 -> GEN TP4, each GEN rank pulling
+its own KV head): ``results/bench_tp4.json``.
 
 With ``--step both`` the file is ``{"device": <the shape above>, "model": <the shape above>}``.
 """
@@ -62,7 +67,21 @@ FULL = dict(isl=128, osl=256, concurrency=64, requests=1280, max_num_seqs=32, ma
 QUICK = dict(isl=128, osl=128, concurrency=32, requests=384, max_num_seqs=16, max_tokens_in_buffer=128, rounds=3,
              warmup=32, device_step_ms=4.0, device_step_us_per_seq=5.0)
 BLOCK_SIZE = 16
-BLOCK_BYTES = 16 * 1024  # tiny model defaults; checked against the layout at start
+KV_HEADS = 2  # the tiny model's default; --kv-heads changes it on both nodes
+
+
+def block_bytes(kv_heads: int = KV_HEADS) -> int:
+    """Bytes of one KV block of the tiny model (2 layers x K,V x heads x head_dim 32 x float32 x 16 tokens)."""
+    return 2 * 2 * kv_heads * 32 * 4 * BLOCK_SIZE
+
+
+BLOCK_BYTES = block_bytes()
+
+
+def rank_share(kv_heads: int, tp: int) -> float:
+    """The fraction of every KV block one rank of a TP-``tp`` group holds (a KV head is replicated
+    on ``tp / kv_heads`` ranks when ``tp > kv_heads``)."""
+    return max(1, kv_heads // tp) / kv_heads
 
 
 # -- processes ------------------------------------------------------------------------------------
@@ -141,18 +160,24 @@ def node_env() -> dict[str, str]:
 def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: list[int] | None = None) -> Iterator[tuple[Node, Node]]:
     """A CTX and a GEN node for ``mode``; both stopped on exit, whatever happens."""
     env = node_env()
+    gen_tp, ctx_tp, kv_heads = cfg.get("gen_tp", 1), cfg.get("ctx_tp", 1), cfg.get("kv_heads", KV_HEADS)
+    model = ["--kv-heads", str(kv_heads)] if kv_heads != KV_HEADS else []
     with contextlib.ExitStack() as stack:
         ctx = Node("ctx", ["--host", "127.0.0.1", "--port", "0", "--ucx-port", "0",
                            "--num-blocks", str(cfg["ctx_num_blocks"]), "--lease-s", str(cfg["ctx_lease_s"]),
-                           "--max-seq-len", str(cfg["max_seq_len"]),
-                           "--kv-checksums" if cfg["kv_checksums"] else "--no-kv-checksums"], env, log_dir)
+                           "--max-seq-len", str(cfg["max_seq_len"]), *model,
+                           *(["--tp", str(ctx_tp)] if ctx_tp > 1 else []),
+                           "--kv-checksums" if cfg["kv_checksums"] else "--no-kv-checksums"], env, log_dir,
+                   timeout=90.0 + 30.0 * ctx_tp)
         stack.callback(ctx.stop)
         if pids is not None:
             pids.append(ctx.pid)
         gen_args = ["--ctx", ctx.info["ctrl"], "--host", "127.0.0.1", "--port", "0", "--mode", mode, "--step", step,
                     "--device-step-ms", str(cfg["device_step_ms"]),
                     "--device-step-us-per-seq", str(cfg["device_step_us_per_seq"]),
-                    "--num-blocks", str(cfg["gen_num_blocks"]), "--transfer-budget-bytes", str(cfg["transfer_budget_bytes"]),
+                    "--num-blocks", str(cfg["gen_num_blocks"]), *model,
+                    # the budget is per rank and counts that rank's share of each request's KV
+                    "--transfer-budget-bytes", str(int(cfg["transfer_budget_bytes"] * rank_share(kv_heads, gen_tp))),
                     "--max-num-seqs", str(cfg["max_num_seqs"]),
                     "--kv-transfer-timeout-ms", str(cfg["kv_transfer_timeout_ms"]),
                     "--block-size", str(BLOCK_SIZE), "--max-seq-len", str(cfg["max_seq_len"])]
@@ -161,14 +186,33 @@ def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: li
         for key, flag in (("max_prefetch_seqs", "--max-prefetch-seqs"), ("switch_interval_ms", "--switch-interval-ms")):
             if cfg.get(key) is not None:  # only when asked: older GEN nodes lack these flags
                 gen_args += [flag, str(cfg[key])]
-        gen = Node("gen", gen_args, env, log_dir)
+        if gen_tp > 1:
+            gen_args += ["--tp", str(gen_tp)]
+        gen = Node("gen", gen_args, env, log_dir, timeout=90.0 + 30.0 * gen_tp)
         stack.callback(gen.stop)
         if pids is not None:
             pids.append(gen.pid)
+        for node in (ctx, gen):
+            node.rank_pids = _rank_pids(node)
+            if pids is not None:
+                pids.extend(node.rank_pids)
         yield ctx, gen
 
 
+def _rank_pids(node: Node) -> list[int]:
+    """The pids of a tensor-parallel node's other ranks (none for a single-rank node)."""
+    async def ask() -> Any:
+        return await control.call(node.info["ctrl"], {"op": "stats"}, secret=node.secret)
+
+    return [int(p) for p in (anyio.run(ask).get("tp") or {}).get("rank_pids", [])]
+
+
 # -- one mode -------------------------------------------------------------------------------------
+
+def _group_cpu_s(node: Node) -> float:
+    """CPU seconds of a node and its rank processes (``Node.rank_pids``)."""
+    return _proc_cpu_s(node.pid) + sum(_proc_cpu_s(p) for p in getattr(node, "rank_pids", []))
+
 
 def _proc_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a live process (0 when it is gone)."""
@@ -198,12 +242,12 @@ async def _segment(mode: str, ctx: Node, gen: Node, cfg: dict[str, Any], prompts
     ctx_addr, gen_addr = ctx.info["ctrl"], gen.info["ctrl"]
     before = (await control.call(gen_addr, {"op": "stats"}, secret=gen.secret))["engine"]
     await control.call(gen_addr, {"op": "reset_stats"}, secret=gen.secret)
-    cpu0 = {"ctx": _proc_cpu_s(ctx.pid), "gen": _proc_cpu_s(gen.pid), "client": time.process_time()}
+    cpu0 = {"ctx": _group_cpu_s(ctx), "gen": _group_cpu_s(gen), "client": time.process_time()}
     result = await run_load(ctx=[ctx_addr], gen=gen_addr, secret=gen.secret, prompts=prompts, max_tokens=cfg["osl"],
                             concurrency=cfg["concurrency"], progress=progress, timeout_s=cfg["request_timeout_s"],
                             release=mode == "ideal",  # an ideal GEN never pulls: the client frees CTX's copy
                             id_prefix=f"run-{tag}", label=f"{mode} ({tag})")
-    cpu = {"ctx": _proc_cpu_s(ctx.pid) - cpu0["ctx"], "gen": _proc_cpu_s(gen.pid) - cpu0["gen"],
+    cpu = {"ctx": _group_cpu_s(ctx) - cpu0["ctx"], "gen": _group_cpu_s(gen) - cpu0["gen"],
            "client": time.process_time() - cpu0["client"]}
     stats = await control.call(gen_addr, {"op": "stats"}, secret=gen.secret)
     eng = stats["engine"]
@@ -221,11 +265,19 @@ def _aggregate(rounds: list[tuple[Any, dict[str, Any], dict[str, float]]], cfg: 
     s = summarize(LoadResult(records, duration, cfg["concurrency"]))
     engines = [st["engine"] for _, st, _ in rounds]
     loops = [st["loop"] for _, st, _ in rounds]
+    rank_loops = [_rank_loops(st) for _, st, _ in rounds]  # per round: {rank: loop statistics}
+    ranks = sorted(set().union(*rank_loops))
 
-    def exec_pct(name: str) -> dict[str, float]:
-        vals = [lp[name] for lp in loops]
+    def exec_pct(name: str, only: list[int] | None = None) -> dict[str, float]:
+        """Median of p50s, worst p99 and max, over rounds and ranks (every rank: the worst rank's tail)."""
+        vals = [rl[r][name] for rl in rank_loops for r in (only or ranks) if r in rl]
         return {"p50": float(np.median([v["p50"] for v in vals])), "p99": max(v["p99"] for v in vals),
                 "max": max(v["max"] for v in vals)}
+
+    per_rank = {str(r): {**{f"exec_{n}": exec_pct(n, [r]) for n in ("blocked_ms", "stalled_ms", "orchestration_ms", "model_ms")},
+                         "decode_iterations": sum(rl[r]["decode_iterations"] for rl in rank_loops if r in rl),
+                         "rounds_reported": sum(r in rl for rl in rank_loops)}
+                for r in ranks}
 
     def total(key: str) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -249,6 +301,7 @@ def _aggregate(rounds: list[tuple[Any, dict[str, Any], dict[str, float]]], cfg: 
         "exec_stalled_ms": exec_pct("stalled_ms"),
         "exec_orchestration_ms": exec_pct("orchestration_ms"),
         "exec_model_ms": exec_pct("model_ms"),
+        "exec_per_rank": per_rank,
         "decode_iterations": iters,
         "mean_batch": sum(lp["mean_batch"] * lp["decode_iterations"] for lp in loops) / iters if iters else 0.0,
         "deferrals": {"backpressure": defer.get("backpressure", 0), "kv_exhausted": defer.get("kv_exhausted", 0)},
@@ -269,6 +322,12 @@ def _aggregate(rounds: list[tuple[Any, dict[str, Any], dict[str, float]]], cfg: 
                        "tpot_mean_ms": summarize(res)["tpot_ms"]["mean"], "cpu_s": c} for res, _, c in rounds],
         "tpot_samples_ms": tpots,
     }
+
+
+def _rank_loops(stats: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Every rank's execution-thread statistics from GEN's stats (rank 0 only for a single-rank GEN)."""
+    by_rank = (stats.get("tp") or {}).get("rank_loop")
+    return {int(r): v for r, v in by_rank.items()} if by_rank else {0: stats["loop"]}
 
 
 def _pct(d: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]:
@@ -363,6 +422,12 @@ def print_report(res: dict[str, Any], title: str) -> None:
                      f"{d['backpressure']}/{d['kv_exhausted']}", r["peak_staging_bytes"] / 1024,
                      r["inline_fallbacks"], f"{r['failures']}/{r['requests']}"])
     _report.print_table(title + " (times in ms)", cols, rows)
+    per_rank = [[m, rank, v["exec_blocked_ms"]["p50"], v["exec_blocked_ms"]["p99"], v["exec_blocked_ms"]["max"],
+                 v["exec_stalled_ms"]["p99"], v["exec_orchestration_ms"]["p99"], v["exec_model_ms"]["p50"], v["decode_iterations"]]
+                for m, r in modes.items() for rank, v in r.get("exec_per_rank", {}).items()]
+    if len(per_rank) > len(modes):  # a tensor-parallel GEN
+        _report.print_table("execution thread per GEN rank (ms)", ["mode", "rank", "blocked p50", "p99", "max", "stalled p99",
+                                                                    "orchestration p99", "step p50", "iterations"], per_rank)
     rat = res["ratios"]
     if rat:
         _report.print_table("vs ideal", ["mode", "throughput", "TPOT mean", "TPOT p99"],
@@ -383,6 +448,14 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{b['p50']:.2f} / {b['p99']:.2f} / {b['max']:.1f} | {st['p99']:.2f} / {st['max']:.1f} | {r['mean_batch']:.2f} | "
             f"{d['backpressure']} / {d['kv_exhausted']} | {r['peak_staging_bytes'] / 1024:.0f} | {r['inline_fallbacks']} | "
             f"{r['failures']} / {r['requests']} |")
+    per_rank = [(m, rank, v) for m, r in res["modes"].items() for rank, v in r.get("exec_per_rank", {}).items()]
+    if len(per_rank) > len(res["modes"]):
+        lines += ["", "| mode | GEN rank | exec blocked p50 / p99 / max ms | exec stalled p99 ms | orchestration p99 ms | "
+                  "step p50 ms | decode iterations |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for m, rank, v in per_rank:
+            b = v["exec_blocked_ms"]
+            lines.append(f"| {m} | {rank} | {b['p50']:.2f} / {b['p99']:.2f} / {b['max']:.1f} | {v['exec_stalled_ms']['p99']:.2f} | "
+                         f"{v['exec_orchestration_ms']['p99']:.2f} | {v['exec_model_ms']['p50']:.2f} | {v['decode_iterations']} |")
     if res.get("ratios"):
         lines += ["", "| vs ideal | throughput | TPOT mean | TPOT p99 | throughput per round (median) |", "|---|---:|---:|---:|---|"]
         for m, v in res["ratios"].items():
@@ -427,7 +500,8 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
         ax_b.set_title(f"throughput [{step} step]")
         ax_b.set_ylim(0, max(tput) * 1.2 if tput and max(tput) > 0 else 1)
     c = next(iter(results.values()))["config"]
-    fig.suptitle(f"ISL {c['isl']} / OSL {c['osl']} / concurrency {c['concurrency']} / {c['requests']} requests, "
+    tp = f"CTX TP{c.get('ctx_tp', 1)} -> GEN TP{c.get('gen_tp', 1)}, "
+    fig.suptitle(tp + f"ISL {c['isl']} / OSL {c['osl']} / concurrency {c['concurrency']} / {c['requests']} requests, "
                  f"budget {c['transfer_budget_bytes'] // 1024} KiB, max_num_seqs {c['max_num_seqs']}", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -455,13 +529,17 @@ def build_config(a: argparse.Namespace) -> dict[str, Any]:
             base[k] = v
     blocks_per_req = -(-(base["isl"] + base["osl"]) // BLOCK_SIZE)
     prompt_blocks = -(-base["isl"] // BLOCK_SIZE)
-    staging = a.transfer_budget_bytes if a.transfer_budget_bytes is not None else -(-base["max_tokens_in_buffer"] // BLOCK_SIZE) * BLOCK_BYTES
+    bb = block_bytes(a.kv_heads)
+    staging = a.transfer_budget_bytes if a.transfer_budget_bytes is not None else -(-base["max_tokens_in_buffer"] // BLOCK_SIZE) * bb
     cfg = {
         **base,
+        "gen_tp": a.gen_tp,
+        "ctx_tp": a.ctx_tp,
+        "kv_heads": a.kv_heads,
         "seed": a.seed,
         "transfer_budget_bytes": staging,
-        "budget_requests": staging / (prompt_blocks * BLOCK_BYTES),
-        "request_kv_bytes": prompt_blocks * BLOCK_BYTES,
+        "budget_requests": staging / (prompt_blocks * bb),
+        "request_kv_bytes": prompt_blocks * bb,
         "max_prefetch_seqs": a.max_prefetch_seqs,
         "switch_interval_ms": a.switch_interval_ms,
         # GEN pool: every sequence that can hold KV (max_num_seqs decoding + the prefetch window,
@@ -492,6 +570,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--png", metavar="PATH")
+    p.add_argument("--gen-tp", type=int, default=1, choices=(1, 2, 4, 8), help="GEN tensor-parallel ranks")
+    p.add_argument("--ctx-tp", type=int, default=1, choices=(1, 2, 4, 8), help="CTX tensor-parallel ranks")
+    p.add_argument("--kv-heads", type=int, default=KV_HEADS,
+                   help="the model's KV heads on both nodes (TP4 with 4 heads: every GEN rank pulls its own head)")
     p.add_argument("--isl", type=int)
     p.add_argument("--osl", type=int)
     p.add_argument("--concurrency", type=int)
@@ -499,8 +581,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="warm-up requests per mode and round (not measured)")
     p.add_argument("--rounds", type=int, help="split the measured requests into this many rounds of all modes (rotating order)")
     p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-tokens-in-buffer", type=int, help="GEN transfer budget in tokens of KV (default: ISL, one request)")
-    p.add_argument("--transfer-budget-bytes", type=int, help="GEN transfer budget in bytes (overrides --max-tokens-in-buffer)")
+    p.add_argument("--max-tokens-in-buffer", type=int, help="GEN transfer budget in tokens of KV (default: ISL, one request); "
+                   "with --gen-tp each rank's budget holds its share of that many tokens")
+    p.add_argument("--transfer-budget-bytes", type=int, help="GEN transfer budget in bytes of whole blocks, scaled to each "
+                   "rank's share with --gen-tp (overrides --max-tokens-in-buffer)")
     p.add_argument("--max-prefetch-seqs", type=int, help="GEN: requests receiving/received ahead of the batch (GEN's default if unset)")
     p.add_argument("--switch-interval-ms", type=float, help="GEN: sys.setswitchinterval (Python's default 5 ms if unset)")
     p.add_argument("--num-blocks", type=int, help="GEN KV blocks (default: max_num_seqs + prefetch + 8 requests' worth)")
@@ -539,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in steps:
         res = run_bench(cfg, step, modes=modes, progress=not a.no_progress)
         results[step] = res
-        print_report(res, f"{step} step: ISL {cfg['isl']} / OSL {cfg['osl']} / concurrency {cfg['concurrency']} / "
+        print_report(res, f"{step} step, CTX TP{cfg['ctx_tp']} -> GEN TP{cfg['gen_tp']}: ISL {cfg['isl']} / OSL {cfg['osl']} / concurrency {cfg['concurrency']} / "
                           f"{cfg['requests']} requests")
     if a.json:
         _report.write_json(a.json, results if a.step == "both" else results[steps[0]])

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from ._config import Mode
 from ._engine import GenEngine, StepReport
 from ._errors import InvalidRequest
 from ._requests import DeferReason, FailureReason, GenRequest, ReceiveResult, RequestOutput, RequestState, Sequence
@@ -58,6 +59,8 @@ class StepMessage:
     quiet: list[str] = dataclasses.field(default_factory=list)
     """Requests whose receive ended here and whose blocks nothing may write any more."""
     notes: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    commands: list[Any] = dataclasses.field(default_factory=list)
+    """Rank 0 only: what every rank applies at this step (``broadcast``), e.g. clearing statistics."""
     stop: bool = False
     admitted: tuple[int, int] = (0, 0)
     """(count, CRC32 chained over the ids) of everything this rank admitted so far: compared every
@@ -95,19 +98,27 @@ class TPGenEngine(GenEngine):
     """A ``GenEngine`` that is one rank of a tensor-parallel group (see the module docstring).
 
     Only rank 0 takes ``submit``/``abort`` and emits outputs; every rank steps. ``on_note(rank,
-    request_id, payload)`` (rank 0) receives what other ranks attach with ``note()``.
+    request_id, payload)`` (rank 0) receives what other ranks attach with ``note()``;
+    ``on_command(payload)`` (every rank, on its execution thread, at the same step) what rank 0
+    sends with ``broadcast()``.
+
+    Every mode works: ``ORCHESTRATED`` as described above; ``INLINE`` (the benchmark's baseline)
+    takes the budget and connects on each rank's own execution thread, so the slowest rank sets the
+    group's pace through the step collective; ``IDEAL`` admits without any receive.
     """
 
     _pull_releases = False  # every rank pulls its slice of one copy; rank 0 tells the CTX once
 
     def __init__(self, *args: Any, sync: StepSync, on_note: Callable[[int, str, Any], None] | None = None,
-                 **kwargs: Any) -> None:
+                 on_command: Callable[[Any], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sync = sync
         self.rank = sync.rank
         self.world_size = sync.world_size
         self._on_note = on_note
+        self._on_command = on_command
         self._notes: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._votes: dict[str, dict[int, tuple[str | None, str]]] = {}
         self._quiet: dict[str, set[int]] = {}
         self._ending: dict[str, Sequence] = {}  # failed or aborted while receiving: blocks not yet back
@@ -142,6 +153,13 @@ class TPGenEngine(GenEngine):
     def note(self, request_id: str, payload: Any) -> None:
         """Attach ``payload`` for rank 0 to this step's message (any thread)."""
         self._notes.put((request_id, payload))
+
+    def broadcast(self, payload: Any) -> None:
+        """Rank 0 (any thread): every rank's ``on_command(payload)`` runs at the next step."""
+        if self.rank != 0:
+            raise InvalidRequest("commands enter a tensor-parallel group at rank 0")
+        self._commands.put(payload)
+        self.wakeup.set()
 
     def request_stop(self) -> None:
         """Rank 0: the next step tells every rank to stop."""
@@ -212,6 +230,11 @@ class TPGenEngine(GenEngine):
                 except queue.Empty:
                     break
                 (msg.aborts.append if isinstance(item, str) else msg.arrivals.append)(item)  # type: ignore[arg-type]
+            while True:
+                try:
+                    msg.commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
         for result in self._drain_local_results():
             self._local_done.add(result.request_id)
             self._observe(result)
@@ -242,6 +265,9 @@ class TPGenEngine(GenEngine):
             self.mark_unhealthy(f"tensor-parallel ranks admitted different requests: {self.rank_admitted}")
             return self._step_unhealthy(t0)
         lead = messages[0]
+        if self._on_command is not None:
+            for command in lead.commands:
+                self._on_command(command)
         for request in lead.arrivals:
             self._arrive(request)
         for rid in lead.aborts:
@@ -352,16 +378,20 @@ class TPGenEngine(GenEngine):
             self._send_holds(t0)
         self._fill_slots()
         holding = len(self._receiving) + len(self._ready) + len(self._ending)
-        sched = self.scheduler.schedule(active=holding, limit=self.config.prefetch_seqs)
+        if self.config.mode is Mode.INLINE:  # the original path: a receive takes a decode slot
+            sched = self.scheduler.schedule(active=holding + len(self._running), limit=self.config.max_num_seqs)
+        else:
+            sched = self.scheduler.schedule(active=holding, limit=self.config.prefetch_seqs)
+        blocked = 0.0  # INLINE: this rank's own waits (budget, connect); its peers wait in the next collective
         for admission in sched.admitted:
-            self._start_receive(admission)
-        self._fill_slots()
+            blocked += self._start_receive(admission)
+        self._fill_slots()  # IDEAL admissions are ready at once
         t1 = self._clock()
         stalled = max(0.0, (t1 - t0) - (time.thread_time() - c0))
         batch_size = len(self._running)
         if batch_size:
             self._decode()
-        return StepReport(batch_size, len(sched.admitted), sched.deferred, t1 - t0, 0.0, stalled, self._clock() - t1)
+        return StepReport(batch_size, len(sched.admitted), sched.deferred, t1 - t0, blocked, stalled, self._clock() - t1)
 
     def _start_receive(self, admission: Any) -> float:
         """As ``GenEngine``'s orchestrated receive, but the grant stays with the engine (released at

@@ -51,12 +51,18 @@ def test_config_defaults_and_overrides() -> None:
     over = cfg("--isl", "64", "--transfer-budget-bytes", "1000", "--device-step-ms", "2.5")
     assert over["isl"] == 64 and over["transfer_budget_bytes"] == 1000 and over["device_step_ms"] == 2.5
     assert cfg("--max-tokens-in-buffer", "40")["transfer_budget_bytes"] == 3 * 16384
+    tp4 = cfg("--gen-tp", "4", "--kv-heads", "4")  # the public case's shape: one KV head per GEN rank
+    assert (tp4["gen_tp"], tp4["ctx_tp"], tp4["kv_heads"]) == (4, 1, 4)
+    assert tp4["transfer_budget_bytes"] == 2 * full["transfer_budget_bytes"]  # whole blocks, twice the heads
+    assert bench.rank_share(4, 4) == 0.25 and bench.rank_share(8, 2) == 0.5 and bench.rank_share(2, 8) == 0.5  # (kv_heads, tp)
+    assert bench.rank_share(2, 1) == 1.0
 
 
 @pytest.mark.integration
-def test_tiny_bench_run(tmp_path) -> None:
+@pytest.mark.parametrize("gen_tp", [1, 2])
+def test_tiny_bench_run(tmp_path, gen_tp: int) -> None:
     pytest.importorskip("ucxx")
-    cfg = {"isl": 40, "osl": 6, "concurrency": 4, "requests": 12, "max_num_seqs": 4, "warmup": 2,
+    cfg = {"gen_tp": gen_tp, "isl": 40, "osl": 6, "concurrency": 4, "requests": 12, "max_num_seqs": 4, "warmup": 2,
            "device_step_ms": 1.0, "device_step_us_per_seq": 5.0, "seed": 0, "transfer_budget_bytes": 3 * 16384,
            "request_kv_bytes": 3 * 16384, "budget_requests": 1.0, "gen_num_blocks": 64, "ctx_num_blocks": 64,
            "ctx_lease_s": 60.0, "kv_transfer_timeout_ms": 20000, "request_timeout_s": 60.0, "max_seq_len": 2048,
@@ -76,8 +82,15 @@ def test_tiny_bench_run(tmp_path) -> None:
     assert res["modes"]["orchestrated"]["kv_checksum_compared"] == 12
     assert res["modes"]["orchestrated"]["kv_checksum_mismatches"] == 0
     assert set(res["ratios"]["inline"]) == {"throughput", "tpot_mean", "tpot_p99"}
-    # every node process is gone (reaped), none left behind
-    assert len(pids) == 6
+    for name, m in res["modes"].items():  # every GEN rank's execution thread, over the whole segment
+        ranks = m["exec_per_rank"]
+        assert sorted(ranks) == [str(r) for r in range(gen_tp)], name
+        assert all(v["rounds_reported"] == 1 for v in ranks.values()), name
+        # ranks step in lockstep: the same decode iterations on each (statistics cleared and read at one step)
+        assert len({v["decode_iterations"] for v in ranks.values()}) == 1 and ranks["0"]["decode_iterations"] > 0, ranks
+    assert all(v["exec_blocked_ms"]["max"] == 0.0 for v in res["modes"]["orchestrated"]["exec_per_rank"].values())
+    # every node process (and GEN rank) is gone (reaped), none left behind
+    assert len(pids) == 6 + 3 * (gen_tp - 1)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

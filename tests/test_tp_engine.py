@@ -37,10 +37,11 @@ class SliceCheckingStep:
     def __init__(self, ctx: CtxPeer, h0: int, h1: int) -> None:
         self.ctx, self.h0, self.h1 = ctx, h0, h1
         self.decoded: list[list[str]] = []
+        self.check = True  # off for IDEAL (nothing is pulled)
 
     def __call__(self, batch: DecodeBatch) -> list[int]:
         self.decoded.append(list(batch.request_ids))
-        for rid, blocks in zip(batch.request_ids, batch.block_tables):
+        for rid, blocks in zip(batch.request_ids, batch.block_tables if self.check else ()):
             expected = self.ctx.expected[rid][:, :, :, self.h0 : self.h1]
             assert torch.equal(batch.kv[blocks[: expected.shape[0]]], expected), f"{rid}: KV slice differs"
         return [(int(t) + 1) % 256 for t in batch.tokens]
@@ -76,8 +77,14 @@ class Group:
         self.lead.submit(GenRequest(rid, prompt_len=prompt_len, first_token=7, max_tokens=max_tokens, peer=PEER,
                                     kv_handle=handle))
 
+    threaded = False
+    """Step on a worker thread, as an execution thread does (INLINE waits on that thread for the event loop)."""
+
     async def step(self) -> None:
-        LocalGroup.step_all(self.engines)
+        if self.threaded:
+            await anyio.to_thread.run_sync(LocalGroup.step_all, self.engines)
+        else:
+            LocalGroup.step_all(self.engines)
         for out in self.lead.poll():
             self.outputs.setdefault(out.request_id, []).append(out)
         await checkpoint()
@@ -260,3 +267,57 @@ async def test_a_broken_group_fails_everything_locally_without_another_collectiv
             for e in g.engines:
                 e.step()
             await anyio.sleep(0.001)
+
+
+async def test_ideal_mode_admits_and_decodes_in_lockstep_without_receives(make_group) -> None:
+    g = await make_group(4, mode=Mode.IDEAL, max_num_seqs=2)
+    for step in g.steps:
+        step.check = False
+    for i in range(5):
+        g.submit(f"r{i}", max_tokens=3)
+    await g.run_until_idle()
+    assert all(g.final(f"r{i}").state is RequestState.FINISHED for i in range(5))
+    assert all(e.admission_log == g.lead.admission_log for e in g.engines) and len(g.lead.admission_log) == 5
+    assert all(s.decoded == g.steps[0].decoded for s in g.steps) and max(map(len, g.steps[0].decoded)) == 2
+    assert sum(t.counters.pulls for t in g.transports) == 0
+    for i in range(5):  # an ideal GEN never pulls: the client frees the CTX's copy (the benchmark does)
+        g.ctx.store.release(f"r{i}")
+
+
+async def test_inline_mode_takes_decode_slots_and_keeps_the_ranks_consistent(make_group) -> None:
+    g = await make_group(2, mode=Mode.INLINE, max_num_seqs=2)
+    g.threaded = True
+    g.transports[1].latency_s = 0.02  # one slow rank: the other waits for it in the step collective
+    for i in range(6):
+        g.submit(f"r{i}", max_tokens=3)
+    for _ in range(3):
+        await g.step()
+        for e in g.engines:  # a receive holds a decode slot, as on the original inline path
+            st = e.statistics()
+            assert st.receiving + st.ready + st.running <= 2
+    await g.run_until_idle()
+    assert all(g.final(f"r{i}").state is RequestState.FINISHED for i in range(6))
+    assert all(e.admission_log == g.lead.admission_log for e in g.engines) and len(g.lead.admission_log) == 6
+    assert all(s.decoded == g.steps[0].decoded for s in g.steps)
+    assert all(e.budget.statistics().available == e.budget.capacity for e in g.engines)
+    assert g.ctx.store.statistics().held_requests == 0
+
+
+async def test_a_broadcast_reaches_every_rank_at_the_same_step(make_group) -> None:
+    g = await make_group(4)
+    seen: list[list[tuple[int, object]]] = [[] for _ in g.engines]
+    steps = [0]
+    for rank, e in enumerate(g.engines):
+        e._on_command = lambda c, rank=rank: seen[rank].append((steps[0], c))
+    await g.step()
+    g.lead.broadcast("reset_stats")
+    g.lead.broadcast(("report_stats", 7))
+    steps[0] = 1
+    await g.step()
+    steps[0] = 2
+    await g.step()
+    assert all(s == [(1, "reset_stats"), (1, ("report_stats", 7))] for s in seen), seen
+    from orchestrator import InvalidRequest
+
+    with pytest.raises(InvalidRequest):
+        g.engines[1].broadcast("x")

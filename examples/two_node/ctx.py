@@ -4,7 +4,7 @@
                      ─> allocate KV blocks (waits while the pool is full, bounded)
                      ─> prefill on the execution thread (one at a time) ─> KVStore.put(lease) -> handle
                      ─> reply first_token, prompt_len, kv_peer, kv_handle, block checksums
-    UCX PULL from GEN ─> UCXKVServer serves the blocks, then the store frees them
+    KV PULL from GEN ─> the KV server (--kv-transport) serves the blocks, then the store frees them
     GEN's RELEASE, a control "release" with the handle, or the lease expiring ─> the store frees them
 
 With ``--tp M`` the node is M rank processes, each holding its KV heads (examples/two_node/ctx_tp.py):
@@ -27,11 +27,10 @@ import torch
 
 from examples.metrics import ctx_node_stats, serve_node_metrics
 from examples.two_node import control, ctx_tp, gen_tp
-from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, ucx_config
+from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, kv_server
 from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
 from transports import KVStore, new_handle
-from transports.ucx import UCXKVServer
 
 log = structlog.get_logger("examples.ctx")
 
@@ -187,8 +186,6 @@ class CtxNode:
         self._call = loop_caller()
         args = self.args
         ucx_port = args.ucx_port + self.rank if args.ucx_port else 0  # rank r listens on --ucx-port + r
-        from examples.two_node.common import kv_server  # --kv-transport ucx|nixl
-
         async with kv_server(self.args, self.store, port=ucx_port, lease_s=self.args.lease_s,
                              head_start=self.head_range[0], total_kv_heads=self.model.config.num_kv_heads) as server:
             self.ucx_addr = f"{self.args.advertise or self.args.host}:{server.port}"

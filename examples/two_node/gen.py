@@ -25,7 +25,7 @@ import torch
 
 from examples.metrics import serve_node_metrics
 from examples.two_node import control, gen_tp
-from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, ucx_config
+from examples.two_node.common import announce_ready, backend, block_checksums, build_model, control_server, kv_transport
 from orchestrator import (
     DecodeBatch,
     DecodeLoop,
@@ -41,7 +41,6 @@ from orchestrator import (
     Unavailable,
     loop_caller,
 )
-from transports.ucx import UCXTransport
 
 log = structlog.get_logger("examples.gen")
 
@@ -71,6 +70,7 @@ class GenNode:
         layout = self.model.kv_layout(args.block_size)
         self.head_sums = gen_tp.HeadChecksums()
         self.rank_loops: dict[int, Any] = {}  # rank 0: the other ranks' execution-thread statistics
+        self._report_seq = 0  # rank 0: the last statistics request sent; other ranks: the last answered
         self.config = OrchestratorConfig(
             layout=layout,
             num_blocks=args.num_blocks,
@@ -129,16 +129,44 @@ class GenNode:
         else:  # to rank 0, with this rank's next step message
             self.engine.note(request_id, {"h0": self.config.kv_head_offset, "crcs": crcs})  # type: ignore[union-attr]
 
+    def _on_command(self, command: Any) -> None:
+        """Execution thread, every rank at the same step: what rank 0 broadcast."""
+        assert self.loop is not None and self.engine is not None
+        if command == gen_tp.RESET_STATS:
+            self.loop.reset_statistics()
+        elif self.rank != 0 and isinstance(command, tuple) and command[0] == gen_tp.REPORT_STATS:  # rank 0 waits
+            self._report_seq = int(command[1])
+            self.engine.note(gen_tp.LOOP_NOTE, self._loop_stats())  # type: ignore[attr-defined]
+
+    async def _fresh_rank_loops(self, timeout_s: float = 3.0) -> None:
+        """Rank 0 of a tensor-parallel GEN: every rank's loop statistics as of now (not of its last
+        once-a-second report), so that a benchmark segment's figures cover all of it on every rank."""
+        engine = self.engine
+        if not isinstance(engine, TPGenEngine) or engine.health() is not None:
+            return
+        self._report_seq += 1
+        seq = self._report_seq
+        engine.broadcast((gen_tp.REPORT_STATS, seq))
+        with anyio.move_on_after(timeout_s):
+            while any(self.rank_loops.get(r, {}).get("seq", -1) < seq for r in range(1, engine.world_size)):
+                engine.wakeup.set()  # an idle rank 0 steps once a second: the answers ride the next steps
+                await anyio.sleep(0.005)
+
     # -- control ---------------------------------------------------------------------------------
     async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
         op = msg.get("op")
         if op == "generate":
             await self._generate(msg, stream)
         elif op == "stats":
+            await self._fresh_rank_loops()
             await stream.send(self.stats())
-        elif op == "reset_stats":
+        elif op == "reset_stats":  # every rank's execution-thread statistics (the others at the next step)
             assert self.loop is not None
-            self.loop.reset_statistics()
+            if isinstance(self.engine, TPGenEngine):  # every rank, rank 0 too, at one step
+                self.rank_loops.clear()
+                self.engine.broadcast(gen_tp.RESET_STATS)
+            else:
+                self.loop.reset_statistics()
             await stream.send({"ok": True})
         elif op == "ping":
             await stream.send({"ok": True, "role": "gen", "mode": self.config.mode.value, **self._health()})
@@ -255,6 +283,7 @@ class GenNode:
         assert self.loop is not None
         ls = self.loop.statistics()
         return {
+            "seq": self._report_seq,
             "iterations": ls.iterations, "decode_iterations": ls.decode_iterations, "mean_batch": ls.mean_batch,
             **{name: dataclasses.asdict(getattr(ls, name))
                for name in ("orchestration_ms", "blocked_ms", "stalled_ms", "model_ms")},
@@ -273,8 +302,6 @@ class GenNode:
     async def run(self) -> None:
         args = self.args
         self._call = loop_caller()
-        from examples.two_node.common import backend, kv_transport  # --kv-transport ucx|nixl
-
         self.config = dataclasses.replace(self.config, kv_transport=backend(args))
         transport = (kv_transport(args, self.config.layout, total_kv_heads=self.model.config.num_kv_heads)
                      if self.config.mode is not Mode.IDEAL else None)
@@ -282,7 +309,8 @@ class GenNode:
             if args.tp > 1:
                 self.engine = TPGenEngine(self.config, gen_tp.maybe_failing(transport, args), self.step_fn, sync=TorchStepSync(args.tp_group),
                                           on_output=self._on_output, on_received=self._on_received,
-                                          on_note=gen_tp.on_note(self.head_sums, self.rank_loops))
+                                          on_note=gen_tp.on_note(self.head_sums, self.rank_loops),
+                                          on_command=self._on_command)
             else:
                 self.engine = GenEngine(self.config, transport, self.step_fn, on_output=self._on_output,
                                         on_received=self._on_received)

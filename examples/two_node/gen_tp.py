@@ -51,8 +51,6 @@ def check_args(args: argparse.Namespace) -> None:
 
     if args.tp not in (1, 2, 4, 8):
         raise SystemExit(f"error: --tp must be 1, 2, 4 or 8, got {args.tp}")
-    if args.tp > 1 and args.mode != "orchestrated":
-        raise SystemExit(f"error: --tp {args.tp} runs the orchestrated mode only (got --mode {args.mode})")
     try:
         plan_shards(model_config(args), TensorParallel(0, args.tp))
     except ValueError as exc:
@@ -169,6 +167,8 @@ class HeadChecksums:
         self._parts.pop(request_id, None)
 
 
+RESET_STATS = "reset_stats"  # rank 0 -> every rank (TPGenEngine.broadcast): clear the loop statistics
+REPORT_STATS = "report_stats"  # rank 0 -> every rank, with a sequence number: send the loop statistics now
 LOOP_NOTE = "__loop__"  # a note that carries a rank's execution-thread statistics, not a request's
 
 
