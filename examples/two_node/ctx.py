@@ -240,18 +240,4 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    ctx_tp.check_args(args)
-    children = []
-    if args.tp > 1:
-        if args.tp_rank == 0:
-            children = gen_tp.start_group(args, args.argv)
-            args.tp_pids = [c.pid for c in children]
-            args.tp_children = children
-        else:
-            gen_tp.join_group(args)
-    try:
-        anyio.run(CtxNode(args).run, backend="asyncio")
-    finally:
-        gen_tp.stop_children(children)
-        gen_tp.leave_group()
-    return 0
+    return gen_tp.run_in_group(args, lambda: CtxNode(args).run())

@@ -53,19 +53,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-init", default=None, help=argparse.SUPPRESS)
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse at start what could not work (not at the first request)."""
-    from examples.tp import TensorParallel, plan_shards
-    from examples.two_node.common import model_config
-
-    if args.tp not in (1, 2, 4, 8):
-        raise SystemExit(f"error: --tp must be 1, 2, 4 or 8, got {args.tp}")
-    try:
-        plan_shards(model_config(args), TensorParallel(0, args.tp))
-    except ValueError as exc:
-        raise SystemExit(f"error: --tp {args.tp} does not fit this model: {exc}") from None
-
-
 @dataclasses.dataclass
 class _Job:
     op: tuple[Any, ...]

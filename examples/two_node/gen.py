@@ -387,18 +387,4 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    gen_tp.check_args(args)
-    children = []
-    if args.tp > 1:
-        if args.tp_rank == 0:
-            children = gen_tp.start_group(args, args.argv)
-            args.tp_pids = [c.pid for c in children]
-            args.tp_children = children
-        else:
-            gen_tp.join_group(args)
-    try:
-        anyio.run(GenNode(args).run, backend="asyncio")
-    finally:
-        gen_tp.stop_children(children)
-        gen_tp.leave_group()
-    return 0
+    return gen_tp.run_in_group(args, lambda: GenNode(args).run())

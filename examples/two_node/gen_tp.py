@@ -44,7 +44,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse at start what could not work (not at the first request)."""
+    """Refuse at start what could not work (not at the first request); a CTX or GEN node's ``--tp``."""
     from examples.tp import plan_shards
     from examples.two_node.common import model_config
     from examples.tp import TensorParallel
@@ -55,6 +55,28 @@ def check_args(args: argparse.Namespace) -> None:
         plan_shards(model_config(args), TensorParallel(0, args.tp))
     except ValueError as exc:
         raise SystemExit(f"error: --tp {args.tp} does not fit this model: {exc}") from None
+
+
+def run_in_group(args: argparse.Namespace, node_main: Any) -> int:
+    """Run ``node_main()`` (a node's async main) as this process's rank: alone with ``--tp 1``; with
+    ``--tp N`` rank 0 starts and joins the group, the ranks it started join it."""
+    import anyio
+
+    check_args(args)
+    children: list[subprocess.Popen[bytes]] = []
+    if args.tp > 1:
+        if args.tp_rank == 0:
+            children = start_group(args, args.argv)
+            args.tp_pids = [c.pid for c in children]
+            args.tp_children = children
+        else:
+            join_group(args)
+    try:
+        anyio.run(node_main, backend="asyncio")
+    finally:
+        stop_children(children)
+        leave_group()
+    return 0
 
 
 def _free_port() -> int:
