@@ -195,6 +195,9 @@ class GenEngine:
         self._receive_seconds = Histogram(RECEIVE_SECONDS_BUCKETS)
         self._receive_bytes = Histogram(RECEIVE_BYTES_BUCKETS)
         self._next_hold = clock() + config.kv_hold_interval_s
+        register = getattr(transport, "register", None)
+        if callable(register):  # a one-sided transport (NIXL) registers the KV pool once: a pull that
+            register(self.pool.kv)  # lands in the blocks needs no registration of its own
         self.receiver = (
             ReceiveGroup(
                 transport,

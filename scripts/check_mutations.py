@@ -85,6 +85,7 @@ M = [
  ("10 nixl holds renew leases", "transports/nixl.py", "        valid = [(rid, h) for rid, h in items if h is not None]\n", "        valid = []\n", "tests/test_nixl_transport.py -k hold_renews"),
  ("10 nixl release checks the handle", "transports/_nixl_server.py", 'ok = self.store.release(check_request_id(msg.get("rid")), handle=check_handle(msg.get("handle")))', 'ok = self.store.release(check_request_id(msg.get("rid")))', "tests/test_ucx_transport.py -k 'wrong_handle and nixl'"),
  ("10 nixl CTX verifies the secret", "transports/_nixl_server.py", "                    secret is not None and not _auth.verify(", "                    False and not _auth.verify(", "tests/test_ucx_transport.py -k 'wrong_or_missing_secret and nixl'"),
+ ("10 nixl GEN pool registered once", "orchestrator/_engine.py", "        if callable(register):  # a one-sided", "        if False:  # a one-sided", "tests/test_nixl_transport.py -k engine_registers"),
  ("10 node --kv-transport reaches the GEN", "examples/two_node/common.py", '    if backend(args) == "nixl":\n        from transports.nixl import NIXLTransport\n', '    if False:\n        from transports.nixl import NIXLTransport\n', "tests/test_two_node.py -k 'loopback and nixl'"),
 ]
 only = sys.argv[1:]

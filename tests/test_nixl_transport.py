@@ -293,3 +293,24 @@ async def test_a_cancelled_read_keeps_its_landing_busy_until_the_data_is_in(monk
             assert at_idle == [True]  # idle only once the whole READ had landed
             await _until(lambda: server.statistics().pinned == 0)
     assert store.statistics().held_requests == 1
+
+
+@pytest.mark.anyio
+async def test_the_engine_registers_its_kv_pool_once_and_in_place_pulls_register_nothing() -> None:
+    from orchestrator import GenEngine, OrchestratorConfig
+
+    store = _store()
+    handle = store.put("r1", IDS, num_tokens=25, lease_s=60)
+    config = NIXLConfig(secret=SECRET)
+    async with NIXLKVServer(store, config, host="127.0.0.1") as server:
+        peer = f"127.0.0.1:{server.port}"
+        async with NIXLTransport(config, layout=LAYOUT) as t:
+            engine = GenEngine(OrchestratorConfig(layout=LAYOUT, num_blocks=16, transfer_budget_bytes=1 << 20), t,
+                               lambda batch: batch.tokens)
+            try:
+                blocks = engine.pool.kv[3 : 3 + len(IDS)]  # a run of the engine's blocks: the pull lands in place
+                await t.pull(peer, "r1", LAYOUT.full_slice(), blocks, handle=handle)
+                assert torch.equal(blocks, gather(store.pool, IDS, LAYOUT.full_slice()))
+                assert t.statistics().adhoc_registrations == 0 and t.statistics().pulls_ok == 1
+            finally:
+                engine.close()
