@@ -78,7 +78,7 @@ M = [
  ("10 nixl dead-peer backoff", "transports/_peers.py", "                self._down[peer] = (now + self.backoff_s, exc)\n", "                pass\n", "tests/test_ucx_transport.py -k 'layout_mismatch and nixl'"),
  ("10 nixl bounded peers", "transports/_peers.py", "            if len(self.conns) + len(self._connecting) >= self.max_peers:", "            if False:", "tests/test_ucx_transport.py -k 'peers_are_bounded and nixl'"),
  ("10 nixl reconnect once", "transports/nixl.py", "            if not reused or conn.error is None:  # a fresh connection, or a slow answer: no retry\n                raise\n", "            raise\n", "tests/test_nixl_transport.py -k stale"),
- ("10 nixl layout checked at connect", "transports/nixl.py", "        if theirs_t != ours:", "        if False:", "tests/test_ucx_transport.py -k 'layout_mismatch and nixl'"),
+ ("10 nixl layout checked at connect", "transports/nixl.py", "            check_layout(peer, theirs_t, layout, self.total_kv_heads)\n", "            pass\n", "tests/test_ucx_transport.py -k 'layout_mismatch and nixl'"),
  ("10 nixl the CTX's model heads", "transports/nixl.py", 'total = int(info.get("total_kv_heads", remote.num_kv_heads))', "total = remote.num_kv_heads", "tests/test_nixl_transport.py -k head_slices"),
  ("10 nixl READ offsets in the CTX's layout", "transports/nixl.py", "segments(conn.remote, blocks, kv_slice)", "segments(self.layout or conn.remote, blocks, kv_slice)", "tests/test_nixl_transport.py -k head_slices"),
  ("10 nixl landing busy until the READ ends", "transports/nixl.py", "        while (state := self.agent.check_xfer_state(xfer)) == \"PROC\":\n", "        state = \"DONE\"\n        while False:\n", "tests/test_nixl_transport.py -k cancelled_read"),

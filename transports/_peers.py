@@ -14,7 +14,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from ._errors import PeerClosed, PeerUnreachable, TransportError
+from ._errors import IncompatiblePeer, PeerClosed, PeerUnreachable, TransportError
+from ._layout import KVLayout, dtype_name
 
 C = TypeVar("C")
 
@@ -24,6 +25,16 @@ def again(exc: TransportError, peer: str) -> TransportError:
     copy = type(exc)(str(exc), peer=peer)
     copy.__cause__ = exc
     return copy
+
+
+def check_layout(peer: str, theirs: tuple[int, int, int, int, str], layout: KVLayout, total_kv_heads: int) -> None:
+    """Refuse (``IncompatiblePeer``) a CTX whose KV layout (layers, model-wide KV heads, head_dim,
+    block_size, dtype name) is not this GEN's: checked once, at connect."""
+    ours = (layout.num_layers, total_kv_heads, layout.head_dim, layout.block_size, dtype_name(layout.dtype))
+    if theirs != ours:
+        names = ("layers", "kv_heads", "head_dim", "block_size", "dtype")
+        diff = ", ".join(f"{n} {t} vs {o}" for n, t, o in zip(names, theirs, ours) if t != o)
+        raise IncompatiblePeer(f"{peer} serves KV of another layout (CTX vs this GEN: {diff})", peer=peer)
 
 
 class PeerConnections(Generic[C]):

@@ -63,7 +63,7 @@ from ._errors import (
 )
 from ._ids import InvalidRequestId, check_handle, check_request_id
 from ._layout import KVLayout, KVSlice, dtype_from_name, dtype_name
-from ._peers import PeerConnections
+from ._peers import PeerConnections, check_layout
 from ._protocol import Landing, parse_peer
 
 try:
@@ -404,13 +404,11 @@ class NIXLTransport:
             return remote
         total = int(info.get("total_kv_heads", remote.num_kv_heads))
         theirs_t = (remote.num_layers, total, remote.head_dim, remote.block_size, dtype_name(remote.dtype))
-        ours = (layout.num_layers, self.total_kv_heads, layout.head_dim, layout.block_size, dtype_name(layout.dtype))
-        if theirs_t != ours:
-            names = ("layers", "kv_heads", "head_dim", "block_size", "dtype")
-            diff = ", ".join(f"{n} {t} vs {o}" for n, t, o in zip(names, theirs_t, ours) if t != o)
-            err = IncompatiblePeer(f"{peer} serves KV of another layout (CTX vs this GEN: {diff})", peer=peer)
+        try:
+            check_layout(peer, theirs_t, layout, self.total_kv_heads)
+        except IncompatiblePeer as err:
             log.error("nixl_incompatible_peer", peer=peer, reason=str(err))
-            raise err
+            raise
         return remote
 
     def _check_pull(self, peer: str, request_id: str, handle: str | None, kv_slice: KVSlice,

@@ -58,7 +58,7 @@ from ._errors import (
 )
 from ._ids import InvalidRequestId, check_handle, check_request_id
 from ._layout import KVLayout, KVSlice, dtype_name
-from ._peers import PeerConnections
+from ._peers import PeerConnections, check_layout
 from ._protocol import Landing, parse_peer
 
 log = structlog.get_logger("transports.ucx")
@@ -351,13 +351,11 @@ class UCXTransport:
         if layout is None:
             return
         theirs = (info.num_layers, info.total_kv_heads, info.head_dim, info.block_size, info.dtype)
-        ours = (layout.num_layers, self.total_kv_heads, layout.head_dim, layout.block_size, dtype_name(layout.dtype))
-        if theirs != ours:
-            names = ("layers", "kv_heads", "head_dim", "block_size", "dtype")
-            diff = ", ".join(f"{n} {t} vs {o}" for n, t, o in zip(names, theirs, ours) if t != o)
-            err = IncompatiblePeer(f"{peer} serves KV of another layout (CTX vs this GEN: {diff})", peer=peer)
+        try:
+            check_layout(peer, theirs, layout, self.total_kv_heads)
+        except IncompatiblePeer as err:
             log.error("ucx_incompatible_peer", peer=peer, reason=str(err))
-            raise err
+            raise
 
     async def _handshake(self, conn: _Endpoint) -> wire.PeerInfo:
         peer, secret = conn.peer, self.config.secret
