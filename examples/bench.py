@@ -39,6 +39,7 @@ import math
 import os
 import secrets
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -404,7 +405,10 @@ def run_bench(cfg: dict[str, Any], step: str, *, modes: tuple[str, ...] = MODES,
         results[mode] = _aggregate(per_mode[mode], cfg)
         results[mode]["wall_s"] = walls[mode]
         results[mode]["loadavg_1m"] = loads[mode]
-    return {"modes": results, "ratios": _ratios(results), "config": {**cfg, "step": step, "log_dir": str(log_dir)}}
+    if not cfg.get("log_dir") and not any(r["failures"] for r in results.values()):
+        shutil.rmtree(log_dir, ignore_errors=True)  # a temporary folder: kept only when something failed
+        log_dir = None
+    return {"modes": results, "ratios": _ratios(results), "config": {**cfg, "step": step, "log_dir": log_dir and str(log_dir)}}
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -596,7 +600,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--kv-checksums", action="store_true", help="GEN checksums received KV (costs event-loop CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-dir", help="where node logs go (default: a temporary directory)")
+    p.add_argument("--log-dir", help="where node logs go (default: a temporary directory, removed unless a request failed)")
     p.add_argument("--no-progress", action="store_true")
     return p
 

@@ -60,13 +60,16 @@ def test_config_defaults_and_overrides() -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("gen_tp", [1, 2])
-def test_tiny_bench_run(tmp_path, gen_tp: int) -> None:
+def test_tiny_bench_run(tmp_path, gen_tp: int, monkeypatch) -> None:
     pytest.importorskip("ucxx")
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a run without --log-dir puts its logs
     cfg = {"gen_tp": gen_tp, "isl": 40, "osl": 6, "concurrency": 4, "requests": 12, "max_num_seqs": 4, "warmup": 2,
            "device_step_ms": 1.0, "device_step_us_per_seq": 5.0, "seed": 0, "transfer_budget_bytes": 3 * 16384,
            "request_kv_bytes": 3 * 16384, "budget_requests": 1.0, "gen_num_blocks": 64, "ctx_num_blocks": 64,
            "ctx_lease_s": 60.0, "kv_transfer_timeout_ms": 20000, "request_timeout_s": 60.0, "max_seq_len": 2048,
-           "kv_checksums": True, "log_dir": str(tmp_path), "quick": True}
+           "kv_checksums": True, "log_dir": str(tmp_path) if gen_tp > 1 else None, "quick": True}
     pids: list[int] = []
     res = bench.run_bench(cfg, "device", progress=False, pids=pids)
     assert set(res) == {"modes", "ratios", "config"}
@@ -89,6 +92,8 @@ def test_tiny_bench_run(tmp_path, gen_tp: int) -> None:
         # ranks step in lockstep: the same decode iterations on each (statistics cleared and read at one step)
         assert len({v["decode_iterations"] for v in ranks.values()}) == 1 and ranks["0"]["decode_iterations"] > 0, ranks
     assert all(v["exec_blocked_ms"]["max"] == 0.0 for v in res["modes"]["orchestrated"]["exec_per_rank"].values())
+    # a run without --log-dir that did not fail leaves no temporary folder behind
+    assert (res["config"]["log_dir"] is None) == (gen_tp == 1) and not list(tmp_path.glob("kvo-bench-*"))
     # every node process (and GEN rank) is gone (reaped), none left behind
     assert len(pids) == 6 + 3 * (gen_tp - 1)
     for pid in pids:
