@@ -59,7 +59,7 @@ from ._requests import (
     Sequence,
     plan_sources,
 )
-from ._scheduler import Admission, Scheduler
+from ._scheduler import Admission, Scheduler, ScheduleResult
 
 log = structlog.get_logger("orchestrator.engine")
 
@@ -290,7 +290,18 @@ class GenEngine:
         if t0 >= self._next_hold:
             self._send_holds(t0)
         self._fill_slots()
-        holding = len(self._receiving) + len(self._ready)
+        sched, blocked = self._admit(len(self._receiving) + len(self._ready))
+        t1 = self._clock()
+        stalled = max(0.0, (t1 - t0) - (time.thread_time() - c0))
+        batch_size = len(self._running)
+        if batch_size:
+            self._decode()
+        t2 = self._clock()
+        return StepReport(batch_size, len(sched.admitted), sched.deferred, t1 - t0, blocked, stalled, t2 - t1)
+
+    def _admit(self, holding: int) -> tuple[ScheduleResult, float]:
+        """Schedule (``holding``: requests with KV blocks that are not decoding) and start the
+        admitted requests' receives; returns the schedule and the time this thread was blocked."""
         if self.config.mode is Mode.INLINE:  # the original path: a receive takes a decode slot
             sched = self.scheduler.schedule(active=holding + len(self._running), limit=self.config.max_num_seqs)
         else:
@@ -299,13 +310,7 @@ class GenEngine:
         for admission in sched.admitted:
             blocked += self._start_receive(admission)
         self._fill_slots()  # IDEAL admissions are ready at once
-        t1 = self._clock()
-        stalled = max(0.0, (t1 - t0) - (time.thread_time() - c0))
-        batch_size = len(self._running)
-        if batch_size:
-            self._decode()
-        t2 = self._clock()
-        return StepReport(batch_size, len(sched.admitted), sched.deferred, t1 - t0, blocked, stalled, t2 - t1)
+        return sched, blocked
 
     def _drain_inbox(self) -> None:
         while True:

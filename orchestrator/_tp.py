@@ -36,14 +36,13 @@ import queue
 import time
 import zlib
 from collections.abc import Callable, Sequence as Seq
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from ._config import Mode
 from ._engine import GenEngine, StepReport
 from ._errors import InvalidRequest
-from ._requests import DeferReason, FailureReason, GenRequest, ReceiveResult, RequestOutput, RequestState, Sequence
+from ._requests import DeferReason, FailureReason, GenRequest, RequestOutput, RequestState, Sequence
 
 log = structlog.get_logger("orchestrator.tp")
 
@@ -65,6 +64,19 @@ class StepMessage:
     admitted: tuple[int, int] = (0, 0)
     """(count, CRC32 chained over the ids) of everything this rank admitted so far: compared every
     step, so ranks that ever diverge are caught at once instead of decoding different batches."""
+
+
+T = TypeVar("T")
+
+
+def _drain(q: queue.SimpleQueue[T]) -> list[T]:
+    """Everything in ``q`` now, without waiting."""
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
 
 
 class StepSync(Protocol):
@@ -197,7 +209,7 @@ class TPGenEngine(GenEngine):
         """No agreement is possible any more: end everything with local knowledge only."""
         why = self.health() or "unhealthy"
         self._drain_inbox()  # whatever arrived since the last step fails with the rest, never hangs
-        for result in self._drain_local_results():
+        for result in _drain(self._completions):
             rid = result.request_id
             landing = result.landing if result.landing is not None and result.landing.busy else None
             self._local_done.add(rid)
@@ -224,18 +236,10 @@ class TPGenEngine(GenEngine):
         """This rank's contribution to the step (split from ``step`` so tests can drive ranks in lockstep)."""
         msg = StepMessage(stop=self._stop_requested, admitted=self._admitted)
         if self.rank == 0:
-            while True:
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
+            for item in _drain(self._inbox):
                 (msg.aborts.append if isinstance(item, str) else msg.arrivals.append)(item)  # type: ignore[arg-type]
-            while True:
-                try:
-                    msg.commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-        for result in self._drain_local_results():
+            msg.commands = _drain(self._commands)
+        for result in _drain(self._completions):
             self._local_done.add(result.request_id)
             self._observe(result)
             msg.outcomes.append((result.request_id, result.failure.value if result.failure else None, result.message))
@@ -247,11 +251,7 @@ class TPGenEngine(GenEngine):
             if not landing.busy:
                 del self._unquiet[rid]
                 msg.quiet.append(rid)
-        while True:
-            try:
-                msg.notes.append(self._notes.get_nowait())
-            except queue.Empty:
-                break
+        msg.notes = _drain(self._notes)
         return msg
 
     def finish_step(self, messages: Seq[StepMessage], t0: float, c0: float) -> StepReport:
@@ -282,14 +282,6 @@ class TPGenEngine(GenEngine):
                     self._on_note(rank, rid, payload)
         self._settle()
         return self._schedule_and_decode(t0, c0)
-
-    def _drain_local_results(self) -> list[ReceiveResult]:
-        out = []
-        while True:
-            try:
-                out.append(self._completions.get_nowait())
-            except queue.Empty:
-                return out
 
     def _arrive(self, request: GenRequest) -> None:
         if self.rank != 0:  # rank 0 checked it at submit and holds it live already
@@ -377,15 +369,8 @@ class TPGenEngine(GenEngine):
         if t0 >= self._next_hold and self.rank == 0:
             self._send_holds(t0)
         self._fill_slots()
-        holding = len(self._receiving) + len(self._ready) + len(self._ending)
-        if self.config.mode is Mode.INLINE:  # the original path: a receive takes a decode slot
-            sched = self.scheduler.schedule(active=holding + len(self._running), limit=self.config.max_num_seqs)
-        else:
-            sched = self.scheduler.schedule(active=holding, limit=self.config.prefetch_seqs)
-        blocked = 0.0  # INLINE: this rank's own waits (budget, connect); its peers wait in the next collective
-        for admission in sched.admitted:
-            blocked += self._start_receive(admission)
-        self._fill_slots()  # IDEAL admissions are ready at once
+        # INLINE: ``blocked`` is this rank's own waits (budget, connect); its peers wait in the next collective
+        sched, blocked = self._admit(len(self._receiving) + len(self._ready) + len(self._ending))
         t1 = self._clock()
         stalled = max(0.0, (t1 - t0) - (time.thread_time() - c0))
         batch_size = len(self._running)
