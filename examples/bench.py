@@ -55,7 +55,9 @@ import numpy as np
 from examples import _report
 from examples.two_node import control
 from examples.two_node.client import LoadResult, make_prompts, run_load, summarize
+from examples.tiny_model import ModelConfig
 from examples.two_node.launch import env_secret
+from transports import KVLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("ideal", "inline", "orchestrated")
@@ -68,12 +70,13 @@ FULL = dict(isl=128, osl=256, concurrency=64, requests=1280, max_num_seqs=32, ma
 QUICK = dict(isl=128, osl=128, concurrency=32, requests=384, max_num_seqs=16, max_tokens_in_buffer=128, rounds=3,
              warmup=32, device_step_ms=4.0, device_step_us_per_seq=5.0)
 BLOCK_SIZE = 16
-KV_HEADS = 2  # the tiny model's default; --kv-heads changes it on both nodes
+KV_HEADS = ModelConfig.num_kv_heads  # --kv-heads changes it on both nodes
 
 
 def block_bytes(kv_heads: int = KV_HEADS) -> int:
-    """Bytes of one KV block of the tiny model (2 layers x K,V x heads x head_dim 32 x float32 x 16 tokens)."""
-    return 2 * 2 * kv_heads * 32 * 4 * BLOCK_SIZE
+    """Bytes of one KV block of the tiny model with ``kv_heads`` KV heads (all of them)."""
+    c = ModelConfig(num_kv_heads=kv_heads)
+    return KVLayout(c.num_layers, kv_heads, c.head_dim, BLOCK_SIZE, c.dtype).block_bytes
 
 
 BLOCK_BYTES = block_bytes()

@@ -45,9 +45,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse at start what could not work (not at the first request); a CTX or GEN node's ``--tp``."""
-    from examples.tp import plan_shards
+    from examples.tp import TensorParallel, plan_shards
     from examples.two_node.common import model_config
-    from examples.tp import TensorParallel
 
     if args.tp not in (1, 2, 4, 8):
         raise SystemExit(f"error: --tp must be 1, 2, 4 or 8, got {args.tp}")
