@@ -7,7 +7,9 @@ the transport benchmark's NIXL paths in quick mode. The conformance tests shared
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -44,6 +46,17 @@ def _store() -> KVStore:
     return KVStore(LAYOUT, LAYOUT.new_pool(16).uniform_())
 
 
+@contextlib.asynccontextmanager
+async def _served_r1() -> AsyncIterator[tuple[KVStore, str, NIXLKVServer, str, NIXLTransport]]:
+    """A CTX (``NIXLKVServer``) holding request "r1" and a GEN transport: (store, handle, server, peer, t)."""
+    store = _store()
+    handle = store.put("r1", IDS, num_tokens=25, lease_s=60)
+    config = NIXLConfig(secret=SECRET)
+    async with NIXLKVServer(store, config, host="127.0.0.1") as server:
+        async with NIXLTransport(config, layout=LAYOUT) as t:
+            yield store, handle, server, f"127.0.0.1:{server.port}", t
+
+
 async def _until(cond, timeout: float = 5.0) -> None:
     for _ in range(int(timeout / 0.01)):
         if cond():
@@ -64,29 +77,24 @@ def test_segments_merge_runs() -> None:
 
 @pytest.mark.anyio
 async def test_parity_full_and_partial_then_release() -> None:
-    store = _store()
-    handle = store.put("r1", IDS, num_tokens=25, lease_s=60)
-    config = NIXLConfig(secret=SECRET)
-    async with NIXLKVServer(store, config, host="127.0.0.1") as server:
-        peer = f"127.0.0.1:{server.port}"
-        async with NIXLTransport(config, layout=LAYOUT) as t:
-            assert isinstance(t, Transport)
-            part = KVSlice(1, 3, 1, 3)
-            into = torch.zeros(LAYOUT.wire_shape(len(IDS), part), dtype=LAYOUT.dtype)
-            assert await t.pull(peer, "r1", part, into, handle=handle, release=False) == into.nbytes
-            assert torch.equal(into, gather(store.pool, IDS, part))
-            arena = torch.zeros(LAYOUT.wire_shape(len(IDS) + 2), dtype=LAYOUT.dtype)
-            t.register(arena)  # registered once: the pull needs no registration of its own
-            landing = Landing()
-            into = arena[1 : 1 + len(IDS)]
-            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, landing=landing)
-            assert not landing.busy
-            assert torch.equal(into, gather(store.pool, IDS, LAYOUT.full_slice()))
-            assert t.statistics().adhoc_registrations == 1 and t.statistics().pulls_ok == 2
-            await _until(lambda: store.statistics().held_requests == 0)  # the notification released it
-            assert server.statistics().served == 2 and server.statistics().pinned == 0
-            with pytest.raises(UnknownRequest):  # released: a second pull finds nothing
-                await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle)
+    async with _served_r1() as (store, handle, server, peer, t):
+        assert isinstance(t, Transport)
+        part = KVSlice(1, 3, 1, 3)
+        into = torch.zeros(LAYOUT.wire_shape(len(IDS), part), dtype=LAYOUT.dtype)
+        assert await t.pull(peer, "r1", part, into, handle=handle, release=False) == into.nbytes
+        assert torch.equal(into, gather(store.pool, IDS, part))
+        arena = torch.zeros(LAYOUT.wire_shape(len(IDS) + 2), dtype=LAYOUT.dtype)
+        t.register(arena)  # registered once: the pull needs no registration of its own
+        landing = Landing()
+        into = arena[1 : 1 + len(IDS)]
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, landing=landing)
+        assert not landing.busy
+        assert torch.equal(into, gather(store.pool, IDS, LAYOUT.full_slice()))
+        assert t.statistics().adhoc_registrations == 1 and t.statistics().pulls_ok == 2
+        await _until(lambda: store.statistics().held_requests == 0)  # the notification released it
+        assert server.statistics().served == 2 and server.statistics().pinned == 0
+        with pytest.raises(UnknownRequest):  # released: a second pull finds nothing
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle)
 
 
 @pytest.mark.anyio
@@ -108,49 +116,39 @@ async def test_wrong_secret_moves_zero_bytes() -> None:
 
 @pytest.mark.anyio
 async def test_unknown_request_wrong_handle_and_shape_fail_cleanly() -> None:
-    store = _store()
-    handle = store.put("r1", IDS, num_tokens=25, lease_s=60)
-    config = NIXLConfig(secret=SECRET)
-    async with NIXLKVServer(store, config, host="127.0.0.1") as server:
-        peer = f"127.0.0.1:{server.port}"
-        async with NIXLTransport(config, layout=LAYOUT) as t:
-            into = torch.zeros(LAYOUT.wire_shape(len(IDS)), dtype=LAYOUT.dtype)
-            with pytest.raises(UnknownRequest):
-                await t.pull(peer, "nope", LAYOUT.full_slice(), into, handle=handle)
-            with pytest.raises(UnknownRequest):
-                await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle="0" * 32)
-            with pytest.raises(ProtocolViolation):  # a shape the CTX does not hold: refused, entry kept
-                await t.pull(peer, "r1", LAYOUT.full_slice(), into[:-1], handle=handle)
-            with pytest.raises(ProtocolViolation):  # no handle: refused locally
-                await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=None)
-            assert not into.any() and server.statistics().pinned == 0
-            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle)  # the connection still serves
-            assert torch.equal(into, gather(store.pool, IDS, LAYOUT.full_slice()))
-            await t.release(peer, "r1", handle=handle)  # best effort on a released entry: no raise
+    async with _served_r1() as (store, handle, server, peer, t):
+        into = torch.zeros(LAYOUT.wire_shape(len(IDS)), dtype=LAYOUT.dtype)
+        with pytest.raises(UnknownRequest):
+            await t.pull(peer, "nope", LAYOUT.full_slice(), into, handle=handle)
+        with pytest.raises(UnknownRequest):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle="0" * 32)
+        with pytest.raises(ProtocolViolation):  # a shape the CTX does not hold: refused, entry kept
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into[:-1], handle=handle)
+        with pytest.raises(ProtocolViolation):  # no handle: refused locally
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=None)
+        assert not into.any() and server.statistics().pinned == 0
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle)  # the connection still serves
+        assert torch.equal(into, gather(store.pool, IDS, LAYOUT.full_slice()))
+        await t.release(peer, "r1", handle=handle)  # best effort on a released entry: no raise
 
 
 @pytest.mark.anyio
 async def test_cancelled_pull_keeps_landing_until_read_ends() -> None:
-    store = _store()
-    handle = store.put("r1", IDS, num_tokens=25, lease_s=60)
-    config = NIXLConfig(secret=SECRET)
-    async with NIXLKVServer(store, config, host="127.0.0.1") as server:
-        peer = f"127.0.0.1:{server.port}"
-        async with NIXLTransport(config, layout=LAYOUT) as t:
-            await t.connect(peer)
-            into = torch.zeros(LAYOUT.wire_shape(len(IDS)), dtype=LAYOUT.dtype)
-            landing = Landing()
-            task = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle,
-                                                landing=landing, release=False))
-            for _ in range(200):  # cancel once the READ is posted
-                if landing.busy or task.done():
-                    break
-                await asyncio.sleep(0)
-            task.cancel()
-            with pytest.raises((asyncio.CancelledError, Exception)):
-                await task
-            await _until(lambda: not landing.busy)  # NIXL ended the READ; only then is `into` free
-            await _until(lambda: server.statistics().pinned == 0)
+    async with _served_r1() as (store, handle, server, peer, t):
+        await t.connect(peer)
+        into = torch.zeros(LAYOUT.wire_shape(len(IDS)), dtype=LAYOUT.dtype)
+        landing = Landing()
+        task = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle,
+                                            landing=landing, release=False))
+        for _ in range(200):  # cancel once the READ is posted
+            if landing.busy or task.done():
+                break
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises((asyncio.CancelledError, Exception)):
+            await task
+        await _until(lambda: not landing.busy)  # NIXL ended the READ; only then is `into` free
+        await _until(lambda: server.statistics().pinned == 0)
     assert store.statistics().held_requests == 1
 
 
@@ -299,18 +297,13 @@ async def test_a_cancelled_read_keeps_its_landing_busy_until_the_data_is_in(monk
 async def test_the_engine_registers_its_kv_pool_once_and_in_place_pulls_register_nothing() -> None:
     from orchestrator import GenEngine, OrchestratorConfig
 
-    store = _store()
-    handle = store.put("r1", IDS, num_tokens=25, lease_s=60)
-    config = NIXLConfig(secret=SECRET)
-    async with NIXLKVServer(store, config, host="127.0.0.1") as server:
-        peer = f"127.0.0.1:{server.port}"
-        async with NIXLTransport(config, layout=LAYOUT) as t:
-            engine = GenEngine(OrchestratorConfig(layout=LAYOUT, num_blocks=16, transfer_budget_bytes=1 << 20), t,
-                               lambda batch: batch.tokens)
-            try:
-                blocks = engine.pool.kv[3 : 3 + len(IDS)]  # a run of the engine's blocks: the pull lands in place
-                await t.pull(peer, "r1", LAYOUT.full_slice(), blocks, handle=handle)
-                assert torch.equal(blocks, gather(store.pool, IDS, LAYOUT.full_slice()))
-                assert t.statistics().adhoc_registrations == 0 and t.statistics().pulls_ok == 1
-            finally:
-                engine.close()
+    async with _served_r1() as (store, handle, server, peer, t):
+        engine = GenEngine(OrchestratorConfig(layout=LAYOUT, num_blocks=16, transfer_budget_bytes=1 << 20), t,
+                           lambda batch: batch.tokens)
+        try:
+            blocks = engine.pool.kv[3 : 3 + len(IDS)]  # a run of the engine's blocks: the pull lands in place
+            await t.pull(peer, "r1", LAYOUT.full_slice(), blocks, handle=handle)
+            assert torch.equal(blocks, gather(store.pool, IDS, LAYOUT.full_slice()))
+            assert t.statistics().adhoc_registrations == 0 and t.statistics().pulls_ok == 1
+        finally:
+            engine.close()
