@@ -614,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
         from examples import bench_transport
 
         return bench_transport.main(argv[1:])
+    if argv[:1] == ["tp-exchange"]:
+        from examples import bench_tp_exchange
+
+        return bench_tp_exchange.main(argv[1:])
     if argv[:1] == ["markdown"]:  # python -m examples.bench markdown results/bench.json
         data = json.loads(Path(argv[1]).read_text())
         for step, res in (data.items() if "modes" not in data else [("", data)]):

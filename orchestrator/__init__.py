@@ -39,14 +39,17 @@ from ._requests import ReceiveResult as ReceiveResult
 from ._requests import RequestOutput as RequestOutput
 from ._requests import RequestState as RequestState
 from ._threads import loop_caller as loop_caller
-from ._tp import LocalGroup as LocalGroup
-from ._tp import StepMessage as StepMessage
-from ._tp import StepSync as StepSync
-from ._tp import TorchStepSync as TorchStepSync
+from ._step import Agreement as Agreement
+from ._step import Agreement as StepSync
+from ._step import GroupBroken as GroupBroken
+from ._step import LocalGroup as LocalGroup
+from ._step import SoloAgreement as SoloAgreement
+from ._step import StepMessage as StepMessage
+from ._step import TorchStepSync as TorchStepSync
 from ._tp import TPGenEngine as TPGenEngine
 
 __all__ = [
-    "BudgetStatistics", "DecodeBatch", "DecodeLoop", "DeferReason", "EngineStatistics", "EngineThreads",
+    "Agreement", "GroupBroken", "SoloAgreement", "BudgetStatistics", "DecodeBatch", "DecodeLoop", "DeferReason", "EngineStatistics", "EngineThreads",
     "FailureReason", "GenEngine", "GenRequest", "Grant", "InvalidRequest", "KVBlockPool", "KVExhausted", "KVSource",
     "KVLayout", "KVSlice", "LocalGroup", "LoopStatistics", "Mode", "NotRunning", "OrchestratorConfig", "OrchestratorError",
     "Percentiles", "PoolStatistics", "ReceiveGroup", "ReceiveJob", "ReceiveResult", "RequestOutput",

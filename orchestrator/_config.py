@@ -47,6 +47,10 @@ class OrchestratorConfig:
     30 s by default; a pull also renews the lease when it starts)."""
     inline_reserve_timeout_s: float = 0.2
     """``inline`` mode only: how long the execution thread waits for staging before the slow fallback."""
+    max_blocking_wait_s: float | None = None
+    """Longest blocking wait the execution thread may make (``inline`` mode's reserve and peer
+    handshake). A tensor-parallel node sets it below its step timeout, so that a rank blocked in a
+    wait never looks dead to its group. None: bounded by ``kv_transfer_timeout_ms`` alone."""
     kv_head_offset: int = 0
     """Tensor parallelism: the model-wide index of this rank's first KV head. The pool holds
     ``layout.num_kv_heads`` heads from there; requests pull that head range from their CTX."""
@@ -69,6 +73,8 @@ class OrchestratorConfig:
             raise ValueError("kv_hold_interval_s must be positive")
         if self.max_prefetch_seqs is not None and self.max_prefetch_seqs < 1:
             raise ValueError("max_prefetch_seqs must be >= 1")
+        if self.max_blocking_wait_s is not None and not 0 < self.inline_reserve_timeout_s <= self.max_blocking_wait_s:
+            raise ValueError("max_blocking_wait_s must be positive and at least inline_reserve_timeout_s")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, not {self.kv_transport!r}")
 

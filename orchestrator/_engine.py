@@ -1,52 +1,66 @@
-"""The GEN engine: the execution thread's side of the orchestrator.
+"""The GEN engine: the execution thread's side of the orchestrator, one engine for every TP size.
 
-One ``step()`` per decode iteration, on the execution thread::
+One ``step()`` per decode iteration, on the execution thread, as prepare -> agree -> apply::
 
-    0. free quarantined blocks whose late receive has ended; every kv_hold_interval_s, ask each CTX
-       to renew the leases of requests still WAITING (one batched message per peer, on the loop)
-    1. drain the inbox        (submits and aborts from any thread; validated at submit)
-    2. drain completions      (ReceiveResults from the event loop: RECEIVING -> READY / FAILED)
-    3. schedule               (decode keeps its batch; READY fill free decode slots; admit WAITING
-                              in FCFS: budget, then KV; receives run ahead of the batch, up to
-                              max_prefetch_seqs holding KV without decoding)
-    4. start receives         ORCHESTRATED: non-blocking submit to the receive group
-                              INLINE: blocking staging reserve (timeout, then slow fallback) and a
-                                      blocking peer handshake, here, on this thread (the baseline)
-                              IDEAL: no receive; the request runs at once
-    5. one decode step        step_fn(DecodeBatch) for every RUNNING request; emit tokens
+    prepare   this rank's local events, in the order they happened (``_step.StepMessage``):
+              rank 0: submissions and aborts from its inbox, commands; every rank: the outcomes of
+              its own receives, blocks that went quiet, and the tokens its last decode sampled
+    agree     ``self.agreement``: identity for one rank; one collective for a tensor-parallel
+              group (``TorchStepSync``, ``LocalGroup``). A group that cannot agree is broken
+    apply     the one path, identical on every rank:
+              0. checks: every rank admitted the same requests and decoded the same batch
+                 (digests), nobody stopped or broke; else the group breaks (below)
+              1. rank 0's tokens and finish decisions for the last batch: emitted, requests end
+              2. submissions and aborts, in arrival order
+              3. receive outcomes (only the requests they touch): a request is READY when every
+                 rank holds its slice; any failure or an abort ends it for the client at once,
+                 its blocks and budget come back when every rank's blocks are quiet
+              4. schedule: decode keeps its batch; READY fill free slots; admit WAITING in FCFS,
+                 budget before KV; ORCHESTRATED: non-blocking submit to the receive group;
+                 INLINE: blocking reserve and handshake here (the baseline); IDEAL: no receive
+              5. one decode step (step_fn) for every RUNNING request; its tokens are the next
+                 step's events
 
-``step()`` never awaits. In ORCHESTRATED mode nothing in it waits on I/O, a peer or a reservation;
-it measures the time it spent in orchestration (0-4) and in explicit blocking waits (INLINE only).
+Per request, on every rank at the same step::
 
-Health: when the receive group dies or the decode loop crashes, ``health()`` says why, ``submit``
-raises ``Unavailable``, and the next ``step()`` fails every live request with ``INTERNAL`` (budget
-and blocks come back; receives in flight are cancelled and end as their results arrive).
-Quarantine: a failed receive whose buffer the transport may still write (``ReceiveResult.landing``
-busy) ends at once for the client, but its KV blocks are freed only when that receive is over.
-Outputs are polled with ``poll()`` (or pushed to ``on_output``). The receive group must be running
-on an event loop (``await engine.serve()``, or ``EngineThreads`` for a ready-made pair of threads).
+    arrival ─> WAITING ─admit (budget, then KV)─> RECEIVING ─every rank ok─> READY ─slot─> RUNNING ─> FINISHED
+                 │ abort                             │ a failure / abort       abort │ abort  │
+                 ▼                                   ▼                               ▼        ▼
+              ABORTED                    FAILED/ABORTED for the client at once:  ended, blocks freed
+                                         blocks + budget held until every rank's
+                                         blocks are quiet (a late landing ended)
+
+Rank 0 (the only rank of a group of one) takes ``submit``/``abort``, talks to the CTX (releases,
+lease holds) and emits outputs. Budget grants are the engine's: released at the agreed step, so
+every rank's scheduler sees the same inputs. ``step()`` never awaits; in ORCHESTRATED mode nothing
+in it waits on I/O, a peer or a reservation.
+
+Health and breaking: when the receive group dies, a decode step raises, the group's exchange fails
+or the ranks disagree, the engine breaks: ``health()`` says why, ``submit`` raises ``Unavailable``,
+rank 0 tells every CTX to free every request it holds and every live request fails with that
+cause; ``stopped`` is then True and later steps only bring this rank's blocks and budget back
+(a tensor-parallel node then forms a new group; see examples/two_node/gen_tp.py).
 """
 
 from __future__ import annotations
 
-import bisect
+import collections
 import dataclasses
-import itertools
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence as Seq
+from typing import Any
 
 import structlog
 import torch
 
-from transports import InvalidRequestId, KVSlice, Transport, check_handle, check_request_id, scatter
+from transports import KVSlice, Transport, scatter
 
 from ._budget import TransferBudget
 from ._config import Mode, OrchestratorConfig
 from ._errors import InvalidRequest, Unavailable, WouldBlock
-from ._kvpool import KVBlockPool, PoolStatistics
-from ._budget import BudgetStatistics
+from ._kvpool import KVBlockPool
 from ._receiver import ReceiveGroup, ReceiveJob, ReceivePart, plan_chunks, shift_heads
 from ._requests import (
     DeferReason,
@@ -60,8 +74,19 @@ from ._requests import (
     plan_sources,
 )
 from ._scheduler import Admission, Scheduler, ScheduleResult
+from ._stats import (
+    RECEIVE_BYTES_BUCKETS,
+    RECEIVE_SECONDS_BUCKETS,
+    EngineStatistics,
+    Histogram,
+    StepReport,
+)
+from ._step import FINISH, Abort, Agreement, GroupBroken, Outcome, SoloAgreement, StepMessage, Submit, chain_crc
+from ._validate import validate_request
 
 log = structlog.get_logger("orchestrator.engine")
+
+__all__ = ["DecodeBatch", "EngineStatistics", "GenEngine", "Histogram", "PreparedStep", "StepReport"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,67 +107,12 @@ StepFn = Callable[[DecodeBatch], "Seq[int] | torch.Tensor"]
 
 
 @dataclasses.dataclass(frozen=True)
-class StepReport:
-    batch_size: int
-    admitted: int
-    deferred: dict[DeferReason, int]
-    orchestration_s: float
-    """Wall time of steps 1-4 (everything but the model step)."""
-    blocked_s: float
-    """Of that, time spent in explicit blocking waits (staging reserve, peer handshake)."""
-    stalled_s: float
-    """Of that, wall time minus this thread's CPU time: off the CPU (waiting for the GIL, a lock,
-    a blocking wait, or preempted)."""
-    model_s: float
+class PreparedStep:
+    """A rank's prepared step: its message and when the step began."""
 
-
-class Histogram:
-    """Cumulative counts of values in fixed buckets (Prometheus style: ``counts[i]`` are the values
-    ``<= bounds[i]``, the last one every value); O(log buckets) per value, on one thread."""
-
-    __slots__ = ("bounds", "_counts", "sum")
-
-    def __init__(self, bounds: Seq[float]) -> None:
-        self.bounds = tuple(bounds)
-        self._counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def snapshot(self) -> dict[str, object]:
-        """{"bounds": [...], "counts": cumulative per bound then +Inf, "sum": float}."""
-        return {"bounds": list(self.bounds), "counts": list(itertools.accumulate(self._counts)), "sum": self.sum}
-
-
-RECEIVE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-RECEIVE_BYTES_BUCKETS = tuple(float(1 << k) for k in range(12, 33, 2))  # 4 KiB .. 4 GiB
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStatistics:
-    waiting: int
-    receiving: int
-    ready: int
-    running: int
-    finished: int
-    failed: dict[FailureReason, int]
-    aborted: int
-    deferral_episodes: dict[DeferReason, int]
-    receives_in_flight: int
-    staging_bytes: int
-    peak_staging_bytes: int
-    inline_fallbacks: int
-    quarantined_blocks: int
-    """KV blocks of ended requests that a late receive may still write; freed when it ends."""
-    receive_seconds: dict[str, object]
-    """Histogram (``Histogram.snapshot``) of how long this rank's successful receives took."""
-    receive_bytes: dict[str, object]
-    """Histogram of the bytes each successful receive moved."""
-    health: str | None
-    budget: BudgetStatistics
-    pool: PoolStatistics
+    message: StepMessage
+    t0: float
+    c0: float
 
 
 def _covering(chunks: Seq[KVSlice]) -> KVSlice:
@@ -151,47 +121,82 @@ def _covering(chunks: Seq[KVSlice]) -> KVSlice:
                    min(c.head_start for c in chunks), max(c.head_end for c in chunks))
 
 
-class GenEngine:
-    _pull_releases = True
-    """The last chunk of a pull lets the CTX free its copy (a tensor-parallel rank leaves that to rank 0)."""
+def _drain(q: queue.SimpleQueue[Any]) -> list[Any]:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
 
+
+ADMISSION_WINDOW = 1024
+"""Admissions kept by id for diagnostics (``admission_log``); the digest covers all of them."""
+
+
+class GenEngine:
     def __init__(
         self,
         config: OrchestratorConfig,
         transport: Transport | None,
         step_fn: StepFn,
         *,
+        agreement: Agreement | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
         on_received: Callable[[str, torch.Tensor], None] | None = None,
+        on_command: Callable[[Any], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if transport is None and config.mode is not Mode.IDEAL:
             raise ValueError(f"mode {config.mode.value} needs a transport")
         self.config = config
         self.layout = config.layout
+        self.agreement: Agreement = agreement or SoloAgreement()
+        self.rank = self.agreement.rank
+        self.world_size = self.agreement.world_size
+        self._everyone = (1 << self.world_size) - 1
+        self._pull_releases = self.world_size == 1
+        """A lone rank's last pull lets the CTX free its copy; a group's rank 0 tells the CTX once
+        every rank has its slice."""
         self.budget = TransferBudget(config.transfer_budget_bytes)
         self.pool = KVBlockPool(config.layout, config.num_blocks, config.device, poison_freed=config.debug_poison_freed_blocks)
         self.scheduler = Scheduler(config, self.budget, self.pool)
         self._step_fn = step_fn
         self._clock = clock
         self._on_output = on_output
+        self._on_command = on_command
         self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue[GenRequest | str] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._completions: queue.SimpleQueue[ReceiveResult] = queue.SimpleQueue()
         self.wakeup = threading.Event()
         """Set whenever there is new work for the execution thread (submit, abort, completion)."""
         self._live_lock = threading.Lock()
-        self._live: set[str] = set()
+        self._live: set[str] = set()  # ids that may not be submitted again yet
+        self._by_id: dict[str, Sequence] = {}  # every request this engine holds anything of
+        self._by_seq: dict[int, Sequence] = {}
+        self._next_seq = 0
         self._receiving: dict[str, Sequence] = {}
         self._ready: dict[str, Sequence] = {}  # KV received, waiting for a decode slot (FIFO)
         self._running: dict[str, Sequence] = {}
+        self._ending: dict[int, Sequence] = {}  # ended for the client; blocks held until quiet everywhere
+        self._unquiet: dict[int, Any] = {}  # this rank's reported receives whose landing is still busy
+        self._quarantined_blocks = 0
+        self._last_batch: list[Sequence] = []
+        self._sampled: list[int] = []
         self._finished = 0
         self._aborted = 0
         self._failed = {r: 0 for r in FailureReason}
         self._inline_fallbacks = 0
         self._unhealthy: str | None = None
-        self._quarantine: list[tuple[object, torch.Tensor]] = []  # (Landing, block ids)
-        self._quarantined_blocks = 0
+        self._stop_requested = False
+        self.stopped = False
+        """The engine broke (or the group was stopped): it steps only to bring its blocks back."""
+        self._admitted = (0, 0)
+        self._admission_window: collections.deque[str] = collections.deque(maxlen=ADMISSION_WINDOW)
+        self.rank_admitted: list[tuple[int, int]] = [(0, 0)] * self.world_size
+        """Every rank's (admissions, digest) at the last step."""
+        self._steps = 0
         self._receive_seconds = Histogram(RECEIVE_SECONDS_BUCKETS)
         self._receive_bytes = Histogram(RECEIVE_BYTES_BUCKETS)
         self._next_hold = clock() + config.kv_hold_interval_s
@@ -212,12 +217,19 @@ class GenEngine:
         )
 
     # -- any thread ------------------------------------------------------------------------------
+    @property
+    def leads_steps(self) -> bool:
+        """Rank 0: takes requests, talks to the CTX, emits outputs, paces the group's steps."""
+        return self.rank == 0
+
     def submit(self, request: GenRequest) -> None:
         """Queue a request for admission. Validates it first; raises ``InvalidRequest`` (a bad or
         duplicate request) or ``Unavailable`` (the engine is unhealthy, see ``health()``). Never blocks."""
+        if not self.leads_steps:
+            raise InvalidRequest("requests enter a tensor-parallel group at rank 0")
         if (why := self.health()) is not None:
             raise Unavailable(f"GEN engine unavailable: {why}")
-        self._validate(request)
+        validate_request(self.config, request, self.world_size)
         with self._live_lock:
             if request.request_id in self._live:
                 raise InvalidRequest(f"request id {request.request_id!r} is already live")
@@ -227,17 +239,27 @@ class GenEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request in any state (unknown or finished ids are ignored). Never blocks."""
+        if not self.leads_steps:
+            raise InvalidRequest("aborts enter a tensor-parallel group at rank 0")
         self._inbox.put(request_id)
+        self.wakeup.set()
+
+    def broadcast(self, payload: Any) -> None:
+        """Rank 0 (any thread): every rank's ``on_command(payload)`` runs at the next step.
+        ``payload`` must be JSON-able (it crosses the step exchange)."""
+        if not self.leads_steps:
+            raise InvalidRequest("commands enter a tensor-parallel group at rank 0")
+        self._commands.put(payload)
+        self.wakeup.set()
+
+    def request_stop(self) -> None:
+        """Rank 0: the next step stops every rank of the group."""
+        self._stop_requested = True
         self.wakeup.set()
 
     def poll(self) -> list[RequestOutput]:
         """Every output emitted since the last poll (non-blocking)."""
-        out = []
-        while True:
-            try:
-                out.append(self._outputs.get_nowait())
-            except queue.Empty:
-                return out
+        return _drain(self._outputs)
 
     async def serve(self) -> None:
         """Run the receive group on the current event loop until ``close()``."""
@@ -254,7 +276,8 @@ class GenEngine:
             self.receiver.close()
 
     def health(self) -> str | None:
-        """None while the engine can serve; otherwise why not (its receive group or decode loop died)."""
+        """None while the engine can serve; otherwise why not (its receive group or decode loop
+        died, or its tensor-parallel group broke)."""
         if self._unhealthy is not None:
             return self._unhealthy
         if self.receiver is not None and self.receiver.failure is not None:
@@ -262,123 +285,313 @@ class GenEngine:
         return None
 
     def mark_unhealthy(self, reason: str) -> None:
-        """Record why the engine can no longer serve (the first reason wins); any thread."""
+        """Record why the engine can no longer serve (the first reason wins); any thread. The next
+        step breaks the engine (and its group) with this cause."""
         if self._unhealthy is None:
             self._unhealthy = reason
+        self.wakeup.set()
 
     @property
     def live_requests(self) -> int:
         with self._live_lock:
             return len(self._live)
 
-    # -- execution thread ------------------------------------------------------------------------
+    @property
+    def admission_log(self) -> list[str]:
+        """The newest admissions by id, in order (identical on every rank; bounded)."""
+        return list(self._admission_window)
+
+    # -- execution thread: the step ---------------------------------------------------------------
     @property
     def num_running(self) -> int:
         return len(self._running)
 
     def step(self) -> StepReport:
+        prepared = self.prepare_step()
+        if self.stopped:
+            return self._apply_alone(prepared)
+        try:
+            messages = self.agreement.agree(prepared.message)
+        except GroupBroken as exc:
+            self._break(exc.cause)
+            return self._apply_alone(prepared)
+        return self.apply_step(prepared, messages)
+
+    def prepare_step(self) -> PreparedStep:
+        """This rank's local events since its last step (see the module docstring)."""
         t0 = self._clock()
         c0 = time.thread_time()
-        if self._quarantine:
-            self._release_quarantine()
-        self._drain_inbox()
-        self._drain_completions()
-        if (why := self.health()) is not None:
-            self._fail_live(why)
-            t1 = self._clock()
-            return StepReport(0, 0, {r: 0 for r in DeferReason}, t1 - t0, 0.0, 0.0, 0.0)
-        if t0 >= self._next_hold:
-            self._send_holds(t0)
+        msg = StepMessage(admitted=self._admitted, stop=self._stop_requested)
+        if (why := self.health()) is not None and not self.stopped:
+            msg.broken = why
+        if self.leads_steps:
+            arriving: dict[str, int] = {}
+            for item in _drain(self._inbox):
+                if isinstance(item, str):
+                    known = self._by_id.get(item)
+                    seq_no = known.seq_no if known is not None else arriving.get(item)
+                    if seq_no is not None:  # an abort of nothing known is stale: dropped, as at any size
+                        msg.events.append(Abort(seq_no))
+                else:
+                    seq_no = self._next_seq
+                    self._next_seq += 1
+                    arriving[item.request_id] = seq_no
+                    msg.events.append(Submit(seq_no, item))
+            msg.commands = _drain(self._commands)
+        for result in _drain(self._completions):
+            seq = self._by_id.get(result.request_id)
+            if seq is None:  # cannot happen: one result per job, one job per receiving request
+                log.error("result_for_unknown_request", request_id=result.request_id)
+                continue
+            self._observe(result)
+            busy = result.landing is not None and result.landing.busy
+            if busy:
+                self._unquiet[seq.seq_no] = result.landing
+            msg.outcomes.append(Outcome(seq.seq_no, result.failure, result.message, quiet=not busy))
+        if self._unquiet:
+            for seq_no, landing in list(self._unquiet.items()):
+                if not landing.busy:
+                    del self._unquiet[seq_no]
+                    msg.quiet.append(seq_no)
+        if self._last_batch:
+            digest = 0
+            for seq, token in zip(self._last_batch, self._sampled):
+                digest = chain_crc(digest, seq.seq_no, seq.tokens[-1], token)
+            msg.batch_digest = digest
+            if self.leads_steps:
+                msg.tokens = [token | (FINISH if self._done(seq, token) else 0)
+                              for seq, token in zip(self._last_batch, self._sampled)]
+        return PreparedStep(msg, t0, c0)
+
+    def apply_step(self, prepared: PreparedStep, messages: Seq[StepMessage]) -> StepReport:
+        """Apply the agreed ``messages`` (every rank's, in rank order): the one path."""
+        self._steps += 1
+        self.rank_admitted = [m.admitted for m in messages]
+        cause = self._disagreement(messages)
+        if cause is not None:
+            self._break(cause)
+            return self._apply_alone(prepared)
+        lead = messages[0]
+        if self._on_command is not None:
+            for command in lead.commands:
+                self._on_command(command)
+        self._apply_tokens(lead.tokens)
+        for event in lead.events:
+            if isinstance(event, Submit):
+                self._arrive(event)
+            else:
+                self._abort(event.seq)
+        for seq in self._apply_outcomes(messages):
+            self._settle(seq, self._everyone)
+        if self.leads_steps and prepared.t0 >= self._next_hold:
+            self._send_holds(prepared.t0)
         self._fill_slots()
-        sched, blocked = self._admit(len(self._receiving) + len(self._ready))
+        sched, blocked = self._admit()
+        return self._decode_step(prepared, sched, blocked)
+
+    def _apply_alone(self, prepared: PreparedStep) -> StepReport:
+        """A broken engine's step: no agreement any more. This rank's own outcomes bring its
+        blocks and budget back; everything live fails."""
+        msg = prepared.message
+        for event in msg.events:  # taken from the inbox: they fail with the rest
+            if isinstance(event, Submit):
+                self._arrive(event)
+        mine = 1 << self.rank
+        for seq in self._apply_outcomes([msg] if self.rank == 0 else [StepMessage()] * self.rank + [msg]):
+            self._settle(seq, mine)
+        self._fail_live(self.health() or "the engine stopped")
+        for seq in list(self._ending.values()):
+            self._settle(seq, mine)
+        self._apply_tokens([])
         t1 = self._clock()
-        stalled = max(0.0, (t1 - t0) - (time.thread_time() - c0))
+        return StepReport(0, 0, {r: 0 for r in DeferReason}, t1 - prepared.t0, 0.0, 0.0, 0.0)
+
+    def _disagreement(self, messages: Seq[StepMessage]) -> str | None:
+        """Why the group cannot apply this step (None: it can)."""
+        if any(m.stop for m in messages):
+            return "the tensor-parallel group was stopped"
+        for rank, m in enumerate(messages):
+            if m.broken:
+                return m.broken if self.world_size == 1 else f"GEN rank {rank}: {m.broken}"
+        lead = messages[0]
+        for rank, m in enumerate(messages):
+            if m.admitted != lead.admitted:
+                return (f"tensor-parallel ranks admitted different requests: rank {rank} {m.admitted[0]} "
+                        f"admissions, rank 0 {lead.admitted[0]} (digests {m.admitted[1]:08x} / {lead.admitted[1]:08x})")
+            if m.batch_digest != lead.batch_digest:
+                return (f"tensor-parallel ranks decoded different batches at step {self._steps - 1}: rank {rank}'s "
+                        f"requests or tokens differ from rank 0's ({len(self._last_batch)} requests)")
+        return None
+
+    def _break(self, cause: str) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        self.mark_unhealthy(cause)
+        log.error("engine_broken", rank=self.rank, world_size=self.world_size, cause=cause)
+
+    def _apply_tokens(self, tokens: Seq[int]) -> None:
+        """Rank 0's tokens (and finish decisions) for the batch this rank decoded last step."""
+        batch, self._last_batch, self._sampled = self._last_batch, [], []
+        for seq, word in zip(batch, tokens):
+            if seq.state is not RequestState.RUNNING:
+                continue
+            token = word & ~FINISH
+            seq.tokens.append(token)
+            if word & FINISH:
+                self._end(seq, RequestState.FINISHED, None, "", new_tokens=(token,))
+            else:
+                self._emit(RequestOutput(seq.request_id, (token,), RequestState.RUNNING))
+
+    def _arrive(self, event: Submit) -> None:
+        request = event.request
+        layout = self.layout
+        prompt_blocks = layout.blocks_for(request.prompt_len)
+        seq = Sequence(
+            request=request,
+            arrival=self._clock(),
+            num_blocks=layout.blocks_for(request.prompt_len + request.max_tokens),
+            num_prompt_blocks=prompt_blocks,
+            cost=layout.wire_bytes(prompt_blocks, request.kv_slice or self.config.kv_slice),
+            seq_no=event.seq,
+            tokens=[request.first_token],
+        )
+        self._next_seq = max(self._next_seq, event.seq + 1)
+        if not self.leads_steps:  # rank 0 checked it at submit and holds it live already
+            with self._live_lock:
+                self._live.add(request.request_id)
+        self._by_id[request.request_id] = seq
+        self._by_seq[seq.seq_no] = seq
+        self.scheduler.add(seq)
+
+    def _abort(self, seq_no: int) -> None:
+        seq = self._by_seq.get(seq_no)
+        if seq is None or seq.state.terminal:
+            return
+        if seq.state is RequestState.WAITING:
+            self.scheduler.remove(seq.request_id)
+            self._tell_ctx(seq)  # the CTX may free its copy now
+            self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted while waiting")
+        elif seq.state is RequestState.RECEIVING:  # every rank stops its receive; it ends when one reports
+            seq.abort_requested = True
+            self._cancel_local(seq)
+            self._settle(seq, self._everyone)
+        else:
+            self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, f"aborted while {seq.state.value}")
+
+    def _apply_outcomes(self, messages: Seq[StepMessage]) -> list[Sequence]:
+        """Record every rank's outcomes; returns the requests they touched (in first-touch order)."""
+        touched: dict[int, Sequence] = {}
+        for rank, m in enumerate(messages):
+            bit = 1 << rank
+            for o in m.outcomes:
+                seq = self._by_seq.get(o.seq)
+                if seq is None:
+                    continue
+                seq.reported |= bit
+                if o.quiet:
+                    seq.quiet |= bit
+                if o.failure is not None and seq.failure is None:
+                    seq.failure = (o.failure, o.message if rank == 0 or self.world_size == 1
+                                   else f"GEN rank {rank}: {o.message}")
+                touched[o.seq] = seq
+            for seq_no in m.quiet:
+                seq = self._by_seq.get(seq_no)
+                if seq is not None:
+                    seq.quiet |= bit
+                    touched[seq_no] = seq
+        return list(touched.values())
+
+    def _settle(self, seq: Sequence, everyone: int) -> None:
+        """Decide what the agreed outcomes so far mean for ``seq`` (only requests touched this step)."""
+        if seq.state is RequestState.RECEIVING:
+            if seq.abort_requested and (seq.reported or seq.failure):
+                self._end_receiving(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted")
+            elif seq.failure is not None:
+                reason, message = seq.failure
+                state = RequestState.ABORTED if reason is FailureReason.ABORTED else RequestState.FAILED
+                self._end_receiving(seq, state, reason, message)
+            elif seq.reported & everyone == everyone:  # every rank holds its slice
+                self._release_grant(seq)
+                if not self._pull_releases:
+                    self._tell_ctx(seq)
+                self._run(seq)
+                return
+        if seq.state.terminal and seq.seq_no in self._ending and seq.quiet & everyone == everyone:
+            self._release(seq)
+
+    def _end_receiving(self, seq: Sequence, state: RequestState, failure: FailureReason, message: str) -> None:
+        """A receive phase ends badly: the client hears now; blocks and budget stay until every
+        rank's blocks are quiet (a receive still running is cancelled here)."""
+        self._receiving.pop(seq.request_id, None)
+        self._cancel_local(seq)
+        if not self._pull_releases:
+            self._tell_ctx(seq)
+        self._ending[seq.seq_no] = seq
+        if seq.block_ids is not None:
+            self._quarantined_blocks += int(seq.block_ids.numel())
+        self._end(seq, state, failure, message, keep_blocks=True)
+
+    def _cancel_local(self, seq: Sequence) -> None:
+        if not seq.cancelled and not seq.reported & (1 << self.rank) and self.receiver is not None:
+            seq.cancelled = True
+            self.receiver.cancel(seq.request_id)
+
+    def _release(self, seq: Sequence) -> None:
+        """Every rank's blocks of an ended request are quiet: blocks and budget come back."""
+        del self._ending[seq.seq_no]
+        self._unquiet.pop(seq.seq_no, None)
+        if seq.block_ids is not None:
+            self._quarantined_blocks -= int(seq.block_ids.numel())
+            self.pool.free(seq.block_ids)
+            seq.block_ids = None
+        self._release_grant(seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._by_id.pop(seq.request_id, None)
+        self._by_seq.pop(seq.seq_no, None)
+        with self._live_lock:
+            self._live.discard(seq.request_id)
+
+    @staticmethod
+    def _release_grant(seq: Sequence) -> None:
+        if seq.grant is not None:
+            seq.grant.release()
+            seq.grant = None
+
+    def _decode_step(self, prepared: PreparedStep, sched: ScheduleResult, blocked: float) -> StepReport:
+        t1 = self._clock()
+        stalled = max(0.0, (t1 - prepared.t0) - (time.thread_time() - prepared.c0))
         batch_size = len(self._running)
         if batch_size:
             self._decode()
         t2 = self._clock()
-        return StepReport(batch_size, len(sched.admitted), sched.deferred, t1 - t0, blocked, stalled, t2 - t1)
+        return StepReport(batch_size, len(sched.admitted), sched.deferred, t1 - prepared.t0, blocked, stalled, t2 - t1)
 
-    def _admit(self, holding: int) -> tuple[ScheduleResult, float]:
-        """Schedule (``holding``: requests with KV blocks that are not decoding) and start the
-        admitted requests' receives; returns the schedule and the time this thread was blocked."""
+    # -- admission and receives -------------------------------------------------------------------
+    def _admit(self) -> tuple[ScheduleResult, float]:
+        """Schedule and start the admitted requests' receives; returns the schedule and the time
+        this thread was blocked (INLINE)."""
+        holding = len(self._receiving) + len(self._ready)
         if self.config.mode is Mode.INLINE:  # the original path: a receive takes a decode slot
             sched = self.scheduler.schedule(active=holding + len(self._running), limit=self.config.max_num_seqs)
         else:
             sched = self.scheduler.schedule(active=holding, limit=self.config.prefetch_seqs)
         blocked = 0.0
         for admission in sched.admitted:
-            blocked += self._start_receive(admission)
-        self._fill_slots()  # IDEAL admissions are ready at once
+            seq = admission.seq
+            seq.grant = admission.grant
+            self._admitted = (self._admitted[0] + 1, chain_crc(self._admitted[1], seq.seq_no))
+            self._admission_window.append(seq.request_id)
+            blocked += self._start_receive(seq)
         return sched, blocked
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, str):
-                self._abort(item)
-            else:
-                self._enqueue(item)
-
-    def _enqueue(self, item: GenRequest) -> None:
-        layout = self.layout
-        prompt_blocks = layout.blocks_for(item.prompt_len)
-        self.scheduler.add(Sequence(
-            request=item,
-            arrival=self._clock(),
-            num_blocks=layout.blocks_for(item.prompt_len + item.max_tokens),
-            num_prompt_blocks=prompt_blocks,
-            cost=layout.wire_bytes(prompt_blocks, item.kv_slice or self.config.kv_slice),
-            tokens=[item.first_token],
-        ))
-
-    def _tell_ctx(self, seq: Sequence) -> None:
-        """The CTX may free its copy of ``seq``'s KV now (best effort, on the event loop)."""
-        if self.receiver is not None:
-            seen: set[str] = set()
-            for src in seq.request.sources():
-                if src.peer not in seen:
-                    seen.add(src.peer)
-                    self.receiver.release_soon(src.peer, seq.request_id, src.kv_handle)
-
-    def _drain_completions(self) -> None:
-        while True:
-            try:
-                result = self._completions.get_nowait()
-            except queue.Empty:
-                return
-            seq = self._receiving.pop(result.request_id, None)
-            if seq is None:  # cannot happen: one result per job, one job per receiving request
-                log.error("result_for_unknown_request", request_id=result.request_id)
-                continue
-            self._observe(result)
-            quarantine = result.landing if result.landing is not None and result.landing.busy else None
-            if seq.abort_failure is not None:
-                self._end(seq, RequestState.FAILED, *seq.abort_failure, quarantine=quarantine)
-            elif seq.abort_requested:
-                self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted", quarantine=quarantine)
-            elif result.ok:
-                log.debug("receive_done", request_id=seq.request_id, bytes=result.bytes_moved,
-                          ms=round(result.elapsed_s * 1e3, 3))
-                self._run(seq)
-            else:
-                state = RequestState.ABORTED if result.failure is FailureReason.ABORTED else RequestState.FAILED
-                self._end(seq, state, result.failure, result.message, quarantine=quarantine)
-
-    def _observe(self, result: ReceiveResult) -> None:
-        if result.ok:
-            self._receive_seconds.observe(result.elapsed_s)
-            self._receive_bytes.observe(float(result.bytes_moved))
-
-    def _start_receive(self, admission: Admission) -> float:
+    def _start_receive(self, seq: Sequence) -> float:
         """Start one admitted request's receive; returns the time this thread spent blocked."""
-        seq = admission.seq
         mode = self.config.mode
         assert seq.block_ids is not None
-        if mode is Mode.IDEAL:
+        if mode is Mode.IDEAL:  # READY now; it decodes from the next step (after the group agreed it)
             if seq.request.local_kv is not None:
                 slice_ = shift_heads(seq.request.kv_slice or self.config.kv_slice, -self.config.kv_head_offset)
                 scatter(self.pool.kv, seq.block_ids[: seq.num_prompt_blocks], seq.request.local_kv, slice_)
@@ -392,8 +605,6 @@ class GenEngine:
         try:
             parts = self._plan_parts(seq, kv_slice, sources)
         except ValueError as exc:  # no source holds some of this rank's heads: the receive fails now
-            if admission.grant is not None:
-                admission.grant.release()
             self._on_result(ReceiveResult(seq.request_id, None, 0, 0.0, FailureReason.PROTOCOL_ERROR, str(exc)))
             return 0.0
         if self._pull_releases:  # a source none of this request's heads come from frees its copy now
@@ -402,7 +613,7 @@ class GenEngine:
                 if src.peer not in used:
                     self.receiver.release_soon(src.peer, seq.request_id, src.kv_handle)
         first = parts[0]
-        job = ReceiveJob(seq.request_id, first.peer, prompt_ids, first.chunks, admission.grant, handle=first.handle,
+        job = ReceiveJob(seq.request_id, first.peer, prompt_ids, first.chunks, None, handle=first.handle,
                          head_offset=self.config.kv_head_offset, release=self._pull_releases,
                          parts=parts if len(parts) > 1 or first.peer_head_start else (),
                          parts_at_once=seq.cost <= self.budget.capacity)  # staging of all parts fits at once
@@ -411,10 +622,9 @@ class GenEngine:
             return 0.0
         # INLINE: the original path, on this thread, kept as the benchmark's baseline.
         t0 = self._clock()
-        grant = None
         staging = None
         try:
-            grant = self.budget.acquire_blocking(seq.cost, self.config.inline_reserve_timeout_s)
+            seq.grant = self.budget.acquire_blocking(seq.cost, self.config.inline_reserve_timeout_s)
         except WouldBlock:
             # Slow fallback: a dedicated, unpooled buffer, allocated and touched on this thread.
             # (one chunk per source; with several sources, each part's buffer is made as it starts)
@@ -426,10 +636,16 @@ class GenEngine:
                     device=self.pool.kv.device,
                 )
         for part in parts:
-            self.receiver.connect_blocking(part.peer, self.config.kv_transfer_timeout_ms / 1e3)
-        self.receiver.submit(dataclasses.replace(job, grant=grant, staging=staging, chunks=parts[0].chunks,
+            self.receiver.connect_blocking(part.peer, self._blocking_wait_s(self.config.kv_transfer_timeout_ms / 1e3))
+        self.receiver.submit(dataclasses.replace(job, staging=staging, chunks=parts[0].chunks,
                                                  parts=parts if job.parts else ()))
         return self._clock() - t0
+
+    def _blocking_wait_s(self, wanted: float) -> float:
+        """A blocking wait on this thread never outlasts ``max_blocking_wait_s`` (a rank blocked
+        longer than its group's step timeout would break the group)."""
+        limit = self.config.max_blocking_wait_s
+        return wanted if limit is None else min(wanted, limit)
 
     def _plan_parts(self, seq: Sequence, kv_slice: KVSlice, sources: tuple[KVSource, ...]) -> tuple[ReceivePart, ...]:
         """This rank's heads of ``seq``, each from a source that holds it, in budget-sized chunks."""
@@ -440,6 +656,7 @@ class GenEngine:
             parts.append(ReceivePart(src.peer, src.kv_handle, chunks, src.head_start))
         return tuple(parts)
 
+    # -- decode -----------------------------------------------------------------------------------
     def _decode(self) -> None:
         seqs = list(self._running.values())
         batch = DecodeBatch(
@@ -453,16 +670,15 @@ class GenEngine:
         new_tokens = new.tolist() if isinstance(new, torch.Tensor) else list(new)
         if len(new_tokens) != len(seqs):
             raise RuntimeError(f"step function returned {len(new_tokens)} tokens for a batch of {len(seqs)}")
-        for seq, token in zip(seqs, new_tokens):
-            seq.tokens.append(int(token))
-            if self._done(seq):
-                self._end(seq, RequestState.FINISHED, None, "", new_tokens=(int(token),))
-            else:
-                self._emit(RequestOutput(seq.request_id, (int(token),), RequestState.RUNNING))
+        self._last_batch = seqs
+        self._sampled = [int(t) & ~FINISH for t in new_tokens]  # emitted once the group agreed them
 
-    def _done(self, seq: Sequence) -> bool:
+    def _done(self, seq: Sequence, token: int | None = None) -> bool:
+        """Does ``seq`` end with ``token`` appended (None: with the tokens it has)?"""
         eos = seq.request.eos_token
-        return len(seq.tokens) >= seq.request.max_tokens or (eos is not None and seq.tokens[-1] == eos)
+        n = len(seq.tokens) + (token is not None)
+        last = token if token is not None else seq.tokens[-1]
+        return n >= seq.request.max_tokens or (eos is not None and last == eos)
 
     def _run(self, seq: Sequence) -> None:
         """The request's KV is here: it waits (READY) for a decode slot."""
@@ -479,42 +695,12 @@ class GenEngine:
             seq.state = RequestState.RUNNING
             self._running[seq.request_id] = seq
 
-    def _abort(self, request_id: str) -> None:
-        seq = self.scheduler.remove(request_id)
-        if seq is not None:
-            self._tell_ctx(seq)  # the CTX may free its copy now
-            self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, "aborted while waiting")
-            return
-        seq = self._receiving.get(request_id)
-        if seq is not None:  # blocks are freed when the receive task reports it has stopped
-            seq.abort_requested = True
-            assert self.receiver is not None
-            self.receiver.cancel(request_id)
-            return
-        seq = self._ready.pop(request_id, None) or self._running.pop(request_id, None)
-        if seq is not None:
-            self._end(seq, RequestState.ABORTED, FailureReason.ABORTED, f"aborted while {seq.state.value}")
-
-    def _end(
-        self,
-        seq: Sequence,
-        state: RequestState,
-        failure: FailureReason | None,
-        message: str,
-        new_tokens: tuple[int, ...] = (),
-        *,
-        quarantine: object | None = None,
-    ) -> None:
+    # -- ending -----------------------------------------------------------------------------------
+    def _end(self, seq: Sequence, state: RequestState, failure: FailureReason | None, message: str,
+             new_tokens: tuple[int, ...] = (), *, keep_blocks: bool = False) -> None:
         self._running.pop(seq.request_id, None)
         self._ready.pop(seq.request_id, None)
         self._receiving.pop(seq.request_id, None)
-        if seq.block_ids is not None:
-            if quarantine is not None:  # a late receive may still land in them: not reusable yet
-                self._quarantine.append((quarantine, seq.block_ids))
-                self._quarantined_blocks += int(seq.block_ids.numel())
-            else:
-                self.pool.free(seq.block_ids)
-            seq.block_ids = None
         seq.state = state
         if state is RequestState.FINISHED:
             self._finished += 1
@@ -525,19 +711,22 @@ class GenEngine:
             self._failed[failure] += 1
             # the receive task logged the one warning event (request id, peer, reason, bytes moved)
             log.debug("request_failed", request_id=seq.request_id, peer=seq.request.peer, reason=failure.value)
-        with self._live_lock:
-            self._live.discard(seq.request_id)
+        if not keep_blocks:
+            if seq.block_ids is not None:
+                self.pool.free(seq.block_ids)
+                seq.block_ids = None
+            self._release_grant(seq)
+            self._forget(seq)
         self._emit(RequestOutput(seq.request_id, new_tokens, state, failure, message))
 
-    def _release_quarantine(self) -> None:
-        kept = []
-        for landing, block_ids in self._quarantine:
-            if landing.busy:  # type: ignore[attr-defined]
-                kept.append((landing, block_ids))
-            else:
-                self._quarantined_blocks -= int(block_ids.numel())
-                self.pool.free(block_ids)
-        self._quarantine = kept
+    def _tell_ctx(self, seq: Sequence) -> None:
+        """Rank 0: every CTX holding ``seq``'s KV may free its copy now (best effort, on the event loop)."""
+        if self.receiver is not None and self.leads_steps:
+            seen: set[str] = set()
+            for src in seq.request.sources():
+                if src.peer not in seen:
+                    seen.add(src.peer)
+                    self.receiver.release_soon(src.peer, seq.request_id, src.kv_handle)
 
     def _send_holds(self, now: float) -> None:
         """Ask each CTX to renew the leases of requests still waiting here (batched per peer)."""
@@ -555,22 +744,21 @@ class GenEngine:
             self.receiver.hold_soon(peer, items)
 
     def _fail_live(self, why: str) -> None:
-        """The engine cannot serve: every live request fails now (receiving ones when their receive,
-        cancelled here, reports back)."""
+        """The engine cannot serve: every live request fails now. Rank 0 tells every CTX to free
+        what it holds (nothing waits for a lease); a receive still running is cancelled, and its
+        blocks come back when it reports."""
         failure = (FailureReason.INTERNAL, f"GEN engine unavailable: {why}")
         for seq in self.scheduler.pop_all():
             self._tell_ctx(seq)
             self._end(seq, RequestState.FAILED, *failure)
+        for seq in list(self._receiving.values()):
+            self._end_receiving(seq, RequestState.FAILED, *failure)
         for seq in list(self._ready.values()) + list(self._running.values()):
             self._end(seq, RequestState.FAILED, *failure)
-        for seq in self._receiving.values():
-            if seq.abort_failure is None:
-                seq.abort_requested = True
-                seq.abort_failure = failure
-                assert self.receiver is not None
-                self.receiver.cancel(seq.request_id)
 
     def _emit(self, output: RequestOutput) -> None:
+        if not self.leads_steps:
+            return
         if self._on_output is not None:
             self._on_output(output)
         else:
@@ -581,43 +769,14 @@ class GenEngine:
         self._completions.put(result)
         self.wakeup.set()
 
-    # -- checks ----------------------------------------------------------------------------------
-    def _validate(self, r: GenRequest) -> None:
-        cfg, layout = self.config, self.layout
-        try:
-            check_request_id(r.request_id)
-            if r.kv_handle is not None:
-                check_handle(r.kv_handle)
-        except InvalidRequestId as exc:
-            raise InvalidRequest(str(exc)) from None
-        if r.prompt_len < 1 or r.max_tokens < 1:
-            raise InvalidRequest(f"{r.request_id}: prompt_len and max_tokens must be >= 1")
-        if r.prompt_len + r.max_tokens > cfg.max_model_len:
-            raise InvalidRequest(f"{r.request_id}: prompt_len + max_tokens exceeds max_model_len {cfg.max_model_len}")
-        need = layout.blocks_for(r.prompt_len + r.max_tokens)
-        if need > cfg.num_blocks:
-            raise InvalidRequest(f"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}")
-        kv_slice = r.kv_slice or cfg.kv_slice
-        try:
-            layout.check_slice(shift_heads(kv_slice, -cfg.kv_head_offset))
-            plan_chunks(layout, layout.blocks_for(r.prompt_len), kv_slice, cfg.transfer_budget_bytes)
-        except ValueError as exc:
-            raise InvalidRequest(f"{r.request_id}: {exc}") from None
-        if cfg.mode is Mode.IDEAL:
-            return
-        sources = r.sources()
-        if not sources:
-            raise InvalidRequest(f"{r.request_id}: a peer (the CTX node's address) is required")
-        try:
-            for src in r.kv_sources:
-                if not src.peer or src.head_start < 0 or (src.head_end is not None and src.head_end <= src.head_start):
-                    raise ValueError(f"bad KV source {src.peer!r} heads {src.head_start}:{src.head_end}")
-                if src.kv_handle is not None:
-                    check_handle(src.kv_handle)
-            plan_sources(sources, kv_slice.head_start, kv_slice.head_end)  # this rank's heads are all held
-        except (ValueError, InvalidRequestId) as exc:
-            raise InvalidRequest(f"{r.request_id}: {exc}") from None
+    def _observe(self, result: ReceiveResult) -> None:
+        if result.ok:
+            log.debug("receive_done", request_id=result.request_id, bytes=result.bytes_moved,
+                      ms=round(result.elapsed_s * 1e3, 3))
+            self._receive_seconds.observe(result.elapsed_s)
+            self._receive_bytes.observe(float(result.bytes_moved))
 
+    # -- checks ----------------------------------------------------------------------------------
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
             waiting=self.scheduler.num_waiting,
@@ -652,6 +811,8 @@ class GenEngine:
         if s.waiting or s.receiving or s.ready or s.running or self.live_requests:
             problems.append(f"requests live: {s.waiting} waiting, {s.receiving} receiving, {s.ready} ready, "
                             f"{s.running} running")
+        if self._ending:
+            problems.append(f"{len(self._ending)} ended requests whose blocks some rank's receive may still write")
         if s.quarantined_blocks:
             problems.append(f"{s.quarantined_blocks} KV blocks quarantined (a late receive may still land)")
         if s.pool.used_blocks:
@@ -662,7 +823,8 @@ class GenEngine:
 
     def __repr__(self) -> str:
         s = self.statistics()
+        tp = f" rank {self.rank}/{self.world_size}" if self.world_size > 1 else ""
         return (
-            f"<GenEngine {self.config.mode.value} [Requests: {s.waiting} waiting, {s.receiving} receiving, "
+            f"<GenEngine{tp} {self.config.mode.value} [Requests: {s.waiting} waiting, {s.receiving} receiving, "
             f"{s.ready} ready, {s.running} running] {self.budget!r} {self.pool!r}>"
         )

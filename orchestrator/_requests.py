@@ -21,6 +21,8 @@ import torch
 
 from transports import KVSlice, Landing
 
+from ._budget import Grant
+
 
 class RequestState(enum.Enum):
     WAITING = "waiting"
@@ -175,13 +177,24 @@ class Sequence:
     num_prompt_blocks: int
     cost: int
     """Bytes of its KV that pass through staging: the budget's one cost function."""
+    seq_no: int = 0
+    """The group's number for it, given at arrival (the same on every rank; ids never cross the
+    step exchange again)."""
     state: RequestState = RequestState.WAITING
     block_ids: torch.Tensor | None = None
+    grant: Grant | None = None
+    """Its budget tokens while it receives: the engine releases them at the agreed step."""
     tokens: list[int] = dataclasses.field(default_factory=list)
     last_defer: DeferReason | None = None
     abort_requested: bool = False
-    abort_failure: tuple[FailureReason, str] | None = None
-    """Why an abort was requested when it is a failure (the engine died), not a client's cancel."""
+    reported: int = 0
+    """Bit r: rank r's receive of it ended (an outcome was agreed)."""
+    quiet: int = 0
+    """Bit r: nothing writes into rank r's blocks of it any more."""
+    failure: tuple[FailureReason, str] | None = None
+    """The first failure a rank reported (in rank order)."""
+    cancelled: bool = False
+    """This rank asked its receive to stop."""
 
     @property
     def request_id(self) -> str:

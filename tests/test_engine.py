@@ -43,7 +43,8 @@ async def test_decode_continues_while_receives_are_slow_or_deferred(harness_fact
         assert report.batch_size == 1  # the running request decodes every single step
         assert report.blocked_s == 0.0
     assert h.engine.statistics().deferral_episodes[DeferReason.BACKPRESSURE] == 1
-    assert len(h.tokens("running")) == 11
+    # 11 decodes; the last one's token is emitted once the group agreed it, at the next step
+    assert len(h.tokens("running")) == 10
     h.engine.abort("slow")
     await h.run_until_idle()
     assert h.final("running").state is RequestState.FINISHED

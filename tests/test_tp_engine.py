@@ -15,6 +15,7 @@ from orchestrator import (
     DecodeBatch,
     FailureReason,
     GenRequest,
+    GroupBroken,
     LocalGroup,
     Mode,
     OrchestratorConfig,
@@ -48,11 +49,13 @@ class SliceCheckingStep:
 
 
 class Group:
-    def __init__(self, world: int, **cfg: object) -> None:
+    def __init__(self, world: int, breakable: bool = False, **cfg: object) -> None:
         self.ctx = CtxPeer(FULL)
         self.world = world
         local = FULL.num_kv_heads // world
         group = LocalGroup(world)
+        self.steps_done = 0
+        self.commands: list[list[tuple[int, object]]] = [[] for _ in range(world)]
         self.engines: list[TPGenEngine] = []
         self.transports: list[InProcTransport] = []
         self.steps: list[SliceCheckingStep] = []
@@ -63,7 +66,9 @@ class Group:
             base.update(cfg)
             transport = InProcTransport({PEER: self.ctx.store})
             step = SliceCheckingStep(self.ctx, rank * local, (rank + 1) * local)
-            self.engines.append(TPGenEngine(OrchestratorConfig(**base), transport, step, sync=group.sync(rank)))  # type: ignore[arg-type]
+            sync = Breakable(group.sync(rank)) if breakable else group.sync(rank)
+            self.engines.append(TPGenEngine(OrchestratorConfig(**base), transport, step, sync=sync,  # type: ignore[arg-type]
+                                            on_command=lambda c, r=rank: self.commands[r].append((self.steps_done, c))))
             self.transports.append(transport)
             self.steps.append(step)
         self.outputs: dict[str, list] = {}
@@ -85,8 +90,13 @@ class Group:
             await anyio.to_thread.run_sync(LocalGroup.step_all, self.engines)
         else:
             LocalGroup.step_all(self.engines)
+        self.steps_done += 1
         for out in self.lead.poll():
             self.outputs.setdefault(out.request_id, []).append(out)
+        await checkpoint()
+        await wait_all_tasks_blocked()
+
+    async def settle(self) -> None:
         await checkpoint()
         await wait_all_tasks_blocked()
 
@@ -110,8 +120,8 @@ async def make_group(anyio_backend):
     made: list[Group] = []
     async with anyio.create_task_group() as tg:
 
-        async def make(world: int, **cfg: object) -> Group:
-            g = Group(world, **cfg)
+        async def make(world: int, breakable: bool = False, **cfg: object) -> Group:
+            g = Group(world, breakable, **cfg)
             for e in g.engines:
                 await e.start(tg)
             made.append(g)
@@ -229,44 +239,57 @@ async def test_only_rank_zero_takes_requests_and_explicit_slices_are_refused(mak
                                  kv_slice=KVSlice(0, 2, 0, 2)))
 
 
-async def test_a_broken_group_fails_everything_locally_without_another_collective(make_group) -> None:
-    g = await make_group(2)
+class Breakable:
+    """A rank's agreement that fails like a broken group once ``cause`` is set."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+        self.cause: str | None = None
+        self.calls = 0
+
+    def agree(self, message):  # noqa: ANN001
+        self.calls += 1
+        if self.cause is not None:
+            raise GroupBroken(self.cause)
+        return self.inner.agree(message)
+
+
+async def test_a_broken_group_fails_everything_locally_without_another_collective(make_group, monkeypatch) -> None:
+    g = await make_group(2, breakable=True)
     for t in g.transports:
         t.stall("r")
     g.submit("r")
     await g.step()
     await g.step()
-
-    class Broken:
-        rank, world_size = 0, 2
-
-        def exchange(self, message):  # noqa: ANN001
-            raise RuntimeError("Connection closed by peer")
-
-    g.lead.sync = Broken()  # type: ignore[assignment]
+    cause = "GEN rank 1 stopped answering: no step exchange for 10 s"
+    for e in g.engines:
+        e.agreement.cause = cause
     handle = g.ctx.prefill("just-arrived", 8)  # taken from the inbox by the step whose collective fails
     g.lead.submit(GenRequest("just-arrived", prompt_len=8, first_token=7, max_tokens=2, peer=PEER, kv_handle=handle))
-    with anyio.fail_after(5):
-        while not g.outputs.get("r") or not g.outputs.get("just-arrived"):
-            g.lead.step()
-            for out in g.lead.poll():
-                g.outputs.setdefault(out.request_id, []).append(out)
-            await anyio.sleep(0.001)
-    assert g.final("r").failure is FailureReason.INTERNAL and "group broken" in g.final("r").message
+    g.lead.step()
+    calls = g.lead.agreement.calls
+    for out in g.lead.poll():
+        g.outputs.setdefault(out.request_id, []).append(out)
+    # at once, in the step that broke: every live request fails with the cause a person can read
+    assert g.final("r").failure is FailureReason.INTERNAL and cause in g.final("r").message
     assert g.final("just-arrived").failure is FailureReason.INTERNAL  # never left hanging
-    handle = g.ctx.prefill("later", 8)  # in the inbox of an engine that is already unhealthy
-    g.lead._inbox.put(GenRequest("later", prompt_len=8, first_token=7, max_tokens=2, peer=PEER, kv_handle=handle))
-    with g.lead._live_lock:
-        g.lead._live.add("later")
+    assert g.lead.health() == cause and g.lead.stopped
+    await g.settle()
+    # rank 0 told the CTX to free both at once: nothing waits for a lease
+    assert g.ctx.store.statistics().held_requests == 0
+    handle = g.ctx.prefill("later", 8)
+    with monkeypatch.context() as m:  # a submit that passed the health check just before the break
+        m.setattr(g.lead, "health", lambda: None)
+        g.lead.submit(GenRequest("later", prompt_len=8, first_token=7, max_tokens=2, peer=PEER, kv_handle=handle))
     g.lead.step()
     assert any(o.request_id == "later" and o.failure is FailureReason.INTERNAL for o in g.lead.poll())
-    assert g.lead.health() is not None
-    g.engines[1].mark_unhealthy("test: rank 0 is gone")  # its own collective would fail the same way
     with anyio.fail_after(5):
         while any(e.rest_problems() for e in g.engines):
             for e in g.engines:
                 e.step()
             await anyio.sleep(0.001)
+    assert g.lead.agreement.calls == calls  # no collective after the one that failed
+    g.ctx.store.release("later")
 
 
 async def test_ideal_mode_admits_and_decodes_in_lockstep_without_receives(make_group) -> None:
@@ -308,18 +331,12 @@ async def test_inline_mode_takes_decode_slots_and_keeps_the_ranks_consistent(mak
 
 async def test_a_broadcast_reaches_every_rank_at_the_same_step(make_group) -> None:
     g = await make_group(4)
-    seen: list[list[tuple[int, object]]] = [[] for _ in g.engines]
-    steps = [0]
-    for rank, e in enumerate(g.engines):
-        e._on_command = lambda c, rank=rank: seen[rank].append((steps[0], c))
     await g.step()
     g.lead.broadcast("reset_stats")
-    g.lead.broadcast(("report_stats", 7))
-    steps[0] = 1
+    g.lead.broadcast(["report_stats", 7])  # JSON-able: it crosses the step exchange
     await g.step()
-    steps[0] = 2
     await g.step()
-    assert all(s == [(1, "reset_stats"), (1, ("report_stats", 7))] for s in seen), seen
+    assert all(c == [(1, "reset_stats"), (1, ["report_stats", 7])] for c in g.commands), g.commands
     from orchestrator import InvalidRequest
 
     with pytest.raises(InvalidRequest):

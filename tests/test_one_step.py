@@ -1,0 +1,369 @@
+"""One engine, one step, every tensor-parallel size: what holds for a lone rank holds for a group.
+
+Each test runs at TP1 (``GenEngine`` with its solo agreement) and at TP2/TP4 (the same engine per
+rank, in this process, agreeing through ``LocalGroup``: every message goes through the binary wire
+form). Ranks hold their own KV heads of one CTX TP1 copy; every test ends at rest on every rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import tracemalloc
+
+import anyio
+import pytest
+import torch
+from anyio import wait_all_tasks_blocked
+from anyio.lowlevel import checkpoint
+
+from orchestrator import (
+    DecodeBatch,
+    FailureReason,
+    GenEngine,
+    GenRequest,
+    LocalGroup,
+    Mode,
+    OrchestratorConfig,
+    RequestState,
+)
+from orchestrator._step import Abort, Outcome, StepMessage, Submit, decode, encode
+from tests.harness import CtxPeer
+from transports import KVLayout, PeerClosed
+from transports.inproc import InProcTransport
+
+pytestmark = pytest.mark.anyio
+
+FULL = KVLayout(num_layers=2, num_kv_heads=4, head_dim=4, block_size=4, dtype=torch.float32)
+PEER = "ctx-0"
+EOS = 99
+
+
+class Step:
+    """A rank's decode step: checks its heads of each request's KV, returns last token + 1
+    (``eos_on``: this rank samples EOS for that request instead: a rank gone wrong)."""
+
+    def __init__(self, ctx: CtxPeer | None, h0: int, h1: int) -> None:
+        self.ctx, self.h0, self.h1 = ctx, h0, h1
+        self.decoded: list[list[str]] = []
+        self.eos_on: str | None = None
+        self.crash = False
+
+    def __call__(self, batch: DecodeBatch) -> list[int]:
+        if self.crash:
+            raise RuntimeError("device lost")
+        self.decoded.append(list(batch.request_ids))
+        for rid, blocks in zip(batch.request_ids, batch.block_tables if self.ctx is not None else ()):
+            expected = self.ctx.expected[rid][:, :, :, self.h0 : self.h1]
+            assert torch.equal(batch.kv[blocks[: expected.shape[0]]], expected), f"{rid}: KV slice differs"
+        return [EOS if rid == self.eos_on else (int(t) + 1) % 256 for rid, t in zip(batch.request_ids, batch.tokens)]
+
+
+class Group:
+    """``world`` ranks of one GEN (1: a lone GenEngine), stepped in lockstep from the test."""
+
+    def __init__(self, world: int, **cfg: object) -> None:
+        self.world = world
+        self.ctx = CtxPeer(FULL)
+        local = FULL.num_kv_heads // world
+        group = LocalGroup(world) if world > 1 else None
+        self.engines: list[GenEngine] = []
+        self.transports: list[InProcTransport] = []
+        self.steps: list[Step] = []
+        for rank in range(world):
+            layout = KVLayout(FULL.num_layers, local, FULL.head_dim, FULL.block_size, FULL.dtype)
+            base: dict[str, object] = dict(layout=layout, num_blocks=64, transfer_budget_bytes=8 * layout.block_bytes,
+                                           kv_transfer_timeout_ms=2_000, kv_head_offset=rank * local)
+            base.update(cfg.get(f"rank{rank}", {}))  # type: ignore[call-overload]
+            base.update({k: v for k, v in cfg.items() if not k.startswith("rank")})
+            config = OrchestratorConfig(**base)  # type: ignore[arg-type]
+            transport = InProcTransport({PEER: self.ctx.store})
+            step = Step(self.ctx if config.mode is not Mode.IDEAL else None, rank * local, (rank + 1) * local)
+            self.engines.append(GenEngine(config, transport if config.mode is not Mode.IDEAL else None, step,
+                                          agreement=group.sync(rank) if group else None))
+            self.transports.append(transport)
+            self.steps.append(step)
+        self.outputs: dict[str, list] = {}
+
+    @property
+    def lead(self) -> GenEngine:
+        return self.engines[0]
+
+    def submit(self, rid: str, prompt_len: int = 8, max_tokens: int = 4, prefill: bool = True) -> None:
+        handle = self.ctx.prefill(rid, prompt_len) if prefill else None
+        self.lead.submit(GenRequest(rid, prompt_len=prompt_len, first_token=7, max_tokens=max_tokens, peer=PEER,
+                                    kv_handle=handle, eos_token=EOS))
+
+    def step_once(self) -> None:
+        if self.world == 1:
+            self.lead.step()
+        else:
+            LocalGroup.step_all(self.engines)
+        for out in self.lead.poll():
+            self.outputs.setdefault(out.request_id, []).append(out)
+
+    async def step(self) -> None:
+        self.step_once()
+        await checkpoint()
+        await wait_all_tasks_blocked()
+
+    async def run_until_idle(self, max_steps: int = 2000) -> None:
+        with anyio.fail_after(30):  # a hang guard, not a timing bound
+            for _ in range(max_steps):
+                await self.step()
+                if not any(e.rest_problems() for e in self.engines):
+                    return
+                await anyio.sleep(0.001)
+        raise AssertionError([e.rest_problems() for e in self.engines])
+
+    def final(self, rid: str):
+        outs = self.outputs.get(rid, [])
+        assert outs and outs[-1].finished, f"{rid}: {outs}"
+        return outs[-1]
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for o in self.outputs.get(rid, []) for t in o.new_tokens]
+
+    def each(self, name: str, *args: object) -> None:
+        """Call ``name(*args)`` on every rank's transport (the same fault everywhere)."""
+        for t in self.transports:
+            getattr(t, name)(*args)
+
+
+@pytest.fixture
+async def make_group(anyio_backend):
+    made: list[Group] = []
+    async with anyio.create_task_group() as tg:
+
+        async def make(world: int, **cfg: object) -> Group:
+            g = Group(world, **cfg)
+            for e in g.engines:
+                await e.start(tg)
+            made.append(g)
+            return g
+
+        try:
+            yield make
+            for g in made:
+                await g.run_until_idle()
+                for e in g.engines:
+                    assert e.rest_problems() == [], e.rest_problems()
+        finally:
+            for g in made:
+                for e in g.engines:
+                    e.close()
+
+
+SIZES = pytest.mark.parametrize("world", [1, 2, 4])
+
+
+@SIZES
+async def test_requests_decode_exact_kv_and_every_ctx_copy_is_freed(make_group, world: int) -> None:
+    g = await make_group(world)
+    for i in range(6):
+        g.submit(f"r{i}", prompt_len=5 + i, max_tokens=4)
+    await g.run_until_idle()
+    for i in range(6):
+        assert g.final(f"r{i}").state is RequestState.FINISHED and g.tokens(f"r{i}") == [8, 9, 10]
+    assert all(s.decoded == g.steps[0].decoded for s in g.steps)
+    assert g.ctx.store.statistics().held_requests == 0
+
+
+@SIZES
+async def test_quarantined_blocks_come_back_only_when_every_rank_is_quiet(make_group, world: int) -> None:
+    g = await make_group(world, num_blocks=3, transfer_budget_bytes=4 * FULL.block_bytes)
+    g.each("stall_landing", "late")
+    g.submit("late", prompt_len=8, max_tokens=4)  # 3 blocks: the whole pool of every rank
+    await g.step()
+    g.lead.abort("late")
+    for _ in range(3):
+        await g.step()
+    assert g.final("late").state is RequestState.ABORTED  # the client hears at once
+    for e in g.engines:
+        s = e.statistics()
+        assert s.quarantined_blocks == 3 and s.pool.used_blocks == 3 and s.budget.in_use > 0
+    g.submit("next", prompt_len=4, max_tokens=4)
+    g.transports[0].finish_landing("late")  # rank 0's receive is over; the others' are not (TP > 1)
+    for _ in range(5):
+        await g.step()
+    waiting = [e.statistics().waiting for e in g.engines]
+    assert waiting == ([0] if world == 1 else [1] * world)  # admitted only when every rank is quiet
+    g.each("finish_landing", "late")
+    await g.run_until_idle()
+    assert g.final("next").state is RequestState.FINISHED
+    assert g.ctx.store.statistics().held_requests == 0
+
+
+@SIZES
+async def test_every_path_ends_at_rest_and_frees_every_ctx_copy(make_group, world: int) -> None:
+    g = await make_group(world, transfer_budget_bytes=2 * FULL.block_bytes // world, max_num_seqs=2)
+    g.transports[-1].fail("bad", PeerClosed("connection reset by peer", peer=PEER))
+    g.each("stall", "stuck")
+    for rid in ("ok", "bad", "running"):
+        g.submit(rid, prompt_len=4, max_tokens=50 if rid == "running" else 3)
+    for _ in range(4):
+        await g.step()
+    g.submit("stuck", prompt_len=8)  # takes the whole budget and never completes
+    g.submit("queued", prompt_len=4)  # waits behind it
+    for _ in range(2):
+        await g.step()
+    assert all((e.statistics().receiving, e.statistics().waiting) == (1, 1) for e in g.engines)
+    g.lead.abort("stuck")  # while receiving
+    g.lead.abort("queued")  # while waiting
+    for _ in range(30):
+        await g.step()
+        if g.outputs.get("running") and len(g.tokens("running")) >= 2:
+            break
+    g.lead.abort("running")
+    await g.run_until_idle()
+    assert g.final("ok").state is RequestState.FINISHED
+    bad = g.final("bad")
+    assert bad.state is RequestState.FAILED and bad.failure is FailureReason.PEER_ERROR
+    assert all(g.final(r).state is RequestState.ABORTED for r in ("stuck", "queued", "running"))
+    assert g.ctx.store.statistics().held_requests == 0
+
+
+@SIZES
+async def test_a_crashing_decode_breaks_the_whole_group_and_everything_comes_back(make_group, world: int) -> None:
+    g = await make_group(world)
+    g.each("stall", "receiving")
+    for rid in ("running", "receiving", "waiting"):
+        g.submit(rid, prompt_len=4, max_tokens=100)
+    for _ in range(3):
+        await g.step()
+    g.steps[-1].crash = True
+    with pytest.raises(RuntimeError, match="device lost"):
+        g.step_once()
+    g.engines[-1].mark_unhealthy("decode loop crashed: RuntimeError: device lost")  # as DecodeLoop does
+    await g.step()  # the next step carries it: every rank breaks at once
+    assert all(e.stopped and e.health() for e in g.engines)
+    for rid in ("running", "receiving", "waiting"):
+        out = g.final(rid)
+        assert out.failure is FailureReason.INTERNAL and "device lost" in out.message
+    await g.run_until_idle()
+    assert g.ctx.store.statistics().held_requests == 0
+
+
+@pytest.mark.parametrize("world", [1, 4])
+async def test_a_stale_abort_before_a_resubmission_ends_the_same_at_every_size(make_group, world: int) -> None:
+    g = await make_group(world)
+    g.submit("x", max_tokens=2)
+    await g.run_until_idle()
+    assert g.final("x").state is RequestState.FINISHED
+    g.outputs.clear()
+    g.lead.abort("x")  # stale: the front's abort of the finished request, sent late
+    g.submit("x", max_tokens=2)  # the client's next request with the same id
+    await g.run_until_idle()
+    assert g.final("x").state is RequestState.FINISHED
+    g.outputs.clear()
+    g.submit("y", max_tokens=50)
+    g.lead.abort("y")  # an abort after its submission (one step's inbox) aborts it
+    await g.run_until_idle()
+    assert g.final("y").state is RequestState.ABORTED
+
+
+@pytest.mark.parametrize("world", [2, 4])
+async def test_a_rank_that_samples_eos_alone_is_caught_the_same_step(make_group, world: int) -> None:
+    g = await make_group(world)
+    g.submit("a", max_tokens=20)
+    g.submit("b", max_tokens=20)
+    for _ in range(4):
+        await g.step()
+    g.steps[-1].eos_on = "a"  # this rank's sampler goes wrong for one step
+    decoded = len(g.steps[0].decoded)
+    await g.step()  # the decode that samples it (and the emission of the step before)
+    emitted = len(g.tokens("a"))
+    await g.step()  # its tokens are agreed here: the batch digests differ
+    assert all(e.stopped for e in g.engines) and len(g.steps[0].decoded) == decoded + 1
+    assert "decoded different batches" in g.lead.health()
+    assert len(g.tokens("a")) == emitted  # nothing of the disputed step was emitted
+    for rid in ("a", "b"):
+        assert g.final(rid).failure is FailureReason.INTERNAL
+    await g.run_until_idle()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+async def test_a_rank_that_admits_differently_is_caught_before_it_decodes(make_group, world: int) -> None:
+    block = FULL.block_bytes // world
+    g = await make_group(world, transfer_budget_bytes=8 * block, rank1={"transfer_budget_bytes": 2 * block})
+    g.submit("small", prompt_len=4)
+    g.submit("big", prompt_len=16)  # rank 1's smaller budget defers it: its admissions differ
+    for _ in range(3):
+        await g.step()
+    assert all(e.stopped for e in g.engines) and "admitted different requests" in g.lead.health()
+    assert all(s.decoded == [] for s in g.steps)  # caught before any rank decoded
+    await g.run_until_idle()
+    assert g.ctx.store.statistics().held_requests == 0
+
+
+async def test_ranks_on_their_own_threads_agree_through_the_barrier(anyio_backend) -> None:
+    """Each rank steps on its own thread (as a node's execution threads do), meeting at the barrier."""
+    g = Group(2, mode=Mode.IDEAL)
+    for i in range(8):
+        g.submit(f"r{i}", max_tokens=5, prefill=False)
+    stop = threading.Event()
+
+    def run(e: GenEngine) -> None:
+        while not stop.is_set() and not e.stopped:
+            e.step()
+
+    threads = [threading.Thread(target=run, args=(e,)) for e in g.engines[1:]]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(200):
+            g.lead.step()
+            for out in g.lead.poll():
+                g.outputs.setdefault(out.request_id, []).append(out)
+            if len(g.outputs) == 8 and all(o[-1].finished for o in g.outputs.values()):
+                break
+        assert all(g.final(f"r{i}").state is RequestState.FINISHED for i in range(8))
+        assert g.steps[0].decoded == g.steps[1].decoded
+    finally:
+        g.lead.request_stop()
+        g.lead.step()
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert all(e.stopped for e in g.engines) and not any(e.rest_problems() for e in g.engines)
+
+
+def test_the_step_message_round_trips_and_stays_compact() -> None:
+    reqs = [GenRequest(f"req-{i:06d}", 100 + i, 5, 16, peer="10.0.0.1:13337", kv_handle="a" * 32, eos_token=2)
+            for i in range(4)]
+    m = StepMessage(events=[Submit(i, r) for i, r in enumerate(reqs)] + [Abort(1)],
+                    outcomes=[Outcome(i, None) for i in range(64)] + [Outcome(70, FailureReason.TIMEOUT, "no KV", False)],
+                    quiet=[3, 4], tokens=[7, 8 | (1 << 31)], batch_digest=123, admitted=(5, 0xDEADBEEF),
+                    commands=["reset_stats"], broken="")
+    assert decode(encode(m)) == m
+    idle = len(encode(StepMessage()))
+    per_outcome = (len(encode(StepMessage(outcomes=[Outcome(i) for i in range(64)]))) - idle) / 64
+    per_token = (len(encode(StepMessage(tokens=list(range(64))))) - idle) / 64
+    assert per_outcome <= 32 and per_token <= 32 and idle <= 64
+
+
+def test_per_request_memory_is_bounded_over_100k_requests() -> None:
+    """100,000 requests through two in-process ranks: what stays allocated does not grow with them.
+    The bound (64 KiB for the whole run after warm-up) fails the pre-rewrite engine, whose
+    admission log kept every id on every rank (~90 bytes a request a rank: ~18 MB here)."""
+    g = Group(2, mode=Mode.IDEAL, num_blocks=512, max_num_seqs=256)
+    n, window = 100_000, 512
+
+    def run(count: int, start: int) -> None:
+        submitted = done = 0
+        while done < count:
+            while submitted < count and submitted - done < window:
+                g.submit(f"r{start + submitted}", max_tokens=2, prefill=False)
+                submitted += 1
+            LocalGroup.step_all(g.engines)
+            done += sum(1 for o in g.lead.poll() if o.finished)
+
+    run(2_000, 0)  # warm-up: caches, histograms, the admission window
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        run(n, 2_000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert not any(e.rest_problems() for e in g.engines)
+    assert grown < 64 * 1024, f"{grown} bytes still allocated after {n} requests"
