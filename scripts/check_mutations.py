@@ -91,6 +91,12 @@ M = [
  ("16 one release wakes every waiter it has room for", "orchestrator/_budget.py", "        while self._waiters and self._in_use + self._waiters[0].charged <= self._capacity:", "        if self._waiters and self._in_use + self._waiters[0].charged <= self._capacity:", "tests/test_hardening.py -k waiters_at_once"),
  ("16 step makes no blocking wait", "orchestrator/_engine.py", "        for result in _drain(self._completions):\n", "        try:\n            self._completions.put(self._completions.get(timeout=0.01))\n        except queue.Empty:\n            pass\n        for result in _drain(self._completions):\n", "tests/test_hardening.py -k never_waits"),
  ("16 break tells every CTX at once", "orchestrator/_engine.py", "        if not self._pull_releases:\n            self._tell_ctx(seq)\n        self._ending[seq.seq_no] = seq\n", "        self._ending[seq.seq_no] = seq\n", "tests/test_tp_engine.py -k broken"),
+ ("16 batch digests compared every step", "orchestrator/_engine.py", "            if m.batch_digest != lead.batch_digest:", "            if False:", "tests/test_one_step.py -k eos"),
+ ("16 admission digests compared every step", "orchestrator/_engine.py", "            if m.admitted != lead.admitted:", "            if False:", "tests/test_one_step.py -k admits_differently"),
+ ("16 an abort of nothing known is dropped", "orchestrator/_engine.py", "seq_no = known.seq_no if known is not None else arriving.get(item)", "seq_no = known.seq_no if known is not None else arriving.get(item, self._next_seq)", "tests/test_one_step.py -k stale_abort"),
+ ("16 rank 0's tokens are the group's", "orchestrator/_engine.py", "            token = word & ~FINISH\n", "            token = (word & ~FINISH) + 1\n", "tests/test_one_step.py -k exact_kv"),
+ ("16 blocking waits bounded", "orchestrator/_engine.py", "        return wanted if limit is None else min(wanted, limit)", "        return wanted", "tests/test_one_step.py -k max_blocking_wait"),
+ ("16 quarantine waits for every rank", "orchestrator/_engine.py", "seq.seq_no in self._ending and seq.quiet & everyone == everyone:", "seq.seq_no in self._ending and seq.quiet & 1:", "tests/test_one_step.py -k quarantined"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:
