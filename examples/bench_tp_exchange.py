@@ -5,6 +5,8 @@ Side by side in one run, at TP2 and TP4 (gloo over loopback, one process per ran
 
 - ``pickle``: the exchange the engine used before (``all_gather_object`` of a dataclass carrying
   whole ``GenRequest``s and request-id outcomes), rebuilt here as the baseline;
+- ``pickle+notes``: the same with the per-head KV checksum notes every rank attached when checksums
+  were on (the GEN node's default then);
 - ``binary``: today's (``TorchStepSync``: the fixed wire form of ``orchestrator._step``, one
   all-gather of a slot, a second only for an overflow).
 
@@ -52,13 +54,23 @@ def _requests(n: int, step: int) -> list[Any]:
                        peer="127.0.0.1:13337", kv_handle=f"{step * 1000 + i:032x}", eos_token=2) for i in range(n)]
 
 
-def _messages(rank: int, n: int, step: int) -> tuple[Any, Any]:
+NOTE_BLOCKS = 64
+"""Blocks per request in the checksum notes of the ``pickle+notes`` baseline (a 1,000-token prompt
+in 16-token blocks, one KV head per rank): what every rank sent every step with checksums on, the
+GEN node's default before."""
+
+
+def _messages(rank: int, n: int, step: int, notes: bool = False) -> tuple[Any, Any]:
     from orchestrator._step import Outcome, StepMessage, Submit
 
     reqs = _requests(n, step) if rank == 0 else []
     old = PickleStepMessage(arrivals=reqs, admitted=(step, 12345),
                             outcomes=[(f"chatcmpl-{step - 1:06d}-{i:04d}", None, "") for i in range(n)],
                             quiet=[f"chatcmpl-{step - 1:06d}-{i:04d}" for i in range(n)])
+    if notes:
+        old.notes = [(f"chatcmpl-{step - 1:06d}-{i:04d}", {"h0": rank, "crcs": [[(b * 7919 + i) & 0xFFFFFFFF]
+                                                                              for b in range(NOTE_BLOCKS)]})
+                     for i in range(n)]
     new = StepMessage(events=[Submit(step * 1000 + i, r) for i, r in enumerate(reqs)], admitted=(step, 12345),
                       outcomes=[Outcome((step - 1) * 1000 + i) for i in range(n)])
     return old, new
@@ -76,13 +88,13 @@ def _worker(rank: int, world: int, init: str, steps: int, out: str) -> None:
     results = []
     for n in EVENTS:
         row: dict[str, Any] = {"world": world, "events": n}
-        for kind in ("pickle", "binary"):
+        for kind in ("pickle", "pickle+notes", "binary"):
             times = []
             for step in range(steps + 10):
-                old, new = _messages(rank, n, step + 1)
+                old, new = _messages(rank, n, step + 1, notes=kind == "pickle+notes")
                 dist.barrier(group)
                 t0 = time.perf_counter()
-                if kind == "pickle":
+                if kind != "binary":
                     got: list[Any] = [None] * world
                     dist.all_gather_object(got, old, group=group)
                 else:
@@ -93,13 +105,12 @@ def _worker(rank: int, world: int, init: str, steps: int, out: str) -> None:
             row[kind] = {
                 "us_median": round(statistics.median(times) * 1e6, 1),
                 "us_p90": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e6, 1),
-                "bytes_rank0": len(pickle.dumps(old)) if kind == "pickle" and rank == 0 else None,
             }
             if rank == 0:
-                o0, n0 = _messages(0, n, 1)
-                o1, n1 = _messages(1, n, 1)
-                row[kind]["bytes_rank0"] = len(pickle.dumps(o0)) if kind == "pickle" else len(encode(n0))
-                row[kind]["bytes_rank1"] = len(pickle.dumps(o1)) if kind == "pickle" else len(encode(n1))
+                o0, n0 = _messages(0, n, 1, notes=kind == "pickle+notes")
+                o1, n1 = _messages(1, n, 1, notes=kind == "pickle+notes")
+                row[kind]["bytes_rank0"] = len(pickle.dumps(o0)) if kind != "binary" else len(encode(n0))
+                row[kind]["bytes_rank1"] = len(pickle.dumps(o1)) if kind != "binary" else len(encode(n1))
         results.append(row)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -137,21 +148,22 @@ def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     header = len(encode(StepMessage()))
     verdicts = {}
-    print(f"{'TP':>3} {'events':>6} | {'pickle bytes r0/r1':>19} {'µs med':>8} {'p90':>8} | "
-          f"{'binary bytes r0/r1':>19} {'µs med':>8} {'p90':>8} | {'B/outcome':>9} {'B/arrival':>9} {'time ratio':>10}")
+    print(f"{'TP':>3} {'events':>6} | {'pickle B r0/r1':>15} {'µs med':>7} {'p90':>7} | {'+notes µs med':>13} | "
+          f"{'binary B r0/r1':>15} {'µs med':>7} {'p90':>7} | {'B/outcome':>9} {'B/arrival':>9} | {'÷pickle':>7} {'÷+notes':>7}")
     for r in rows:
-        p, b, n = r["pickle"], r["binary"], r["events"]
+        p, pn, b, n = r["pickle"], r["pickle+notes"], r["binary"], r["events"]
         per_outcome = (b["bytes_rank1"] - header) / n if n else 0.0
         per_arrival = (b["bytes_rank0"] - b["bytes_rank1"]) / n if n else 0.0
-        ratio = b["us_median"] / p["us_median"]
+        ratio, ratio_notes = b["us_median"] / p["us_median"], b["us_median"] / pn["us_median"]
         r["binary"]["bytes_per_outcome"] = round(per_outcome, 1)
         r["binary"]["bytes_per_arrival"] = round(per_arrival, 1)
-        r["time_ratio"] = round(ratio, 3)
-        print(f"{r['world']:>3} {n:>6} | {p['bytes_rank0']:>9}/{p['bytes_rank1']:<9} {p['us_median']:>8.0f} {p['us_p90']:>8.0f} | "
-              f"{b['bytes_rank0']:>9}/{b['bytes_rank1']:<9} {b['us_median']:>8.0f} {b['us_p90']:>8.0f} | "
-              f"{per_outcome:>9.1f} {per_arrival:>9.1f} {ratio:>10.3f}")
+        r["time_ratio"], r["time_ratio_vs_notes"] = round(ratio, 3), round(ratio_notes, 3)
+        print(f"{r['world']:>3} {n:>6} | {p['bytes_rank0']:>7}/{p['bytes_rank1']:<7} {p['us_median']:>7.0f} {p['us_p90']:>7.0f} | "
+              f"{pn['us_median']:>13.0f} | {b['bytes_rank0']:>7}/{b['bytes_rank1']:<7} {b['us_median']:>7.0f} {b['us_p90']:>7.0f} | "
+              f"{per_outcome:>9.1f} {per_arrival:>9.1f} | {ratio:>7.3f} {ratio_notes:>7.3f}")
         if n == 64:
-            verdicts[f"TP{r['world']} time at 64 events <= 0.3x pickle"] = ratio <= 0.3
+            verdicts[f"TP{r['world']} at 64 events: binary <= 0.3x pickle (no notes)"] = ratio <= 0.3
+            verdicts[f"TP{r['world']} at 64 events: binary <= 0.3x pickle with checksum notes (the old default)"] = ratio_notes <= 0.3
         if n:
             verdicts.setdefault("<= 32 bytes per outcome event", True)
             verdicts["<= 32 bytes per outcome event"] &= per_outcome <= 32

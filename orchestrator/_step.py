@@ -120,8 +120,8 @@ _REASONS = list(FailureReason)
 _CODE = {r: i + 1 for i, r in enumerate(_REASONS)}
 _BUSY = 0x80
 _MSG_MAX = 240  # bytes of a failure message kept (the client's text; the full one is in the rank's log)
-_ABORT_KIND, _SUBMIT_KIND = 0, 1
-# one fixed record per event; strings (ids, peers) in one ASCII blob after the records
+_SUBMIT_KIND = 1
+# aborts as (position, sequence number) pairs; one fixed record per submission, then its strings
 _EVENT = np.dtype([("kind", "u1"), ("flags", "u1"), ("peer", "u1"), ("id_len", "u1"), ("seq", "<u4"),
                    ("prompt_len", "<u4"), ("first_token", "<u4"), ("max_tokens", "<u4"), ("eos", "<u4"),
                    ("handle", "V16")])
@@ -159,16 +159,20 @@ def _hex16(handle: str) -> bytes | None:
 
 
 def _encode_events(events: Seq[Submit | Abort]) -> bytes:
-    """Events as fixed records (ints; a handle as 16 raw bytes), then the peers (each once), the
-    ids, and one JSON line for what is rare (fan-in sources, another handle form, added fields)."""
+    """Aborts as (position, sequence number) pairs; submissions as fixed records (ints; a handle as
+    16 raw bytes), then the peers (each once), the ids, and one JSON line for what is rare (fan-in
+    sources, another handle form, added fields)."""
+    if not events:
+        return b""
     rows: list[tuple[Any, ...]] = []
     peers: dict[str, int] = {}
     ids: list[str] = []
     extras: list[Any] = []
     none = bytes(16)
-    for ev in events:
+    aborts: list[tuple[int, int]] = []  # (position in the event list, sequence number)
+    for position, ev in enumerate(events):
         if isinstance(ev, Abort):
-            rows.append((_ABORT_KIND, 0, 0, 0, ev.seq, 0, 0, 0, 0, none))
+            aborts.append((position, ev.seq))
             continue
         r = ev.request
         if r.local_kv is not None or r.kv_slice is not None:
@@ -196,7 +200,8 @@ def _encode_events(events: Seq[Submit | Abort]) -> bytes:
     _put_str(tail, "\n".join(peers) if peers else None, wide=True)
     _put_str(tail, "".join(ids) if ids else None, wide=True)
     _put_str(tail, json.dumps(extras, separators=(",", ":")) if extras else None, wide=True)
-    return recs.tobytes() + bytes(tail)
+    return (struct.pack("<I", len(aborts)) + np.asarray(aborts, dtype="<u4").tobytes() + recs.tobytes()
+            + bytes(tail))
 
 
 _BASE_FIELDS = {"request_id", "prompt_len", "first_token", "max_tokens", "peer", "kv_handle", "kv_slice",
@@ -225,24 +230,26 @@ def _new_request(fields: dict[str, Any]) -> GenRequest:
 
 
 def _decode_events(buf: memoryview, n: int) -> list[Submit | Abort]:
-    recs = np.frombuffer(buf, dtype=_EVENT, count=n)
-    at = recs.nbytes
+    if n == 0:
+        return []
+    (n_abort,) = struct.unpack_from("<I", buf, 0)
+    aborts = np.frombuffer(buf, dtype="<u4", count=2 * n_abort, offset=4).reshape(-1, 2).tolist()
+    at = 4 + 8 * n_abort
+    n_sub = n - n_abort
+    recs = np.frombuffer(buf, dtype=_EVENT, count=n_sub, offset=at)
+    at += recs.nbytes
     peer_s, at = _get_str(buf, at, wide=True)
     id_s, at = _get_str(buf, at, wide=True)
     extra_s, at = _get_str(buf, at, wide=True)
     peers = peer_s.split("\n") if peer_s is not None else []
     extras = iter(json.loads(extra_s)) if extra_s else iter(())
     ids = id_s or ""
-    kinds, flags_a, peer_a, id_lens, seqs, prompt_a, first_a, max_a, eos_a = (
-        recs[k].tolist() for k in ("kind", "flags", "peer", "id_len", "seq", "prompt_len", "first_token",
-                                   "max_tokens", "eos"))
+    flags_a, peer_a, id_lens, seqs, prompt_a, first_a, max_a, eos_a = (
+        recs[k].tolist() for k in ("flags", "peer", "id_len", "seq", "prompt_len", "first_token", "max_tokens", "eos"))
     handles = recs["handle"].tobytes()
     events: list[Submit | Abort] = []
     pos = 0
-    for i in range(n):
-        if kinds[i] == _ABORT_KIND:
-            events.append(Abort(seqs[i]))
-            continue
+    for i in range(n_sub):
         flags = flags_a[i]
         fields: dict[str, Any] = {
             "request_id": ids[pos : pos + id_lens[i]], "prompt_len": prompt_a[i], "first_token": first_a[i],
@@ -258,6 +265,8 @@ def _decode_events(buf: memoryview, n: int) -> list[Submit | Abort]:
                 extra["kv_sources"] = tuple(KVSource(p, h0, h1, h) for p, h0, h1, h in extra["kv_sources"])
             fields.update(_restore_extra(extra))
         events.append(Submit(seqs[i], _new_request(fields)))
+    for position, seq in aborts:  # in arrival order among the submissions
+        events.insert(position, Abort(seq))
     return events
 
 

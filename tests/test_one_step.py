@@ -332,7 +332,12 @@ async def test_ranks_on_their_own_threads_agree_through_the_barrier(anyio_backen
 def test_the_step_message_round_trips_and_stays_compact() -> None:
     reqs = [GenRequest(f"req-{i:06d}", 100 + i, 5, 16, peer="10.0.0.1:13337", kv_handle="a" * 32, eos_token=2)
             for i in range(4)]
-    m = StepMessage(events=[Submit(i, r) for i, r in enumerate(reqs)] + [Abort(1)],
+    from orchestrator import KVSource
+
+    reqs.append(GenRequest("fan-in", 10, 5, 16, kv_handle="not-hex-handle",
+                           kv_sources=(KVSource("h1:1", 0, 2), KVSource("h2:2", 2, None, "b" * 32))))
+    m = StepMessage(events=[Abort(9)] + [Submit(i, r) for i, r in enumerate(reqs[:2])] + [Abort(1)]
+                    + [Submit(i + 2, r) for i, r in enumerate(reqs[2:])] + [Abort(2)],
                     outcomes=[Outcome(i, None) for i in range(64)] + [Outcome(70, FailureReason.TIMEOUT, "no KV", False)],
                     quiet=[3, 4], tokens=[7, 8 | (1 << 31)], batch_digest=123, admitted=(5, 0xDEADBEEF),
                     commands=["reset_stats"], broken="")
@@ -340,7 +345,8 @@ def test_the_step_message_round_trips_and_stays_compact() -> None:
     idle = len(encode(StepMessage()))
     per_outcome = (len(encode(StepMessage(outcomes=[Outcome(i) for i in range(64)]))) - idle) / 64
     per_token = (len(encode(StepMessage(tokens=list(range(64))))) - idle) / 64
-    assert per_outcome <= 32 and per_token <= 32 and idle <= 64
+    per_abort = (len(encode(StepMessage(events=[Abort(i) for i in range(64)]))) - idle - 4 - 6) / 64
+    assert per_outcome <= 32 and per_token <= 32 and per_abort <= 32 and idle <= 64
 
 
 def test_per_request_memory_is_bounded_over_100k_requests() -> None:
