@@ -158,10 +158,10 @@ def make_config(**overrides: object) -> OrchestratorConfig:
 
 
 def make_harness(config: OrchestratorConfig | None = None, *, peers: tuple[str, ...] = (PEER,),
-                 **transport_kw: object) -> Harness:
+                 step_fn: object = None, **transport_kw: object) -> Harness:
     config = config or make_config()
     ctx = {p: CtxPeer(config.layout) for p in peers}
     transport = InProcTransport({p: c.store for p, c in ctx.items()}, **transport_kw)  # type: ignore[arg-type]
-    step_fn = CheckingStep(ctx, config.layout)
-    engine = GenEngine(config, transport if config.mode is not Mode.IDEAL else None, step_fn)
-    return Harness(engine, transport, ctx, step_fn)
+    checking = CheckingStep(ctx, config.layout)
+    engine = GenEngine(config, transport if config.mode is not Mode.IDEAL else None, step_fn or checking)  # type: ignore[arg-type]
+    return Harness(engine, transport, ctx, checking)

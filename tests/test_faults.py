@@ -57,8 +57,9 @@ class ExactStep:
 class Gen:
     """A GEN engine stepped from the test's event loop (its receive group runs there too)."""
 
-    def __init__(self, engine: GenEngine) -> None:
+    def __init__(self, engine: GenEngine, step: ExactStep) -> None:
         self.engine = engine
+        self.step = step
         self.final: dict[str, object] = {}
         self.ended_at: dict[str, float] = {}
 
@@ -92,9 +93,10 @@ async def gen(backend: str):
         async def make(**overrides: object) -> Gen:
             cfg = dict(layout=LAYOUT, num_blocks=256, transfer_budget_bytes=64 * LAYOUT.block_bytes, kv_transfer_timeout_ms=20_000)
             cfg.update(overrides)
-            engine = GenEngine(OrchestratorConfig(**cfg), transport, ExactStep())  # type: ignore[arg-type]
+            step = ExactStep()
+            engine = GenEngine(OrchestratorConfig(**cfg), transport, step)  # type: ignore[arg-type]
             await engine.start(tg)
-            made.append(Gen(engine))
+            made.append(Gen(engine, step))
             return made[-1]
 
         try:
@@ -147,7 +149,7 @@ async def test_ctx_killed_mid_transfer_fails_its_requests_only_then_restart_work
             g.submit("req-5", restarted)
             await g.step_until(lambda: "req-5" in g.final)
             assert state(g, "req-5") is RequestState.FINISHED
-            assert "req-5" in g.engine._step_fn.decoded  # type: ignore[attr-defined]
+            assert "req-5" in g.step.decoded
         finally:
             restarted.stop()
     finally:
@@ -172,7 +174,7 @@ async def test_abort_in_flight_and_while_waiting_returns_everything_and_tells_ct
         with anyio.fail_after(10):
             stats = await wait_released(peer, "req-20", "req-21")  # CTX was told and freed both copies
         assert "req-22" in stats["held"]  # and nothing else
-        assert not {"req-20", "req-21"} & g.engine._step_fn.decoded  # type: ignore[attr-defined]
+        assert not {"req-20", "req-21"} & g.step.decoded
     finally:
         peer.stop()
 

@@ -126,7 +126,6 @@ async def test_receives_submitted_after_the_group_stopped_end_at_once() -> None:
 async def test_a_crashing_decode_step_marks_the_engine_unhealthy_and_frees_everything() -> None:
     from orchestrator import EngineThreads
 
-    h = make_harness()
     calls = 0
 
     def exploding(batch):  # noqa: ANN001
@@ -134,7 +133,7 @@ async def test_a_crashing_decode_step_marks_the_engine_unhealthy_and_frees_every
         calls += 1
         raise RuntimeError("device fell off the bus")
 
-    h.engine._step_fn = exploding  # type: ignore[attr-defined]
+    h = make_harness(step_fn=exploding)
     with pytest.raises(RuntimeError, match="decode loop crashed"):
         with EngineThreads(h.engine, idle_wait_s=0.005) as threads:
             h.engine.submit(h.request("a"))
