@@ -73,7 +73,7 @@ from ._requests import (
     Sequence,
     plan_sources,
 )
-from ._scheduler import Admission, Scheduler, ScheduleResult
+from ._scheduler import Scheduler, ScheduleResult
 from ._stats import (
     RECEIVE_BYTES_BUCKETS,
     RECEIVE_SECONDS_BUCKETS,

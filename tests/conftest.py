@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.group_harness import make_group as make_group  # a GEN of any TP size in this process
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:

@@ -7,137 +7,17 @@ from __future__ import annotations
 
 import anyio
 import pytest
-import torch
-from anyio import wait_all_tasks_blocked
-from anyio.lowlevel import checkpoint
 
 from orchestrator import (
-    DecodeBatch,
     FailureReason,
     GenRequest,
-    GroupBroken,
-    LocalGroup,
     Mode,
-    OrchestratorConfig,
     RequestState,
-    TPGenEngine,
 )
-from tests.harness import CtxPeer
+from tests.group_harness import PEER
 from transports import KVLayout, PeerClosed
-from transports.inproc import InProcTransport
 
 pytestmark = pytest.mark.anyio
-
-FULL = KVLayout(num_layers=2, num_kv_heads=4, head_dim=4, block_size=4, dtype=torch.float32)
-PEER = "ctx-0"
-
-
-class SliceCheckingStep:
-    """Decode step of one rank: its prompt blocks must hold exactly its heads of the CTX's KV."""
-
-    def __init__(self, ctx: CtxPeer, h0: int, h1: int) -> None:
-        self.ctx, self.h0, self.h1 = ctx, h0, h1
-        self.decoded: list[list[str]] = []
-        self.check = True  # off for IDEAL (nothing is pulled)
-
-    def __call__(self, batch: DecodeBatch) -> list[int]:
-        self.decoded.append(list(batch.request_ids))
-        for rid, blocks in zip(batch.request_ids, batch.block_tables if self.check else ()):
-            expected = self.ctx.expected[rid][:, :, :, self.h0 : self.h1]
-            assert torch.equal(batch.kv[blocks[: expected.shape[0]]], expected), f"{rid}: KV slice differs"
-        return [(int(t) + 1) % 256 for t in batch.tokens]
-
-
-class Group:
-    def __init__(self, world: int, breakable: bool = False, **cfg: object) -> None:
-        self.ctx = CtxPeer(FULL)
-        self.world = world
-        local = FULL.num_kv_heads // world
-        group = LocalGroup(world)
-        self.steps_done = 0
-        self.commands: list[list[tuple[int, object]]] = [[] for _ in range(world)]
-        self.engines: list[TPGenEngine] = []
-        self.transports: list[InProcTransport] = []
-        self.steps: list[SliceCheckingStep] = []
-        for rank in range(world):
-            layout = KVLayout(FULL.num_layers, local, FULL.head_dim, FULL.block_size, FULL.dtype)
-            base: dict[str, object] = dict(layout=layout, num_blocks=64, transfer_budget_bytes=8 * layout.block_bytes,
-                                           kv_transfer_timeout_ms=2_000, kv_head_offset=rank * local)
-            base.update(cfg)
-            transport = InProcTransport({PEER: self.ctx.store})
-            step = SliceCheckingStep(self.ctx, rank * local, (rank + 1) * local)
-            sync = Breakable(group.sync(rank)) if breakable else group.sync(rank)
-            self.engines.append(TPGenEngine(OrchestratorConfig(**base), transport, step, sync=sync,  # type: ignore[arg-type]
-                                            on_command=lambda c, r=rank: self.commands[r].append((self.steps_done, c))))
-            self.transports.append(transport)
-            self.steps.append(step)
-        self.outputs: dict[str, list] = {}
-
-    @property
-    def lead(self) -> TPGenEngine:
-        return self.engines[0]
-
-    def submit(self, rid: str, prompt_len: int = 8, max_tokens: int = 4) -> None:
-        handle = self.ctx.prefill(rid, prompt_len)
-        self.lead.submit(GenRequest(rid, prompt_len=prompt_len, first_token=7, max_tokens=max_tokens, peer=PEER,
-                                    kv_handle=handle))
-
-    threaded = False
-    """Step on a worker thread, as an execution thread does (INLINE waits on that thread for the event loop)."""
-
-    async def step(self) -> None:
-        if self.threaded:
-            await anyio.to_thread.run_sync(LocalGroup.step_all, self.engines)
-        else:
-            LocalGroup.step_all(self.engines)
-        self.steps_done += 1
-        for out in self.lead.poll():
-            self.outputs.setdefault(out.request_id, []).append(out)
-        await checkpoint()
-        await wait_all_tasks_blocked()
-
-    async def settle(self) -> None:
-        await checkpoint()
-        await wait_all_tasks_blocked()
-
-    async def run_until_idle(self, max_steps: int = 1000) -> None:
-        with anyio.fail_after(30):  # a hang guard, not a timing bound
-            for _ in range(max_steps):
-                await self.step()
-                if all(e.live_requests == 0 for e in self.engines) and not any(e.rest_problems() for e in self.engines):
-                    return
-                await anyio.sleep(0.001)
-        raise AssertionError([e.rest_problems() for e in self.engines])
-
-    def final(self, rid: str):
-        outs = self.outputs.get(rid, [])
-        assert outs and outs[-1].finished, f"{rid}: {outs}"
-        return outs[-1]
-
-
-@pytest.fixture
-async def make_group(anyio_backend):
-    made: list[Group] = []
-    async with anyio.create_task_group() as tg:
-
-        async def make(world: int, breakable: bool = False, **cfg: object) -> Group:
-            g = Group(world, breakable, **cfg)
-            for e in g.engines:
-                await e.start(tg)
-            made.append(g)
-            return g
-
-        try:
-            yield make
-            for g in made:
-                await g.run_until_idle()
-                for e in g.engines:
-                    assert e.rest_problems() == [], e.rest_problems()
-        finally:
-            for g in made:
-                for e in g.engines:
-                    e.close()
-
 
 @pytest.mark.parametrize("world", [2, 4])
 async def test_every_rank_receives_its_head_slice_and_decodes_in_lockstep(make_group, world: int) -> None:
@@ -237,21 +117,6 @@ async def test_only_rank_zero_takes_requests_and_explicit_slices_are_refused(mak
     with pytest.raises(InvalidRequest):
         g.lead.submit(GenRequest("y", prompt_len=4, first_token=1, max_tokens=2, peer=PEER,
                                  kv_slice=KVSlice(0, 2, 0, 2)))
-
-
-class Breakable:
-    """A rank's agreement that fails like a broken group once ``cause`` is set."""
-
-    def __init__(self, inner) -> None:  # noqa: ANN001
-        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
-        self.cause: str | None = None
-        self.calls = 0
-
-    def agree(self, message):  # noqa: ANN001
-        self.calls += 1
-        if self.cause is not None:
-            raise GroupBroken(self.cause)
-        return self.inner.agree(message)
 
 
 async def test_a_broken_group_fails_everything_locally_without_another_collective(make_group, monkeypatch) -> None:
