@@ -7,6 +7,9 @@ answers stdin commands, one JSON line each: ``stats`` (store statistics and held
 ``put <id>`` (hold one more request). The secret comes from ``KVO_SHARED_SECRET``; ``--insecure``
 serves without one. ``--gather-delay S`` makes every gather sleep S seconds (to kill it mid-pull),
 ``--send-delay S`` sleeps after READY (to cancel a pull whose receive is posted).
+``--corrupt short|long|foreign`` (UCX only) answers pulls of ``req-1`` with a right PULL_OK and then
+half the KV, the KV and 64 more bytes, or a PULL_OK that names another pull (and then the KV): a CTX bug
+that GEN must catch.
 """
 
 from __future__ import annotations
@@ -71,6 +74,27 @@ async def _main(args: argparse.Namespace) -> None:
             if args.send_delay:
                 await anyio.sleep(args.send_delay)
 
+        async def _send_checked_out(self, ep, msg, staged):  # type: ignore[no-untyped-def]
+            if not args.corrupt or msg.request_id != "req-1":
+                return await super()._send_checked_out(ep, msg, staged)
+            import asyncio
+
+            from transports import wire
+            from transports._ucx_common import _ucx_buffer, last_byte, post_send
+
+            flat = staged.reshape(-1)
+            txid = msg.txid
+            if args.corrupt == "short":
+                sent = flat[: flat.numel() // 2].clone()
+            elif args.corrupt == "long":
+                sent = torch.cat([flat, torch.zeros(32, dtype=flat.dtype)])
+            else:
+                sent, txid = flat, msg.txid + 1000
+            frame = wire.encode_frame(wire.PullOk(txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, last_byte(staged)))
+            buf = _ucx_buffer(sent)
+            reply, data = post_send(ep, frame, 2 * msg.txid), post_send(ep, buf, msg.tag)
+            await asyncio.shield(asyncio.gather(reply.future, data.future))
+
     if args.backend == "nixl":  # the same store behind a NIXL server; both delays hold up the lookup
         from transports.nixl import NIXLConfig, NIXLKVServer
 
@@ -119,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-unauthenticated", type=int, default=64)
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--insecure", action="store_true")
+    p.add_argument("--corrupt", choices=["short", "long", "foreign"], default=None)
     p.add_argument("--backend", choices=["ucx", "nixl"], default="ucx", help="serve with UCXKVServer or NIXLKVServer")
     args = p.parse_args(argv)
     import anyio
