@@ -19,6 +19,16 @@ from . import _auth
 from ._errors import ProtocolViolation, UnknownRequest
 from ._ids import InvalidRequestId, check_handle, check_request_id
 from ._layout import KVSlice, dtype_name
+from ._nixl_common import (
+    _MAX_MESSAGE_BYTES,
+    _PRE_AUTH_BYTES,
+    NOTIF_PREFIX,
+    NIXLConfig,
+    layout_info,
+    make_agent,
+    read_msg,
+    write_msg,
+)
 from ._store import Checkout, KVStore
 
 log = structlog.get_logger("transports.nixl")
@@ -62,11 +72,9 @@ class NIXLKVServer:
     the store holds ``store.layout.num_kv_heads`` heads from ``head_start``; GEN is told at connect
     and names them in this node's own numbering (0 .. num_kv_heads) when it pulls."""
 
-    def __init__(self, store: KVStore, config: Any, *, host: str = "0.0.0.0", port: int = 0, lease_s: float = 30.0,
+    def __init__(self, store: KVStore, config: NIXLConfig, *, host: str = "0.0.0.0", port: int = 0, lease_s: float = 30.0,
                  expire_interval_s: float = 1.0, idle_notif_poll_s: float = 0.5, busy_notif_poll_s: float = 0.001,
                  head_start: int = 0, total_kv_heads: int | None = None) -> None:
-        from .nixl import make_agent
-
         self.store, self.config, self.host, self._port, self._lease_s = store, config, host, port, lease_s
         self._heads = [head_start, head_start + store.layout.num_kv_heads]
         self._total_kv_heads = total_kv_heads if total_kv_heads is not None else store.layout.num_kv_heads
@@ -128,8 +136,6 @@ class NIXLKVServer:
     # -- notifications and pins ---------------------------------------------------------------------
 
     def _drain_notifs(self) -> None:
-        from .nixl import NOTIF_PREFIX
-
         for msgs in self.agent.get_new_notifs().values():
             for msg in msgs:
                 if msg.startswith(NOTIF_PREFIX):
@@ -170,8 +176,6 @@ class NIXLKVServer:
     # -- control connections ------------------------------------------------------------------------
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from .nixl import _MAX_MESSAGE_BYTES, _PRE_AUTH_BYTES, layout_info, read_msg, write_msg
-
         name = writer.get_extra_info("peername")
         peer = f"{name[0]}:{name[1]}" if isinstance(name, tuple) and len(name) >= 2 else str(name)
         task = asyncio.current_task()
@@ -228,8 +232,6 @@ class NIXLKVServer:
         return {"t": "error", "status": status, "reason": reason[:200]}
 
     async def _answer_lookup(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
-        from .nixl import write_msg
-
         await self._before_send(msg)
         if not writer.is_closing():  # the GEN went away meanwhile: nothing to pin for it
             write_msg(writer, {**self._lookup(msg), "id": msg.get("id")})
