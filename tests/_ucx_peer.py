@@ -45,10 +45,19 @@ def block_ids(index: int, blocks: int, total: int) -> torch.Tensor:
 
 class _SlowStore(KVStore):
     delay_s = 0.0
+    gathering = 0  # gathers running now, and the most at once (``max_gathers`` in ``stats``)
+    max_gathering = 0
 
     def gather(self, request_id: str, kv_slice: KVSlice, **kw: object) -> torch.Tensor:
-        time.sleep(self.delay_s)  # runs in a worker thread (to_thread), not on the event loop
-        return super().gather(request_id, kv_slice, **kw)
+        with self._lock:
+            self.gathering += 1
+            self.max_gathering = max(self.max_gathering, self.gathering)
+        try:
+            time.sleep(self.delay_s)  # runs in a worker thread (to_thread), not on the event loop
+            return super().gather(request_id, kv_slice, **kw)
+        finally:
+            with self._lock:
+                self.gathering -= 1
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -67,6 +76,7 @@ async def _main(args: argparse.Namespace) -> None:
     secret = None if args.insecure else load_secret()
     config = UCXConfig(secret=secret, allow_insecure=args.insecure, expire_interval_s=0.2,
                        max_pulls_per_endpoint=args.max_pulls, max_unauthenticated=args.max_unauthenticated,
+                       max_gathers_per_request=args.max_gathers,
                        handshake_timeout_s=args.handshake_timeout)
 
     class Server(UCXKVServer):
@@ -122,7 +132,8 @@ async def _main(args: argparse.Namespace) -> None:
             if cmd == "stats":
                 s = store.statistics()
                 held = sorted(store._held)  # test helper: peek at the ids still held
-                out = {"held": held, "released": s.released, "expired": s.expired, **vars(server.statistics())}
+                out = {"held": held, "released": s.released, "expired": s.expired, "max_gathers": store.max_gathering,
+                       **vars(server.statistics())}
             elif cmd == "put":
                 store.put(arg, block_ids(0, args.blocks, total), num_tokens=16, lease_s=args.lease, handle=handle_for(arg))
                 out = {"ok": True}
@@ -141,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--send-delay", type=float, default=0.0, help="sleep after accepting a PULL, before sending the KV")
     p.add_argument("--max-pulls", type=int, default=256)
     p.add_argument("--max-unauthenticated", type=int, default=64)
+    p.add_argument("--max-gathers", type=int, default=4)
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--corrupt", choices=["short", "long", "foreign"], default=None)

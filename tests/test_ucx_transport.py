@@ -7,6 +7,7 @@ The rest test what only the UCX path has (its wire frames, tags, UCX settings, t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -806,3 +807,26 @@ async def test_a_wrong_kv_message_fails_its_pull_only(transport: UCXTransport, c
             assert transport.statistics().endpoints == 1
     finally:
         bad.stop()
+
+
+@pytest.mark.anyio
+async def test_concurrent_pulls_of_one_request_make_a_bounded_number_of_copies() -> None:
+    """A GEN that pulls one request many times at once (release=False) cannot make the CTX hold many
+    gathered copies of it: at most ``max_gathers_per_request`` are made at once, every pull succeeds."""
+    blocks = 24  # 1.5 MiB: gathered in worker threads, which could run at once
+    peer = Peer("--gather-delay", "0.2", "--max-gathers", "2", "--blocks", str(blocks))
+    try:
+        with anyio.fail_after(30):
+            total = REQUESTS * blocks + 8
+            want = make_pool(LAYOUT, total)[block_ids(3, blocks, total)]
+            async with UCXTransport(UCXConfig(secret=SECRET)) as t:
+                out = [empty(blocks=blocks) for _ in range(6)]
+                async with anyio.create_task_group() as tg:
+                    for buf in out:
+                        tg.start_soon(functools.partial(t.pull, peer.address, "req-3", LAYOUT.full_slice(), buf,
+                                                        release=False))
+                assert all(torch.equal(buf, want) for buf in out)
+            stats = await peer.astats()
+            assert stats["max_gathers"] == 2 and "req-3" in stats["held"]
+    finally:
+        peer.stop()

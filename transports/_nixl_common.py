@@ -38,7 +38,10 @@ class NIXLConfig:
     connect_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
     request_timeout_s: float = 5.0  # a lookup or release answer
-    pin_timeout_s: float = 30.0  # CTX: a lookup's blocks stay pinned this long without its notification
+    pin_timeout_s: float = 30.0  # CTX: a pin's lease: GEN renews it while it may READ the blocks (every third of it)
+    read_timeout_s: float = 60.0  # GEN: a READ still in progress this long gets its peer dropped (which ends it)
+    close_timeout_s: float = 5.0  # GEN: aclose() waits this long for READs in flight (then drops their peers)
+    max_unauthenticated: int = 64  # CTX: control connections still in their handshake; more are closed at once
     dead_peer_backoff_s: float = 1.0  # GEN: after a failed connect, pulls to that peer fail at once this long
     max_peers: int = 256  # GEN: distinct CTX peers connected (or connecting) at once
     max_pulls_per_connection: int = 256  # CTX: lookups pinned at once for one GEN connection (more: BUSY)

@@ -1,6 +1,9 @@
 """CTX side of the NIXL data plane (``transports.nixl``): registers the KV pool once, authenticates
-GEN nodes on a TCP control port, answers lookups by pinning a request's blocks, and unpins (and
-releases) when the READ's NIXL notification arrives."""
+GEN nodes on a TCP control port (at most ``max_unauthenticated`` in their handshake), answers
+lookups by pinning a request's blocks, and unpins (and releases) when the READ's NIXL notification
+arrives, when GEN unpins (a READ that failed or never started), or when the pin's lease
+(``pin_timeout_s``) ends without a renewal: GEN renews the pins it may still READ from (DESIGN
+invariant 12: no block is freed or reused under a READ on a timer alone)."""
 
 from __future__ import annotations
 
@@ -94,6 +97,7 @@ class NIXLKVServer:
         self._tasks: list[asyncio.Task[Any]] = []
         self._conns: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
+        self._handshaking = 0
         self._served = self._refused = self._expired = self._auth_failures = 0
 
     @property
@@ -178,17 +182,26 @@ class NIXLKVServer:
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         name = writer.get_extra_info("peername")
         peer = f"{name[0]}:{name[1]}" if isinstance(name, tuple) and len(name) >= 2 else str(name)
+        if self._handshaking >= self.config.max_unauthenticated:
+            log.warning("nixl_connection_refused", peer=peer, reason="too many unauthenticated connections",
+                        limit=self.config.max_unauthenticated)
+            writer.close()
+            return
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
         self._conns.add(writer)
         lookups: set[asyncio.Task[Any]] = set()  # answered in their own tasks: a slow one holds up no other
+        handshaking = True
+        self._handshaking += 1
         try:
             secret = self.config.secret
             ns = _auth.new_nonce()
             write_msg(writer, {"t": "challenge", "ns": ns.hex(), "auth": secret is not None})
             with anyio.fail_after(self.config.handshake_timeout_s):
                 resp = await read_msg(reader, _PRE_AUTH_BYTES)
+            handshaking = False
+            self._handshaking -= 1
             nc = bytes.fromhex(str(resp.get("nc", "")))
             if resp.get("t") != "response" or (
                     secret is not None and not _auth.verify(_auth.client_mac(secret, ns, nc), bytes.fromhex(str(resp.get("mac", ""))))):
@@ -200,7 +213,8 @@ class NIXLKVServer:
             info = json.dumps({"layout": layout_info(self.store.layout), "pool": self._pool_info,
                                "heads": self._heads, "total_kv_heads": self._total_kv_heads,
                                "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                               "lease_ms": int(self._lease_s * 1000)}).encode()
+                               "lease_ms": int(self._lease_s * 1000),
+                               "pin_ms": int(self.config.pin_timeout_s * 1000)}).encode()
             mac = _auth.server_mac(secret, ns, nc, info) if secret is not None else b""
             write_msg(writer, {"t": "ok", "mac": mac.hex(), "info": info.decode()})
             while True:
@@ -221,6 +235,8 @@ class NIXLKVServer:
         except asyncio.CancelledError:  # the server closes; asyncio's stream callback would log a re-raise
             pass
         finally:
+            if handshaking:
+                self._handshaking -= 1
             for lookup in list(lookups):  # not answered: nothing was pinned for them
                 lookup.cancel()
             self._conns.discard(writer)
@@ -240,6 +256,14 @@ class NIXLKVServer:
         kind = msg["t"]
         if kind == "unpin":
             self._done(str(msg.get("token")), ok=False)
+            return None
+        if kind == "renew":  # GEN may still READ these blocks: their pins' leases start again
+            deadline = time.monotonic() + self.config.pin_timeout_s
+            tokens = msg.get("tokens")
+            for token in tokens[: self.config.max_pulls_per_connection] if isinstance(tokens, list) else ():
+                pin = self._pins.get(token) if isinstance(token, str) else None
+                if pin is not None:
+                    pin.deadline = max(pin.deadline, deadline)
             return None
         if kind == "release":
             try:

@@ -95,6 +95,7 @@ class _Conn:
         self.error: TransportError | None = None
         self.ids = itertools.count(1)
         self.reader_task: asyncio.Task[None] | None = None
+        self.pin_s = max(float(info.get("pin_ms", 30_000)) / 1000, 0.01)  # the CTX's pin lease
 
     async def read_loop(self) -> None:
         try:
@@ -176,7 +177,10 @@ class NIXLTransport:
             self._open, max_peers=config.max_peers, backoff_s=config.dead_peer_backoff_s,
             usable=lambda c: c.error is None, discard=self._close_conn)
         self._agents: dict[str, str] = {}  # peer -> the NIXL name of its agent (at most max_peers)
-        self._reads: dict[str, int] = {}  # peer -> READs in flight (its agent is not forgotten meanwhile)
+        self._reads: dict[str, int] = {}  # agent name -> READs in flight (the agent is not removed meanwhile)
+        self._stale: set[str] = set()  # agents replaced by a reconnect, removed when their last READ ends
+        self._pinned: dict[str, tuple[str, float]] = {}  # token -> (peer, pin lease): pins this GEN may READ from
+        self._renewer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[Any]] = set()
         self._ok = self._failed = self._bytes = self._adhoc = self._retried = 0
         self._closed = False
@@ -186,15 +190,43 @@ class NIXLTransport:
                                        self._peers.down, self._adhoc)
 
     def register(self, tensor: torch.Tensor) -> None:
-        """Register ``tensor``'s memory with NIXL once (the GEN's KV pool or staging arena)."""
-        mem, _ = mem_type(tensor)
+        """Register ``tensor``'s memory with NIXL once (the GEN's KV pool or staging arena); the
+        tensor is kept referenced until ``aclose`` deregisters it (its memory cannot be freed and
+        reused while NIXL may write into it)."""
         descs = self.agent.register_memory(tensor)
         start = tensor.data_ptr()
-        self._regions.append((start, start + tensor.numel() * tensor.element_size(), mem, descs))
+        self._regions.append((start, start + tensor.numel() * tensor.element_size(), tensor, descs))
 
     def _registered(self, t: torch.Tensor) -> bool:
         start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
         return any(s <= start and end <= e for s, e, _, _ in self._regions)
+
+    # -- pins: renewed while a READ may use them ------------------------------------------------------
+
+    def _pin(self, conn: _Conn, token: str) -> None:
+        self._pinned[token] = (conn.peer, conn.pin_s)
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.ensure_future(self._renew_loop())
+
+    def _unpin(self, conn: _Conn, token: str, *, tell: bool) -> None:
+        """This GEN will not READ ``token``'s blocks any more; with ``tell`` the CTX may unpin them now
+        (a READ that failed or never started; a READ that succeeded notifies the CTX itself)."""
+        self._pinned.pop(token, None)
+        if tell:
+            conn.send({"t": "unpin", "token": token})
+
+    async def _renew_loop(self) -> None:
+        """One task for the whole transport, alive while any pin is held: every third of the shortest
+        pin lease, renew each peer's pins (over its current connection: a reconnect keeps them)."""
+        while self._pinned:
+            await asyncio.sleep(min(lease for _, lease in self._pinned.values()) / 3)
+            by_peer: dict[str, list[str]] = {}
+            for token, (peer, _) in self._pinned.items():
+                by_peer.setdefault(peer, []).append(token)
+            for peer, tokens in by_peer.items():
+                conn = self._peers.conns.get(peer)
+                if conn is not None:
+                    conn.send({"t": "renew", "tokens": tokens})
 
     async def connect(self, peer: str) -> None:
         await self._conn(peer)
@@ -208,15 +240,21 @@ class NIXLTransport:
             conn.reader_task.cancel()
 
     def _forget_agent(self, peer: str) -> None:
-        """Forget what NIXL knew of ``peer``'s agent, unless a READ from it is still in flight."""
-        if self._reads.get(peer):
-            return
+        """Forget what NIXL knew of ``peer``'s agent; one a READ still reads from goes when it ends."""
         name = self._agents.pop(peer, None)
-        if name is not None:
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception as exc:
-                log.debug("nixl_remove_agent_failed", peer=peer, reason=repr(exc))
+        if name is None:
+            return
+        if self._reads.get(name):
+            self._stale.add(name)
+            return
+        self._remove_agent(name)
+
+    def _remove_agent(self, name: str) -> None:
+        self._stale.discard(name)
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:
+            log.debug("nixl_remove_agent_failed", agent=name, reason=repr(exc))
 
     async def _open(self, peer: str) -> _Conn:
         try:
@@ -237,12 +275,13 @@ class NIXLTransport:
             remote = self._check_layout(peer, info)
             meta = base64.b64decode(info["meta"])
             self._forget_agent(peer)  # a reconnect: the peer's previous agent is gone
-            for old in [p for p in self._agents if p not in self._peers.conns and not self._reads.get(p)]:
+            for old in [p for p in self._agents if p not in self._peers.conns]:
                 if len(self._agents) < self.config.max_peers:
                     break
                 self._forget_agent(old)  # bounded: agents of peers no longer connected go first
             name = self.agent.add_remote_agent(meta)
             name = name.decode() if isinstance(name, bytes) else name
+            self._stale.discard(name)  # the same CTX agent again (a dropped connection, not a restart)
         except TimeoutError as exc:
             writer.close()
             raise PeerUnreachable(f"handshake with {peer} timed out", peer=peer) from exc
@@ -351,6 +390,20 @@ class NIXLTransport:
         conn.answered += 1
         return conn, answer
 
+    async def _before_read(self, peer: str, request_id: str) -> None:
+        """Test seam: runs once the CTX pinned the blocks, before the READ is posted."""
+
+    def _check_blocks(self, conn: _Conn, blocks: Any, kv_slice: KVSlice, into: torch.Tensor) -> list[int]:
+        """The CTX's block ids, checked before anything is built from them: a list of exactly the
+        blocks ``into`` holds, each an int inside the CTX's pool; ``ProtocolViolation`` otherwise."""
+        num_blocks = int(conn.info["pool"]["num_blocks"])
+        if (not isinstance(blocks, list) or len(blocks) != into.shape[0]
+                or not all(type(b) is int and 0 <= b < num_blocks for b in blocks)):
+            got = f"{len(blocks)} ids" if isinstance(blocks, list) else type(blocks).__name__
+            raise ProtocolViolation(f"{conn.peer} answered a block list ({got}) that does not fit `into` "
+                                    f"({into.shape[0]} blocks) or its pool ({num_blocks})", peer=conn.peer)
+        return blocks
+
     async def _pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, handle: str | None,
                     release: bool, landing: Landing) -> int:
         conn, answer = await self._lookup(peer, {
@@ -359,40 +412,60 @@ class NIXLTransport:
             "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release})
         if answer.get("t") == "error":
             raise _error(answer, peer, request_id)
-        if answer.get("t") != "found":
+        if answer.get("t") != "found" or not isinstance(answer.get("token"), str):
             conn.fail(ProtocolViolation(f"unexpected answer to a lookup: {answer.get('t')!r}", peer=peer))
             raise conn.error  # type: ignore[misc]
-        token, blocks = str(answer["token"]), answer["blocks"]
-        pool = conn.info["pool"]
-        remote, local, lengths = segments(conn.remote, blocks, kv_slice)  # the CTX's pool, its head numbering
-        if (any(not 0 <= int(b) < pool["num_blocks"] for b in blocks) or int(lengths.sum()) != into.numel() * into.element_size()):
-            conn.send({"t": "unpin", "token": token})
-            conn.fail(ProtocolViolation(f"{peer} answered blocks that do not fit `into` or its pool", peer=peer))
-            raise conn.error  # type: ignore[misc]
+        token = answer["token"]
+        self._pin(conn, token)  # renewed from here until the READ ends
+        nbytes = into.numel() * into.element_size()
+        try:
+            blocks = self._check_blocks(conn, answer.get("blocks"), kv_slice, into)
+            pool = conn.info["pool"]
+            remote, local, lengths = segments(conn.remote, blocks, kv_slice)  # the CTX's pool, its head numbering
+            if int(lengths.sum()) != nbytes:
+                raise ProtocolViolation(f"{peer} answered blocks that do not fit `into`", peer=peer)
+            await self._before_read(peer, request_id)
+        except ProtocolViolation as exc:
+            self._unpin(conn, token, tell=True)
+            conn.fail(exc)
+            raise
+        except BaseException:
+            self._unpin(conn, token, tell=True)
+            raise
         mem, dev = mem_type(into)
-        adhoc = None
-        with anyio.CancelScope(shield=True):  # post the READ and account for it as one unit
+        adhoc = xfer = None
+        # posted and accounted for with no await in between: cancellation cannot split them
+        try:
+            if not self._registered(into):
+                adhoc = self.agent.register_memory(into)
+                self._adhoc += 1
+            base = into.data_ptr()
+            n = len(lengths)
+            ldesc = self.agent.get_xfer_descs(np.stack([local + base, lengths, np.full(n, dev)], 1), mem)
+            rdesc = self.agent.get_xfer_descs(
+                np.stack([remote + pool["addr"], lengths, np.full(n, pool["dev"])], 1), pool["mem"])
+            xfer = self.agent.initialize_xfer("READ", ldesc, rdesc, conn.agent_name, NOTIF_PREFIX + token.encode())
+            landing.begin()
             try:
-                if not self._registered(into):
-                    adhoc = self.agent.register_memory(into)
-                    self._adhoc += 1
-                base = into.data_ptr()
-                n = len(lengths)
-                ldesc = self.agent.get_xfer_descs(np.stack([local + base, lengths, np.full(n, dev)], 1), mem)
-                rdesc = self.agent.get_xfer_descs(
-                    np.stack([remote + pool["addr"], lengths, np.full(n, pool["dev"])], 1), pool["mem"])
-                xfer = self.agent.initialize_xfer("READ", ldesc, rdesc, conn.agent_name, NOTIF_PREFIX + token.encode())
-                landing.begin()
                 state = self.agent.transfer(xfer)
-            except Exception as exc:
-                if adhoc is not None:
-                    self.agent.deregister_memory(adhoc)
-                conn.send({"t": "unpin", "token": token})
-                raise PeerClosed(f"NIXL READ from {peer} could not be posted: {exc}", peer=peer) from None
-        unpin = lambda: conn.send({"t": "unpin", "token": token})  # noqa: E731  (a READ that failed)
-        self._reads[peer] = self._reads.get(peer, 0) + 1
-        watch = asyncio.ensure_future(self._watch(xfer, state, landing, adhoc, into.numel() * into.element_size(), unpin))
-        watch.add_done_callback(lambda _: self._read_ended(peer))
+            except BaseException:
+                landing.end()  # NIXL refused to post it: nothing can land
+                raise
+        except Exception as exc:
+            self._end_read(xfer, adhoc)
+            self._unpin(conn, token, tell=True)
+            raise PeerClosed(f"NIXL READ from {peer} could not be posted: {exc}", peer=peer) from None
+        if state != "PROC":  # done at once (one host: NIXL copied it inline): no task, no poller
+            self._end_read(xfer, adhoc)
+            landing.end()
+            self._unpin(conn, token, tell=state != "DONE")
+            if state != "DONE":
+                raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
+            return nbytes
+        name = conn.agent_name
+        self._reads[name] = self._reads.get(name, 0) + 1
+        watch = asyncio.ensure_future(self._watch(conn, token, xfer, landing, adhoc, nbytes))
+        watch.add_done_callback(lambda _: self._read_ended(name))
         try:
             state = await asyncio.shield(watch)
         except BaseException:  # cancelled: the watcher goes on until NIXL ends the READ
@@ -401,36 +474,61 @@ class NIXLTransport:
             raise
         if state != "DONE":
             raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
-        return into.numel() * into.element_size()
+        return nbytes
 
-    def _read_ended(self, peer: str) -> None:
-        self._reads[peer] -= 1
-        if not self._reads[peer]:
-            del self._reads[peer]
-
-    async def _watch(self, xfer: Any, state: str, landing: Landing, adhoc: Any, nbytes: int, unpin: Any) -> str:
-        """Poll the READ until it is no longer in progress (backing off 50 µs .. 2 ms), then end landing."""
-        try:
-            if state == "PROC":  # in a worker thread: asyncio's sleeps are >= 1 ms (epoll's granularity)
-                state = await anyio.to_thread.run_sync(self._wait, xfer, nbytes)
-            if state != "DONE":  # no notification will come: the CTX may unpin now
-                unpin()
-            return state
-        finally:
+    def _end_read(self, xfer: Any, adhoc: Any) -> bool:
+        """Free a READ's handle (and an ad-hoc registration); False when NIXL refused (still busy)."""
+        ok = True
+        if xfer is not None:
             try:
                 self.agent.release_xfer_handle(xfer)
             except Exception as exc:  # NIXL refuses to free a handle it cannot cancel
                 log.warning("nixl_release_handle_failed", reason=str(exc))
-            if adhoc is not None:
-                self.agent.deregister_memory(adhoc)
-            landing.end()
+                ok = False
+        if adhoc is not None and ok:
+            self.agent.deregister_memory(adhoc)
+        return ok
 
-    def _wait(self, xfer: Any, nbytes: int) -> str:
-        """Poll a READ until it leaves PROC: a first nap of most of its expected time, then 20 µs
-        naps doubling to 1 ms (the agent is in NIXL's strict thread-sync mode)."""
+    def _read_ended(self, name: str) -> None:
+        self._reads[name] -= 1
+        if not self._reads[name]:
+            del self._reads[name]
+            if name in self._stale:  # replaced by a reconnect while this READ ran
+                self._remove_agent(name)
+
+    async def _watch(self, conn: _Conn, token: str, xfer: Any, landing: Landing, adhoc: Any, nbytes: int) -> str:
+        """Poll the READ (in a worker thread: asyncio's sleeps are >= 1 ms) until it is no longer in
+        progress, at most ``read_timeout_s``; then drop its peer (closing NIXL's connection to it ends
+        the READ) and poll as long again. ``landing`` ends only once NIXL says the READ is over."""
+        timeout = self.config.read_timeout_s
+        state = await anyio.to_thread.run_sync(self._wait, xfer, nbytes, timeout)
+        if state == "PROC":
+            log.warning("nixl_read_timeout", peer=conn.peer, timeout_s=timeout)
+            conn.fail(PeerClosed(f"a READ from {conn.peer} was still in progress after {timeout}s", peer=conn.peer))
+            self._peers.drop(conn.peer, conn)
+            name = conn.agent_name
+            if self._agents.get(conn.peer) == name:
+                del self._agents[conn.peer]
+            self._remove_agent(name)  # ends the READ (its UCX endpoints close)
+            state = await anyio.to_thread.run_sync(self._wait, xfer, nbytes, timeout)
+            if state == "PROC":
+                log.error("nixl_read_stuck", peer=conn.peer, reason="NIXL still reports the READ in progress; "
+                          "its destination stays busy")
+                return "TIMEOUT"  # landing stays busy: the memory may still be written
+        self._unpin(conn, token, tell=state != "DONE")  # DONE: the CTX has its notification
+        if self._end_read(xfer, adhoc):
+            landing.end()
+        return state
+
+    def _wait(self, xfer: Any, nbytes: int, timeout: float) -> str:
+        """Poll a READ until it leaves PROC or ``timeout`` passes: a first nap of most of its expected
+        time, then 20 µs naps doubling to 1 ms (the agent is in NIXL's strict thread-sync mode)."""
         time.sleep(min(nbytes / 10e9, 0.001))
         nap = 20e-6
+        deadline = time.monotonic() + timeout
         while (state := self.agent.check_xfer_state(xfer)) == "PROC":
+            if time.monotonic() >= deadline:
+                return state
             time.sleep(nap)
             nap = min(nap * 2, 0.001)
         return state
@@ -456,16 +554,29 @@ class NIXLTransport:
             log.warning("nixl_hold_failed", peer=peer, requests=len(valid), reason=str(exc))
 
     async def aclose(self) -> None:
+        """Close every connection; READs still in flight get ``close_timeout_s`` to land, then their
+        peers are dropped (which ends them) and they get as long again. Memory a READ may still
+        write into is not deregistered (logged); everything else is."""
         if self._closed:
             return
         self._closed = True
-        for watch in list(self._background):  # READs still in flight land before the memory goes
-            await asyncio.shield(watch)
+        watches = list(self._background)
+        if watches:
+            _, pending = await asyncio.wait(watches, timeout=self.config.close_timeout_s)
+            if pending:
+                for name in list(self._reads):
+                    self._remove_agent(name)  # ends the READs from it
+                _, pending = await asyncio.wait(pending, timeout=self.config.close_timeout_s)
+            if pending:
+                log.error("nixl_close_reads_stuck", reads=len(pending))
+        if self._renewer is not None:
+            self._renewer.cancel()
         for conn in self._peers.close():
             self._close_conn(conn)
-        for _, _, _, descs in self._regions:
-            self.agent.deregister_memory(descs)
-        self._regions.clear()
+        if not self._reads:
+            for _, _, _, descs in self._regions:
+                self.agent.deregister_memory(descs)
+            self._regions.clear()
 
     async def __aenter__(self) -> NIXLTransport:
         return self
