@@ -210,3 +210,28 @@ async def test_a_registered_tensor_is_kept_until_aclose_deregisters_it() -> None
     await t.aclose()
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.anyio
+async def test_whole_block_reads_into_a_registered_pool_use_prepared_descriptor_lists() -> None:
+    """A full-slice pull into whole blocks of a registered pool is one make_prepped_xfer from lists
+    prepared once (the CTX pool per peer, the GEN pool at register); the data is the CTX's blocks.
+    A head subset, or memory outside a registered pool, takes the per-READ descriptors."""
+    from transports import KVSlice
+
+    async with _served() as (store, handle, server, peer, t):
+        pool = LAYOUT.new_pool(16).zero_()
+        t.register(pool)
+        want = gather(store.pool, IDS, LAYOUT.full_slice())
+        into = pool[3:3 + len(IDS)]
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
+        assert torch.equal(into, want) and t.statistics().prepped_reads == 1
+        assert not pool[:3].any() and not pool[3 + len(IDS):].any()  # nothing else written
+        into2 = pool[9:9 + len(IDS)]
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into2, handle=handle, release=False)
+        assert torch.equal(into2, want) and t.statistics().prepped_reads == 2
+        part = KVSlice(0, 3, 1, 3)
+        sub = torch.zeros(LAYOUT.wire_shape(len(IDS), part), dtype=LAYOUT.dtype)
+        await t.pull(peer, "r1", part, sub, handle=handle, release=False)
+        assert torch.equal(sub, gather(store.pool, IDS, part)) and t.statistics().prepped_reads == 2
+        await _until(lambda: server.statistics().pinned == 0)

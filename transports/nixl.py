@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -147,6 +148,7 @@ class NIXLTransportStatistics:
     bytes_moved: int
     peers_down: int
     adhoc_registrations: int  # pulls into memory not registered with register(): registered per pull
+    prepped_reads: int = 0  # READs made from descriptor lists prepared once (make_prepped_xfer)
 
 
 class NIXLTransport:
@@ -172,7 +174,10 @@ class NIXLTransport:
         if config.secret is None:
             log.warning("nixl_auth_disabled", role="gen")
         self.agent = make_agent(f"kvo-gen-{secrets.token_hex(6)}", config)
-        self._regions: list[tuple[int, int, str, Any]] = []  # (start, end, mem, reg descs)
+        self._regions: list[tuple[int, int, torch.Tensor, Any]] = []  # (start, end, tensor, reg descs)
+        self._local_dlists: list[tuple[int, int, Any]] = []  # (start, end, prepped per-block dlist)
+        self._remote_dlists: dict[str, Any] = {}  # agent name -> the CTX pool's prepped per-block dlist
+        self._prepped = 0
         self._peers: PeerConnections[_Conn] = PeerConnections(
             self._open, max_peers=config.max_peers, backoff_s=config.dead_peer_backoff_s,
             usable=lambda c: c.error is None, discard=self._close_conn)
@@ -187,7 +192,7 @@ class NIXLTransport:
 
     def statistics(self) -> NIXLTransportStatistics:
         return NIXLTransportStatistics(self._peers.live, self._ok, self._failed, self._retried, self._bytes,
-                                       self._peers.down, self._adhoc)
+                                       self._peers.down, self._adhoc, self._prepped)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Register ``tensor``'s memory with NIXL once (the GEN's KV pool or staging arena); the
@@ -195,7 +200,14 @@ class NIXLTransport:
         reused while NIXL may write into it)."""
         descs = self.agent.register_memory(tensor)
         start = tensor.data_ptr()
-        self._regions.append((start, start + tensor.numel() * tensor.element_size(), tensor, descs))
+        end = start + tensor.numel() * tensor.element_size()
+        self._regions.append((start, end, tensor, descs))
+        bb = self.layout.block_bytes if self.layout is not None else 0
+        if bb and (end - start) % bb == 0:  # whole blocks: one descriptor each, prepared once
+            mem, dev = mem_type(tensor)
+            n = (end - start) // bb
+            rows = np.stack([start + np.arange(n, dtype=np.int64) * bb, np.full(n, bb), np.full(n, dev)], 1)
+            self._local_dlists.append((start, end, self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem)))
 
     def _registered(self, t: torch.Tensor) -> bool:
         start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
@@ -251,6 +263,10 @@ class NIXLTransport:
 
     def _remove_agent(self, name: str) -> None:
         self._stale.discard(name)
+        dlist = self._remote_dlists.pop(name, None)
+        if dlist is not None:
+            with contextlib.suppress(Exception):
+                self.agent.release_dlist_handle(dlist)
         try:
             self.agent.remove_remote_agent(name)
         except Exception as exc:
@@ -434,17 +450,20 @@ class NIXLTransport:
             raise
         mem, dev = mem_type(into)
         adhoc = xfer = None
+        notif = NOTIF_PREFIX + token.encode()
         # posted and accounted for with no await in between: cancellation cannot split them
         try:
-            if not self._registered(into):
-                adhoc = self.agent.register_memory(into)
-                self._adhoc += 1
-            base = into.data_ptr()
-            n = len(lengths)
-            ldesc = self.agent.get_xfer_descs(np.stack([local + base, lengths, np.full(n, dev)], 1), mem)
-            rdesc = self.agent.get_xfer_descs(
-                np.stack([remote + pool["addr"], lengths, np.full(n, pool["dev"])], 1), pool["mem"])
-            xfer = self.agent.initialize_xfer("READ", ldesc, rdesc, conn.agent_name, NOTIF_PREFIX + token.encode())
+            xfer = self._prepped_xfer(conn, blocks, kv_slice, into, notif)
+            if xfer is None:  # descriptors built for this READ
+                if not self._registered(into):
+                    adhoc = self.agent.register_memory(into)
+                    self._adhoc += 1
+                base = into.data_ptr()
+                n = len(lengths)
+                ldesc = self.agent.get_xfer_descs(np.stack([local + base, lengths, np.full(n, dev)], 1), mem)
+                rdesc = self.agent.get_xfer_descs(
+                    np.stack([remote + pool["addr"], lengths, np.full(n, pool["dev"])], 1), pool["mem"])
+                xfer = self.agent.initialize_xfer("READ", ldesc, rdesc, conn.agent_name, notif)
             landing.begin()
             try:
                 state = self.agent.transfer(xfer)
@@ -475,6 +494,32 @@ class NIXLTransport:
         if state != "DONE":
             raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
         return nbytes
+
+    def _prepped_xfer(self, conn: _Conn, blocks: list[int], kv_slice: KVSlice, into: torch.Tensor,
+                      notif: bytes) -> Any:
+        """A READ of whole blocks into whole blocks of a registered region, from descriptor lists
+        prepared once (the CTX pool's per peer agent, the region's at ``register``); None when the
+        pull is not of that shape (a head or layer subset, another block size, unaligned ``into``)."""
+        bb = conn.remote.block_bytes
+        if self.layout is None or bb != self.layout.block_bytes or kv_slice != conn.remote.full_slice():
+            return None
+        start = into.data_ptr()
+        for lo, hi, local in self._local_dlists:
+            if lo <= start and start + len(blocks) * bb <= hi and (start - lo) % bb == 0:
+                break
+        else:
+            return None
+        remote = self._remote_dlists.get(conn.agent_name)
+        if remote is None:
+            pool = conn.info["pool"]
+            n = int(pool["num_blocks"])
+            rows = np.stack([int(pool["addr"]) + np.arange(n, dtype=np.int64) * bb, np.full(n, bb),
+                             np.full(n, int(pool["dev"]))], 1)
+            remote = self._remote_dlists[conn.agent_name] = self.agent.prep_xfer_dlist(conn.agent_name, rows, pool["mem"])
+        first = (start - lo) // bb
+        xfer = self.agent.make_prepped_xfer("READ", local, list(range(first, first + len(blocks))), remote, blocks, notif)
+        self._prepped += 1
+        return xfer
 
     def _end_read(self, xfer: Any, adhoc: Any) -> bool:
         """Free a READ's handle (and an ad-hoc registration); False when NIXL refused (still busy)."""
@@ -574,6 +619,11 @@ class NIXLTransport:
         for conn in self._peers.close():
             self._close_conn(conn)
         if not self._reads:
+            for dlist in [*self._remote_dlists.values(), *(d for _, _, d in self._local_dlists)]:
+                with contextlib.suppress(Exception):
+                    self.agent.release_dlist_handle(dlist)
+            self._remote_dlists.clear()
+            self._local_dlists.clear()
             for _, _, _, descs in self._regions:
                 self.agent.deregister_memory(descs)
             self._regions.clear()
