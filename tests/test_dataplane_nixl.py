@@ -95,7 +95,13 @@ async def test_a_dead_gen_s_pin_still_ends_with_its_lease() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_transfer_that_raises_ends_its_landing_and_its_pin() -> None:
+@pytest.mark.parametrize("off_loop", [False, True], ids=["inline", "worker-thread"])
+async def test_a_transfer_that_raises_ends_its_landing_and_its_pin(monkeypatch: pytest.MonkeyPatch,
+                                                                   off_loop: bool) -> None:
+    """Also when transfer() runs in a worker thread (a READ large enough that its inline copy on one
+    host would stall the event loop)."""
+    if off_loop:
+        monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", 0)
     async with _served() as (store, handle, server, peer, t):
         await t.connect(peer)
 
@@ -104,7 +110,7 @@ async def test_a_transfer_that_raises_ends_its_landing_and_its_pin() -> None:
 
         t.agent.transfer = broken
         landing = Landing()
-        with pytest.raises(PeerClosed, match="could not be posted"):
+        with pytest.raises(PeerClosed, match="could not be posted|failed"):
             await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, landing=landing)
         assert not landing.busy
         await _until(lambda: server.statistics().pinned == 0)
@@ -213,7 +219,8 @@ async def test_a_registered_tensor_is_kept_until_aclose_deregisters_it() -> None
 
 
 @pytest.mark.anyio
-async def test_whole_block_reads_into_a_registered_pool_use_prepared_descriptor_lists() -> None:
+async def test_whole_block_reads_into_a_registered_pool_use_prepared_descriptor_lists(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A full-slice pull into whole blocks of a registered pool is one make_prepped_xfer from lists
     prepared once (the CTX pool per peer, the GEN pool at register); the data is the CTX's blocks.
     A head subset, or memory outside a registered pool, takes the per-READ descriptors."""
@@ -222,9 +229,12 @@ async def test_whole_block_reads_into_a_registered_pool_use_prepared_descriptor_
     async with _served() as (store, handle, server, peer, t):
         pool = LAYOUT.new_pool(16).zero_()
         t.register(pool)
+        monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", 0)  # the second READ off the loop
         want = gather(store.pool, IDS, LAYOUT.full_slice())
         into = pool[3:3 + len(IDS)]
-        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
+        with monkeypatch.context() as m:
+            m.setattr("transports.nixl._INLINE_TRANSFER_BYTES", 1 << 30)  # the first inline
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
         assert torch.equal(into, want) and t.statistics().prepped_reads == 1
         assert not pool[:3].any() and not pool[3 + len(IDS):].any()  # nothing else written
         into2 = pool[9:9 + len(IDS)]

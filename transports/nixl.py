@@ -82,6 +82,8 @@ from ._nixl_common import (
 
 log = structlog.get_logger("transports.nixl")
 
+_INLINE_TRANSFER_BYTES = 1 << 20  # READs larger than this call transfer() in a worker thread
+
 
 # -- GEN side ---------------------------------------------------------------------------------------
 
@@ -465,16 +467,21 @@ class NIXLTransport:
                     np.stack([remote + pool["addr"], lengths, np.full(n, pool["dev"])], 1), pool["mem"])
                 xfer = self.agent.initialize_xfer("READ", ldesc, rdesc, conn.agent_name, notif)
             landing.begin()
-            try:
-                state = self.agent.transfer(xfer)
-            except BaseException:
-                landing.end()  # NIXL refused to post it: nothing can land
-                raise
+            posting = None
+            if nbytes > _INLINE_TRANSFER_BYTES:  # on one host transfer() copies inline: off the loop
+                posting = asyncio.get_running_loop().run_in_executor(None, self.agent.transfer, xfer)
+                state = "POSTING"
+            else:
+                try:
+                    state = self.agent.transfer(xfer)
+                except BaseException:
+                    landing.end()  # NIXL refused to post it: nothing can land
+                    raise
         except Exception as exc:
             self._end_read(xfer, adhoc)
             self._unpin(conn, token, tell=True)
             raise PeerClosed(f"NIXL READ from {peer} could not be posted: {exc}", peer=peer) from None
-        if state != "PROC":  # done at once (one host: NIXL copied it inline): no task, no poller
+        if state not in ("PROC", "POSTING"):  # done at once (one host: NIXL copied it inline): no task
             self._end_read(xfer, adhoc)
             landing.end()
             self._unpin(conn, token, tell=state != "DONE")
@@ -483,7 +490,7 @@ class NIXLTransport:
             return nbytes
         name = conn.agent_name
         self._reads[name] = self._reads.get(name, 0) + 1
-        watch = asyncio.ensure_future(self._watch(conn, token, xfer, landing, adhoc, nbytes))
+        watch = asyncio.ensure_future(self._watch(conn, token, xfer, landing, adhoc, nbytes, posting))
         watch.add_done_callback(lambda _: self._read_ended(name))
         try:
             state = await asyncio.shield(watch)
@@ -541,11 +548,24 @@ class NIXLTransport:
             if name in self._stale:  # replaced by a reconnect while this READ ran
                 self._remove_agent(name)
 
-    async def _watch(self, conn: _Conn, token: str, xfer: Any, landing: Landing, adhoc: Any, nbytes: int) -> str:
-        """Poll the READ (in a worker thread: asyncio's sleeps are >= 1 ms) until it is no longer in
-        progress, at most ``read_timeout_s``; then drop its peer (closing NIXL's connection to it ends
-        the READ) and poll as long again. ``landing`` ends only once NIXL says the READ is over."""
+    async def _watch(self, conn: _Conn, token: str, xfer: Any, landing: Landing, adhoc: Any, nbytes: int,
+                     posting: asyncio.Future[str] | None = None) -> str:
+        """Wait for ``posting`` (a ``transfer()`` running in a worker thread) if any, then poll the
+        READ (in a worker thread: asyncio's sleeps are >= 1 ms) until it is no longer in progress, at
+        most ``read_timeout_s``; then drop its peer (closing NIXL's connection to it ends the READ)
+        and poll as long again. ``landing`` ends only once NIXL says the READ is over."""
         timeout = self.config.read_timeout_s
+        if posting is not None:
+            try:
+                state = await posting
+            except Exception as exc:  # NIXL refused to post it: nothing can land
+                log.warning("nixl_read_not_posted", peer=conn.peer, reason=str(exc))
+                state = "ERR"
+            if state != "PROC":
+                self._unpin(conn, token, tell=state != "DONE")
+                if self._end_read(xfer, adhoc):
+                    landing.end()
+                return state
         state = await anyio.to_thread.run_sync(self._wait, xfer, nbytes, timeout)
         if state == "PROC":
             log.warning("nixl_read_timeout", peer=conn.peer, timeout_s=timeout)
