@@ -98,6 +98,7 @@ M = [
  ("12 nixl READ wait bounded", "transports/nixl.py", "            if time.monotonic() >= deadline:\n                return state\n", "            if False:\n                return state\n", "tests/test_dataplane_nixl.py -k never_ends"),
  ("12 nixl unauthenticated connections capped", "transports/_nixl_server.py", "        if self._handshaking >= self.config.max_unauthenticated:", "        if False:", "tests/test_dataplane_nixl.py -k capped"),
  ("12 nixl registered tensor referenced", "transports/nixl.py", "start + tensor.numel() * tensor.element_size(), tensor, descs))", "start + tensor.numel() * tensor.element_size(), None, descs))", "tests/test_dataplane_nixl.py -k registered_tensor"),
+ ("12 nixl a reconnect removes the old agent after its READ", "transports/nixl.py", "            if name in self._stale:  # replaced by a reconnect while this READ ran\n", "            if False:\n", "tests/test_dataplane_nixl.py -k reconnect"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

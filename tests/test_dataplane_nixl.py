@@ -245,3 +245,44 @@ async def test_whole_block_reads_into_a_registered_pool_use_prepared_descriptor_
         await t.pull(peer, "r1", part, sub, handle=handle, release=False)
         assert torch.equal(sub, gather(store.pool, IDS, part)) and t.statistics().prepped_reads == 2
         await _until(lambda: server.statistics().pinned == 0)
+
+
+@pytest.mark.anyio
+async def test_a_reconnect_removes_the_old_agent_once_its_last_read_ends() -> None:
+    """A CTX restarted (a new NIXL agent) while a READ from its old agent is still in flight: the
+    reconnect does not remove the old agent under that READ, and removes it when the READ ends
+    (before, the old agent was forgotten but never removed: a leak per restart)."""
+    store = KVStore(LAYOUT, LAYOUT.new_pool(16).uniform_())
+    handle = store.put("r1", IDS, num_tokens=25, lease_s=60)
+    config = NIXLConfig(secret=SECRET)
+    async with NIXLTransport(config, layout=LAYOUT) as t:
+        real_transfer, real_remove = t.agent.transfer, t.agent.remove_remote_agent
+        removed: list[str] = []
+        release = asyncio.Event()
+
+        def transfer(xfer, notif=b""):  # noqa: ANN001  (the copy happens; NIXL reports it in flight)
+            real_transfer(xfer, notif) if notif else real_transfer(xfer)
+            return "PROC"
+
+        def remove(name):  # noqa: ANN001
+            removed.append(name.decode() if isinstance(name, bytes) else name)
+            return real_remove(name)
+
+        t.agent.transfer, t.agent.remove_remote_agent = transfer, remove
+        t.agent.check_xfer_state = lambda xfer: "DONE" if release.is_set() else "PROC"
+        async with NIXLKVServer(store, config, host="127.0.0.1") as first:
+            port, old = first.port, first.agent.name
+            peer = f"127.0.0.1:{port}"
+            landing = Landing()
+            reading = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle,
+                                                   landing=landing, release=False))
+            await _until(lambda: landing.busy)
+        async with NIXLKVServer(store, config, host="127.0.0.1", port=port) as second:
+            t._peers.drop(peer, t._peers.conns[peer])  # the old control connection is gone
+            await t.connect(peer)
+            assert t._agents[peer] == second.agent.name != old
+            assert old not in removed, "the old agent was removed under its READ"
+            release.set()
+            await reading
+            await _until(lambda: old in removed and not landing.busy)
+            assert second.agent.name not in removed
