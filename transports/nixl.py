@@ -10,20 +10,28 @@ it raises ``ImportError``. Protocol (docs/transport.md, "NIXL")::
                         ◀── ok(server_mac(.., info), info)     info: KV layout, agent name, NIXL agent
     verify; check the layout; add_remote_agent(metadata)         metadata, pool address/size/block bytes
     per pull:
-    lookup(id, handle, slice, dtype, shape, keep) ──────▶ validate; pin the blocks (not freed, not reused)
+    lookup(id, handle, slice, dtype, shape, keep) ──────▶ validate; pin the blocks (a lease of pin_ms)
                         ◀── found(token, block ids)   or  error(status, reason)
-    one NIXL READ of the blocks straight into ``into`` (one descriptor per contiguous run),
+    block ids checked (count, int, in the pool); while the READ may run, renew([tokens]) every
+    third of the pin lease ─────────────────────────────▶ the pins' leases start again
+    one NIXL READ of the blocks straight into ``into`` (whole blocks into a registered pool: one
+    ``make_prepped_xfer`` from lists prepared once; else one descriptor per contiguous run),
     with notification "kvo1:<token>" ───(UCX)──────────▶ the notification: unpin; release unless keep
+    unpin(token) if the READ failed or never started ───▶ unpin
     release(id, handle) / hold([(id, handle)]) ─────────▶ as on the UCX path
 
 The GEN learns the CTX's block ids with the lookup (one small message and its answer on an already
-open TCP connection, before the data). A prefill reply that carried the block ids would save it; the
-lookup also pins the blocks, which the READ needs anyway.
+open TCP connection, before the data). A prefill reply that carried the block ids would save it;
+the lookup also pins the blocks, which the READ needs anyway. No block is freed or reused while a
+READ of it may run (DESIGN invariant 12): the pin ends on the notification, an unpin, or a lease
+nobody renewed, never on a timer alone.
 
 A READ cannot be withdrawn: a pull keeps ``landing`` busy until NIXL reports the transfer no longer
-in progress, also after the pull was cancelled (a background task polls it then). A worker thread
-polls (20 µs naps doubling to 1 ms; asyncio cannot sleep less than 1 ms) only while a transfer is
-in flight; the NIXL progress thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API
+in progress, also after the pull was cancelled. A READ that ``transfer()`` completed at once (one
+host: NIXL copies inline; over 1 MiB that call runs in a worker thread, off the event loop) needs
+no task; otherwise a watcher polls it from a worker thread (20 µs naps doubling to 1 ms; asyncio
+cannot sleep less than 1 ms) for at most ``read_timeout_s``, then drops the peer (which ends the
+READ). The NIXL progress thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API
 would make it spin a core).
 
 Over TCP-only UCX a NIXL READ is emulated in software by UCX (the CTX's progress thread answers
