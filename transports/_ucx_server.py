@@ -173,6 +173,8 @@ class UCXKVServer:
         try:
             if self._listener is not None:
                 self._listener.close()
+            for ep in list(self._eps):  # first: UCX ends every send in flight, before a checkout closes
+                ep.abort(period=10**8)
             assert self._tg is not None
             self._tg.cancel_scope.cancel()
             return await self._tg.__aexit__(*exc)
@@ -419,8 +421,10 @@ class UCXKVServer:
         buf = _ucx_buffer(staged)
         reply = post_send(ep, frame, 2 * msg.txid)
         data = post_send(ep, buf, msg.tag)
-        await asyncio.shield(asyncio.gather(reply.future, data.future))
-        del frame, buf, reply, data  # referenced until both sends ended (ucxx keeps neither buffer)
+        sent = asyncio.gather(reply.future, data.future)
+        keep = (frame, buf, staged, reply, data)  # referenced until both sends ended (ucxx keeps neither
+        sent.add_done_callback(lambda _: keep)  # buffer), also when this task is cancelled meanwhile
+        await asyncio.shield(sent)
         self._served += 1
         self._bytes += msg.nbytes
         if msg.release:
