@@ -20,7 +20,7 @@ M = [
  ("oversized", "orchestrator/_budget.py", "return min(cost, self._capacity)", "return cost", "tests/test_budget.py tests/test_scheduler.py"),
  ("release on finish", "orchestrator/_engine.py", "                self._release_grant(seq)\n                if not self._pull_releases:", "                if not self._pull_releases:", "tests/test_engine.py"),
  ("reasons apart", "orchestrator/_scheduler.py", "self._defer(seq, DeferReason.KV_EXHAUSTED, deferred)", "self._defer(seq, DeferReason.BACKPRESSURE, deferred)", "tests/test_scheduler.py"),
- ("fail fast", "orchestrator/_receiver.py", "                except TransportError as exc:\n                    result = self._failed(", "                except ZeroDivisionError as exc:\n                    result = self._failed(", "tests/test_engine.py"),
+ ("fail fast", "orchestrator/_receiver.py", "                except TransportError as exc:\n                    moved = box[0]\n", "                except ZeroDivisionError as exc:\n                    moved = box[0]\n", "tests/test_engine.py"),
  ("thread safety", "orchestrator/_budget.py", "        charged = self.charge_for(cost)\n        with self._lock:\n            if self._waiters or", "        charged = self.charge_for(cost)\n        if True:\n            if self._waiters or", "tests/test_budget.py"),
  ("free blocks on end", "orchestrator/_engine.py", "            if seq.block_ids is not None:\n                self.pool.free(seq.block_ids)\n                seq.block_ids = None\n            self._release_grant(seq)\n            self._forget(seq)\n", "            self._release_grant(seq)\n            self._forget(seq)\n", "tests/test_engine.py"),
  ("cancel-safe waiter", "orchestrator/_budget.py", "                waiter.grant.release()\n", "                pass\n", "tests/test_budget.py"),
@@ -97,6 +97,18 @@ M = [
  ("16 rank 0's tokens are the group's", "orchestrator/_engine.py", "            token = word & ~FINISH\n", "            token = (word & ~FINISH) + 1\n", "tests/test_one_step.py -k exact_kv"),
  ("16 blocking waits bounded", "orchestrator/_engine.py", "        return wanted if limit is None else min(wanted, limit)", "        return wanted", "tests/test_one_step.py -k max_blocking_wait"),
  ("16 quarantine waits for every rank", "orchestrator/_engine.py", "seq.seq_no in self._ending and seq.quiet & everyone == everyone:", "seq.seq_no in self._ending and seq.quiet & 1:", "tests/test_one_step.py -k quarantined"),
+ # issue 17: integrity on the wire (invariant 12), each protection removed once
+ ("12 ucx short KV message caught", "transports/_ucx_endpoint.py", "        if last_byte(self.into) != tail:\n", "        if False:\n", "tests/test_ucx_transport.py -k 'wrong_kv_message and short'"),
+ ("12 ucx long KV message fails its pull only", "transports/_ucx_endpoint.py", '            elif data and "truncated" in str(exc).lower():', "            elif False:", "tests/test_ucx_transport.py -k 'wrong_kv_message and long'"),
+ ("12 ucx PULL_OK matched to its PULL", "transports/ucx.py", "        if match:\n            return answer\n", "        if True:\n            return answer\n", "tests/test_ucx_transport.py -k 'wrong_kv_message and foreign'"),
+ ("12 ucx gathered copies per request bounded", "transports/_ucx_server.py", "            async with slots:\n", "            if True:\n", "tests/test_ucx_transport.py -k bounded_number_of_copies"),
+ ("12 nixl pins renewed while a READ may run", "transports/nixl.py", '                    conn.send({"t": "renew", "tokens": tokens})', "                    pass", "tests/test_dataplane_nixl.py -k pin_lease"),
+ ("12 nixl landing ended when transfer raises", "transports/nixl.py", "                landing.end()  # NIXL refused to post it: nothing can land\n", "                pass\n", "tests/test_dataplane_nixl.py -k transfer_that_raises"),
+ ("12 nixl block list checked before use", "transports/nixl.py", "                or not all(type(b) is int and 0 <= b < num_blocks for b in blocks)):", "                or False):", "tests/test_dataplane_nixl.py -k bad_block_list"),
+ ("12 nixl READ wait bounded", "transports/nixl.py", "            if time.monotonic() >= deadline:\n                return state\n", "            if False:\n                return state\n", "tests/test_dataplane_nixl.py -k never_ends"),
+ ("12 nixl unauthenticated connections capped", "transports/_nixl_server.py", "        if self._handshaking >= self.config.max_unauthenticated:", "        if False:", "tests/test_dataplane_nixl.py -k capped"),
+ ("12 nixl registered tensor referenced", "transports/nixl.py", "        self._regions.append((start, end, tensor, descs))", "        self._regions.append((start, end, None, descs))", "tests/test_dataplane_nixl.py -k registered_tensor"),
+ ("12 nixl a reconnect removes the old agent after its READ", "transports/nixl.py", "            if name in self._stale:  # replaced by a reconnect while this READ ran\n", "            if False:\n", "tests/test_dataplane_nixl.py -k reconnect"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -7,6 +7,9 @@ answers stdin commands, one JSON line each: ``stats`` (store statistics and held
 ``put <id>`` (hold one more request). The secret comes from ``KVO_SHARED_SECRET``; ``--insecure``
 serves without one. ``--gather-delay S`` makes every gather sleep S seconds (to kill it mid-pull),
 ``--send-delay S`` sleeps after READY (to cancel a pull whose receive is posted).
+``--corrupt short|long|foreign`` (UCX only) answers pulls of ``req-1`` with a right PULL_OK and then
+half the KV, the KV and 64 more bytes, or a PULL_OK that names another pull (and then the KV): a CTX bug
+that GEN must catch.
 """
 
 from __future__ import annotations
@@ -42,10 +45,19 @@ def block_ids(index: int, blocks: int, total: int) -> torch.Tensor:
 
 class _SlowStore(KVStore):
     delay_s = 0.0
+    gathering = 0  # gathers running now, and the most at once (``max_gathers`` in ``stats``)
+    max_gathering = 0
 
     def gather(self, request_id: str, kv_slice: KVSlice, **kw: object) -> torch.Tensor:
-        time.sleep(self.delay_s)  # runs in a worker thread (to_thread), not on the event loop
-        return super().gather(request_id, kv_slice, **kw)
+        with self._lock:
+            self.gathering += 1
+            self.max_gathering = max(self.max_gathering, self.gathering)
+        try:
+            time.sleep(self.delay_s)  # runs in a worker thread (to_thread), not on the event loop
+            return super().gather(request_id, kv_slice, **kw)
+        finally:
+            with self._lock:
+                self.gathering -= 1
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -64,12 +76,34 @@ async def _main(args: argparse.Namespace) -> None:
     secret = None if args.insecure else load_secret()
     config = UCXConfig(secret=secret, allow_insecure=args.insecure, expire_interval_s=0.2,
                        max_pulls_per_endpoint=args.max_pulls, max_unauthenticated=args.max_unauthenticated,
+                       max_gathers_per_request=args.max_gathers,
                        handshake_timeout_s=args.handshake_timeout)
 
     class Server(UCXKVServer):
         async def _before_send(self, msg: object) -> None:
             if args.send_delay:
                 await anyio.sleep(args.send_delay)
+
+        async def _send_checked_out(self, ep, msg, staged):  # type: ignore[no-untyped-def]
+            if not args.corrupt or msg.request_id != "req-1":
+                return await super()._send_checked_out(ep, msg, staged)
+            import asyncio
+
+            from transports import wire
+            from transports._ucx_common import _ucx_buffer, last_byte, post_send
+
+            flat = staged.reshape(-1)
+            txid = msg.txid
+            if args.corrupt == "short":
+                sent = flat[: flat.numel() // 2].clone()
+            elif args.corrupt == "long":
+                sent = torch.cat([flat, torch.zeros(32, dtype=flat.dtype)])
+            else:
+                sent, txid = flat, msg.txid + 1000
+            frame = wire.encode_frame(wire.PullOk(txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, last_byte(staged)))
+            buf = _ucx_buffer(sent)
+            reply, data = post_send(ep, frame, 2 * msg.txid), post_send(ep, buf, msg.tag)
+            await asyncio.shield(asyncio.gather(reply.future, data.future))
 
     if args.backend == "nixl":  # the same store behind a NIXL server; both delays hold up the lookup
         from transports.nixl import NIXLConfig, NIXLKVServer
@@ -98,7 +132,8 @@ async def _main(args: argparse.Namespace) -> None:
             if cmd == "stats":
                 s = store.statistics()
                 held = sorted(store._held)  # test helper: peek at the ids still held
-                out = {"held": held, "released": s.released, "expired": s.expired, **vars(server.statistics())}
+                out = {"held": held, "released": s.released, "expired": s.expired, "max_gathers": store.max_gathering,
+                       **vars(server.statistics())}
             elif cmd == "put":
                 store.put(arg, block_ids(0, args.blocks, total), num_tokens=16, lease_s=args.lease, handle=handle_for(arg))
                 out = {"ok": True}
@@ -117,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--send-delay", type=float, default=0.0, help="sleep after accepting a PULL, before sending the KV")
     p.add_argument("--max-pulls", type=int, default=256)
     p.add_argument("--max-unauthenticated", type=int, default=64)
+    p.add_argument("--max-gathers", type=int, default=4)
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--insecure", action="store_true")
+    p.add_argument("--corrupt", choices=["short", "long", "foreign"], default=None)
     p.add_argument("--backend", choices=["ucx", "nixl"], default="ucx", help="serve with UCXKVServer or NIXLKVServer")
     args = p.parse_args(argv)
     import anyio

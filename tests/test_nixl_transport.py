@@ -144,8 +144,8 @@ async def test_cancelled_pull_keeps_landing_until_read_ends() -> None:
             if landing.busy or task.done():
                 break
             await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises((asyncio.CancelledError, Exception)):
+        task.cancel()  # on one host the READ may complete inside transfer(): the pull is then already done
+        with contextlib.suppress(asyncio.CancelledError):
             await task
         await _until(lambda: not landing.busy)  # NIXL ended the READ; only then is `into` free
         await _until(lambda: server.statistics().pinned == 0)

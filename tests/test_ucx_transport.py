@@ -7,6 +7,7 @@ The rest test what only the UCX path has (its wire frames, tags, UCX settings, t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -195,6 +196,13 @@ async def wait_released(peer: Peer, *ids: str) -> dict:
         if not set(ids) & set(stats["held"]):
             return stats
         await anyio.sleep(0.05)
+
+
+def ucxx_probe(conn, tag: int) -> bool:
+    """Whether a message for ``tag`` waits, unreceived, on ``conn``'s ucxx endpoint."""
+    from transports._ucx_common import _tag
+
+    return bool(conn.ep._ctx.worker.tag_probe(_tag(conn.ep, tag, "msg_recv")).matched)
 
 
 def test_defaults_do_not_override_user_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -572,7 +580,7 @@ def test_pull_across_network_namespaces() -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # UCX wire frames
 async def test_a_malformed_frame_fails_its_request_only(peer: Peer, transport: UCXTransport) -> None:
-    """A PULL whose request id breaks the rule gets PULL_ERR and an empty data message; a RELEASE of
+    """A PULL whose request id breaks the rule gets PULL_ERR and nothing on its data tag; a RELEASE of
     such an id gets RELEASE_OK(False); pulls sharing the endpoint go on, the endpoint survives."""
     with anyio.fail_after(20):
         await transport.connect(peer.address)
@@ -580,10 +588,8 @@ async def test_a_malformed_frame_fails_its_request_only(peer: Peer, transport: U
         good = wire.encode_frame(wire.Pull(9001, "req-30", handle_for("req-30"), LAYOUT.full_slice(), "float16",
                                            LAYOUT.wire_shape(BLOCKS), LAYOUT.wire_bytes(BLOCKS), 2 * 9001 + 1))
         bad = bytearray(good.replace(b"req-30", "ré-30".encode()[:6]))  # same length, non-ASCII id
-        into = empty()
-        reply = conn.post_recv(reply_frame := bytearray(wire.FRAME_BYTES), 2 * 9001)
-        data = conn.post_recv(_ucx_buffer(into), 2 * 9001 + 1)
-        release_reply = conn.post_recv(release_frame := bytearray(wire.FRAME_BYTES), 2 * 9002)
+        reply = conn.post(reply_frame := bytearray(wire.FRAME_BYTES), 2 * 9001)
+        release_reply = conn.post(release_frame := bytearray(wire.FRAME_BYTES), 2 * 9002)
         bad_release = bytearray(wire.encode_frame(wire.Release(9002, "req-31", handle_for("req-31"))).replace(b"req-31", b"req 31"))
         neighbours = {i: empty() for i in (32, 33)}
         async with anyio.create_task_group() as tg:
@@ -592,11 +598,10 @@ async def test_a_malformed_frame_fails_its_request_only(peer: Peer, transport: U
             await conn.ep.send(bad, tag=0)
             await conn.ep.send(bad_release, tag=0)
             await reply
-            await data
             await release_reply
         answer = wire.decode_frame(reply_frame, wire.WireLimits())
         assert isinstance(answer, wire.PullErr) and answer.status is wire.Status.BAD_REQUEST
-        assert torch.isnan(into).all()  # the empty message moved nothing
+        assert not ucxx_probe(conn, 2 * 9001 + 1)  # a refusal sends nothing on the data tag
         assert wire.decode_frame(release_frame, wire.WireLimits()) == wire.ReleaseOk(9002, False)
         for i, buf in neighbours.items():
             assert torch.equal(buf, expected(i))
@@ -777,3 +782,51 @@ async def test_peers_are_bounded(peer: Peer, backend: str) -> None:
                 assert t.statistics().endpoints == 2
     finally:
         second.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # ucxx tag messages (NIXL: test_nixl_transport)
+@pytest.mark.parametrize("corrupt", ["short", "long", "foreign"])
+async def test_a_wrong_kv_message_fails_its_pull_only(transport: UCXTransport, corrupt: str) -> None:
+    """Invariant 12: a CTX that answers PULL_OK and then a short KV message (ucxx completes it into
+    the larger receive without a word), a long one, or a PULL_OK that does not match the PULL fails
+    that pull with ProtocolViolation; its landing ends, the endpoint and the other pulls go on."""
+    bad = Peer("--corrupt", corrupt)
+    try:
+        with anyio.fail_after(20):
+            into, landing = empty(), Landing()
+            with pytest.raises(ProtocolViolation, match="shorter|longer|does not match"):
+                await transport.pull(bad.address, "req-1", LAYOUT.full_slice(), into, landing=landing)
+            await wait_idle(landing)
+            conn = transport._eps[bad.address]
+            assert conn.error is None and transport.statistics().endpoints == 1
+            for i in (0, 2):
+                b = empty()
+                assert await transport.pull(bad.address, f"req-{i}", LAYOUT.full_slice(), b) == b.numel() * 2
+                assert torch.equal(b, expected(i))
+            assert transport.statistics().endpoints == 1
+    finally:
+        bad.stop()
+
+
+@pytest.mark.anyio
+async def test_concurrent_pulls_of_one_request_make_a_bounded_number_of_copies() -> None:
+    """A GEN that pulls one request many times at once (release=False) cannot make the CTX hold many
+    gathered copies of it: at most ``max_gathers_per_request`` are made at once, every pull succeeds."""
+    blocks = 24  # 1.5 MiB: gathered in worker threads, which could run at once
+    peer = Peer("--gather-delay", "0.2", "--max-gathers", "2", "--blocks", str(blocks))
+    try:
+        with anyio.fail_after(30):
+            total = REQUESTS * blocks + 8
+            want = make_pool(LAYOUT, total)[block_ids(3, blocks, total)]
+            async with UCXTransport(UCXConfig(secret=SECRET)) as t:
+                out = [empty(blocks=blocks) for _ in range(6)]
+                async with anyio.create_task_group() as tg:
+                    for buf in out:
+                        tg.start_soon(functools.partial(t.pull, peer.address, "req-3", LAYOUT.full_slice(), buf,
+                                                        release=False))
+                assert all(torch.equal(buf, want) for buf in out)
+            stats = await peer.astats()
+            assert stats["max_gathers"] == 2 and "req-3" in stats["held"]
+    finally:
+        peer.stop()

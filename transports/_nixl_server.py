@@ -1,6 +1,9 @@
 """CTX side of the NIXL data plane (``transports.nixl``): registers the KV pool once, authenticates
-GEN nodes on a TCP control port, answers lookups by pinning a request's blocks, and unpins (and
-releases) when the READ's NIXL notification arrives."""
+GEN nodes on a TCP control port (at most ``max_unauthenticated`` in their handshake), answers
+lookups by pinning a request's blocks, and unpins (and releases) when the READ's NIXL notification
+arrives, when GEN unpins (a READ that failed or never started), or when the pin's lease
+(``pin_timeout_s``) ends without a renewal: GEN renews the pins it may still READ from (DESIGN
+invariant 12: no block is freed or reused under a READ on a timer alone)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,16 @@ from . import _auth
 from ._errors import ProtocolViolation, UnknownRequest
 from ._ids import InvalidRequestId, check_handle, check_request_id
 from ._layout import KVSlice, dtype_name
+from ._nixl_common import (
+    _MAX_MESSAGE_BYTES,
+    _PRE_AUTH_BYTES,
+    NOTIF_PREFIX,
+    NIXLConfig,
+    layout_info,
+    make_agent,
+    read_msg,
+    write_msg,
+)
 from ._store import Checkout, KVStore
 
 log = structlog.get_logger("transports.nixl")
@@ -62,11 +75,9 @@ class NIXLKVServer:
     the store holds ``store.layout.num_kv_heads`` heads from ``head_start``; GEN is told at connect
     and names them in this node's own numbering (0 .. num_kv_heads) when it pulls."""
 
-    def __init__(self, store: KVStore, config: Any, *, host: str = "0.0.0.0", port: int = 0, lease_s: float = 30.0,
+    def __init__(self, store: KVStore, config: NIXLConfig, *, host: str = "0.0.0.0", port: int = 0, lease_s: float = 30.0,
                  expire_interval_s: float = 1.0, idle_notif_poll_s: float = 0.5, busy_notif_poll_s: float = 0.001,
                  head_start: int = 0, total_kv_heads: int | None = None) -> None:
-        from .nixl import make_agent
-
         self.store, self.config, self.host, self._port, self._lease_s = store, config, host, port, lease_s
         self._heads = [head_start, head_start + store.layout.num_kv_heads]
         self._total_kv_heads = total_kv_heads if total_kv_heads is not None else store.layout.num_kv_heads
@@ -86,6 +97,7 @@ class NIXLKVServer:
         self._tasks: list[asyncio.Task[Any]] = []
         self._conns: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
+        self._handshaking = 0
         self._served = self._refused = self._expired = self._auth_failures = 0
 
     @property
@@ -128,8 +140,6 @@ class NIXLKVServer:
     # -- notifications and pins ---------------------------------------------------------------------
 
     def _drain_notifs(self) -> None:
-        from .nixl import NOTIF_PREFIX
-
         for msgs in self.agent.get_new_notifs().values():
             for msg in msgs:
                 if msg.startswith(NOTIF_PREFIX):
@@ -170,21 +180,28 @@ class NIXLKVServer:
     # -- control connections ------------------------------------------------------------------------
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from .nixl import _MAX_MESSAGE_BYTES, _PRE_AUTH_BYTES, layout_info, read_msg, write_msg
-
         name = writer.get_extra_info("peername")
         peer = f"{name[0]}:{name[1]}" if isinstance(name, tuple) and len(name) >= 2 else str(name)
+        if self._handshaking >= self.config.max_unauthenticated:
+            log.warning("nixl_connection_refused", peer=peer, reason="too many unauthenticated connections",
+                        limit=self.config.max_unauthenticated)
+            writer.close()
+            return
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
         self._conns.add(writer)
         lookups: set[asyncio.Task[Any]] = set()  # answered in their own tasks: a slow one holds up no other
+        handshaking = True
+        self._handshaking += 1
         try:
             secret = self.config.secret
             ns = _auth.new_nonce()
             write_msg(writer, {"t": "challenge", "ns": ns.hex(), "auth": secret is not None})
             with anyio.fail_after(self.config.handshake_timeout_s):
                 resp = await read_msg(reader, _PRE_AUTH_BYTES)
+            handshaking = False
+            self._handshaking -= 1
             nc = bytes.fromhex(str(resp.get("nc", "")))
             if resp.get("t") != "response" or (
                     secret is not None and not _auth.verify(_auth.client_mac(secret, ns, nc), bytes.fromhex(str(resp.get("mac", ""))))):
@@ -196,7 +213,8 @@ class NIXLKVServer:
             info = json.dumps({"layout": layout_info(self.store.layout), "pool": self._pool_info,
                                "heads": self._heads, "total_kv_heads": self._total_kv_heads,
                                "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                               "lease_ms": int(self._lease_s * 1000)}).encode()
+                               "lease_ms": int(self._lease_s * 1000),
+                               "pin_ms": int(self.config.pin_timeout_s * 1000)}).encode()
             mac = _auth.server_mac(secret, ns, nc, info) if secret is not None else b""
             write_msg(writer, {"t": "ok", "mac": mac.hex(), "info": info.decode()})
             while True:
@@ -217,6 +235,8 @@ class NIXLKVServer:
         except asyncio.CancelledError:  # the server closes; asyncio's stream callback would log a re-raise
             pass
         finally:
+            if handshaking:
+                self._handshaking -= 1
             for lookup in list(lookups):  # not answered: nothing was pinned for them
                 lookup.cancel()
             self._conns.discard(writer)
@@ -228,8 +248,6 @@ class NIXLKVServer:
         return {"t": "error", "status": status, "reason": reason[:200]}
 
     async def _answer_lookup(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
-        from .nixl import write_msg
-
         await self._before_send(msg)
         if not writer.is_closing():  # the GEN went away meanwhile: nothing to pin for it
             write_msg(writer, {**self._lookup(msg), "id": msg.get("id")})
@@ -238,6 +256,14 @@ class NIXLKVServer:
         kind = msg["t"]
         if kind == "unpin":
             self._done(str(msg.get("token")), ok=False)
+            return None
+        if kind == "renew":  # GEN may still READ these blocks: their pins' leases start again
+            deadline = time.monotonic() + self.config.pin_timeout_s
+            tokens = msg.get("tokens")
+            for token in tokens[: self.config.max_pulls_per_connection] if isinstance(tokens, list) else ():
+                pin = self._pins.get(token) if isinstance(token, str) else None
+                if pin is not None:
+                    pin.deadline = max(pin.deadline, deadline)
             return None
         if kind == "release":
             try:

@@ -150,6 +150,18 @@ class KVStore:
             raise
         return Checkout(self, held, tensor)
 
+    def checkout_view(self, request_id: str, kv_slice: KVSlice, *, handle: str | None = None) -> Checkout | None:
+        """Like ``checkout``, but only when no copy is needed (a zero-copy view of the pool); None
+        (nothing pinned) when a gather would be. Raises ``UnknownRequest`` if not held."""
+        self.layout.check_slice(kv_slice)
+        with self._lock:
+            held = self._get_locked(request_id, handle)
+            view = whole_run_view(self.pool, held.block_ids, kv_slice)
+            if view is None:
+                return None
+            held.pins += 1
+        return Checkout(self, held, view)
+
     def _unpin(self, held: _Held) -> None:
         with self._lock:
             held.pins -= 1

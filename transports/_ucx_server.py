@@ -7,11 +7,13 @@ GEN's control frames:
 
     PULL     served in its own task: validate against the limits, the layout and the handle,
              check the entry out of the store (pinned, so a RELEASE or the lease cannot free it
-             mid-send; zero-copy when its blocks form one run; the lease is renewed), send PULL_OK
-             on the reply tag and the KV on the data tag at once, release the entry if asked.
+             mid-send; the lease is renewed): a zero-copy view when its blocks form one run (on
+             the event loop), else a gathered copy (in a worker thread above 1 MiB; at most
+             ``max_gathers_per_request`` copies of one request at once, the others wait); post
+             PULL_OK (with the KV's last byte, which GEN checks) on the reply tag and the KV on
+             the data tag together, then release the entry if asked.
              A refusal (unknown request, wrong handle, bad slice or shape, busy, malformed) is a
-             PULL_ERR on the reply tag and an empty message on the data tag, so GEN's posted
-             receives always end.
+             PULL_ERR on the reply tag and nothing else.
     RELEASE  frees the entry if the handle matches; RELEASE_OK says whether it was held.
     HOLD     renews the leases of the listed requests (no reply).
 
@@ -22,10 +24,13 @@ protocol is described in ``transports.wire``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import socket
 import struct
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -37,11 +42,20 @@ from . import _auth, wire
 from ._errors import ProtocolViolation, UnknownRequest
 from ._layout import dtype_name
 from ._store import KVStore
-from .ucx import CONTROL_TAG, UCXConfig, _INLINE_GATHER_BYTES, _ucx_acquire, _ucx_buffer, _ucx_release, apply_ucx_defaults
+from ._ucx_common import (
+    _INLINE_GATHER_BYTES,
+    CONTROL_TAG,
+    UCXConfig,
+    _ucx_acquire,
+    _ucx_buffer,
+    _ucx_release,
+    apply_ucx_defaults,
+    last_byte,
+    post_send,
+)
 
 log = structlog.get_logger("transports.ucx")
 
-_EMPTY = bytearray(0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +124,7 @@ class UCXKVServer:
         self._tg: anyio.abc.TaskGroup | None = None
         self._eps: set[Any] = set()
         self._handshaking = 0
+        self._gathers: dict[str, tuple[anyio.Semaphore, list[int]]] = {}  # request id -> (slots, [users])
         self._served = self._refused = self._bytes = self._auth_failures = self._malformed = 0
         self._since = (0, 0, 0)  # served, refused, bytes at the last summary
         layout = store.layout
@@ -158,6 +173,8 @@ class UCXKVServer:
         try:
             if self._listener is not None:
                 self._listener.close()
+            for ep in list(self._eps):  # first: UCX ends every send in flight, before a checkout closes
+                ep.abort(period=10**8)
             assert self._tg is not None
             self._tg.cancel_scope.cancel()
             return await self._tg.__aexit__(*exc)
@@ -280,7 +297,9 @@ class UCXKVServer:
                     log.warning("ucx_protocol_violation", peer=peer, reason=f"PULL {msg.txid}: reused txid or foreign tag")
                     tg.start_soon(self._refuse, ep, msg.txid, msg.request_id, wire.Status.BAD_REQUEST, "reused txid or foreign tag")
                     continue
-                if len(in_flight) >= self.config.max_pulls_per_endpoint:
+                # GEN keeps below max_pulls, but its pull ends when the KV lands, a moment before this
+                # node sees the send end: the same number again may be finishing here
+                if len(in_flight) >= 2 * self.config.max_pulls_per_endpoint:
                     tg.start_soon(self._refuse, ep, msg.txid, msg.request_id, wire.Status.BUSY, "too many pulls in flight")
                     continue
                 in_flight.add(msg.txid)
@@ -317,11 +336,10 @@ class UCXKVServer:
             log.info("ucx_send_failed", reason=f"{type(exc).__name__}: {exc}")
 
     async def _refuse(self, ep: Any, txid: int, request_id: str | None, status: wire.Status, reason: str) -> None:
-        """PULL_ERR on the reply tag, then an empty message on the data tag: GEN's receives both end."""
+        """PULL_ERR on the reply tag, and nothing on the data tag (GEN posts no KV receive for it)."""
         self._refused += 1
         log.debug("kv_pull_refused", request_id=request_id, reason=status.name)
         await self._send_quietly(ep, wire.PullErr(txid, status, reason[:120]), 2 * txid)
-        await self._send_quietly(ep, _EMPTY, 2 * txid + 1)
 
     async def _serve_pull(self, ep: Any, peer: str | None, msg: wire.Pull, in_flight: set[int]) -> None:
         """Serve one PULL. Pulls of the same request may run at once (tensor-parallel GEN ranks each
@@ -358,21 +376,55 @@ class UCXKVServer:
             return
         self.store.touch(msg.request_id, self._lease_s, handle=msg.handle)  # a started pull renews the lease
         try:  # pinned: neither a RELEASE nor the lease can free the blocks while they are sent
-            if msg.nbytes <= _INLINE_GATHER_BYTES:  # cheaper than a hop to a worker thread
-                checkout = self.store.checkout(msg.request_id, msg.kv_slice, handle=msg.handle)
-            else:
-                checkout = await anyio.to_thread.run_sync(
-                    lambda: self.store.checkout(msg.request_id, msg.kv_slice, handle=msg.handle))
+            checkout = self.store.checkout_view(msg.request_id, msg.kv_slice, handle=msg.handle)
+            if checkout is not None:  # zero-copy: no gather, no thread
+                with checkout:
+                    await self._send_checked_out(ep, msg, checkout.tensor)
+                return
+            async with self._gather_slot(msg.request_id):  # bounded copies of one request at once
+                if msg.nbytes <= _INLINE_GATHER_BYTES:  # cheaper than a hop to a worker thread
+                    checkout = self.store.checkout(msg.request_id, msg.kv_slice, handle=msg.handle)
+                else:
+                    checkout = await anyio.to_thread.run_sync(
+                        lambda: self.store.checkout(msg.request_id, msg.kv_slice, handle=msg.handle))
+                with checkout:
+                    await self._send_checked_out(ep, msg, checkout.tensor)
         except UnknownRequest:
             await self._refuse(ep, msg.txid, msg.request_id, wire.Status.UNKNOWN_REQUEST, "released while preparing")
-            return
-        with checkout:
-            await self._send_checked_out(ep, msg, checkout.tensor)
+
+    @contextlib.asynccontextmanager
+    async def _gather_slot(self, request_id: str) -> AsyncIterator[None]:
+        """One of ``max_gathers_per_request`` slots for a gathered copy of ``request_id`` (a GEN that
+        pulls one request many times at once cannot make this node hold many copies of it)."""
+        entry = self._gathers.get(request_id)
+        if entry is None:
+            entry = self._gathers[request_id] = (anyio.Semaphore(self.config.max_gathers_per_request), [0])
+        slots, users = entry
+        users[0] += 1
+        try:
+            async with slots:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._gathers[request_id]
+
+    def gathers_in_flight(self, request_id: str) -> int:
+        """Gathered copies of ``request_id`` being made or sent now (for tests and stats)."""
+        entry = self._gathers.get(request_id)
+        return 0 if entry is None else self.config.max_gathers_per_request - entry[0].value
 
     async def _send_checked_out(self, ep: Any, msg: wire.Pull, staged: torch.Tensor) -> None:
+        """PULL_OK and the KV, posted together (the KV does not wait for the PULL_OK to be sent)."""
         await self._before_send(msg)
-        await self._send(ep, wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes), 2 * msg.txid)
-        await ep.send(_ucx_buffer(staged), tag=msg.tag)
+        frame = wire.encode_frame(wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, last_byte(staged)))
+        buf = _ucx_buffer(staged)
+        reply = post_send(ep, frame, 2 * msg.txid)
+        data = post_send(ep, buf, msg.tag)
+        sent = asyncio.gather(reply.future, data.future)
+        keep = (frame, buf, staged, reply, data)  # referenced until both sends ended (ucxx keeps neither
+        sent.add_done_callback(lambda _: keep)  # buffer), also when this task is cancelled meanwhile
+        await asyncio.shield(sent)
         self._served += 1
         self._bytes += msg.nbytes
         if msg.release:

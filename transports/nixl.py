@@ -10,20 +10,28 @@ it raises ``ImportError``. Protocol (docs/transport.md, "NIXL")::
                         ◀── ok(server_mac(.., info), info)     info: KV layout, agent name, NIXL agent
     verify; check the layout; add_remote_agent(metadata)         metadata, pool address/size/block bytes
     per pull:
-    lookup(id, handle, slice, dtype, shape, keep) ──────▶ validate; pin the blocks (not freed, not reused)
+    lookup(id, handle, slice, dtype, shape, keep) ──────▶ validate; pin the blocks (a lease of pin_ms)
                         ◀── found(token, block ids)   or  error(status, reason)
-    one NIXL READ of the blocks straight into ``into`` (one descriptor per contiguous run),
+    block ids checked (count, int, in the pool); while the READ may run, renew([tokens]) every
+    third of the pin lease ─────────────────────────────▶ the pins' leases start again
+    one NIXL READ of the blocks straight into ``into`` (whole blocks into a registered pool: one
+    ``make_prepped_xfer`` from lists prepared once; else one descriptor per contiguous run),
     with notification "kvo1:<token>" ───(UCX)──────────▶ the notification: unpin; release unless keep
+    unpin(token) if the READ failed or never started ───▶ unpin
     release(id, handle) / hold([(id, handle)]) ─────────▶ as on the UCX path
 
 The GEN learns the CTX's block ids with the lookup (one small message and its answer on an already
-open TCP connection, before the data). A prefill reply that carried the block ids would save it; the
-lookup also pins the blocks, which the READ needs anyway.
+open TCP connection, before the data). A prefill reply that carried the block ids would save it;
+the lookup also pins the blocks, which the READ needs anyway. No block is freed or reused while a
+READ of it may run (DESIGN invariant 12): the pin ends on the notification, an unpin, or a lease
+nobody renewed, never on a timer alone.
 
 A READ cannot be withdrawn: a pull keeps ``landing`` busy until NIXL reports the transfer no longer
-in progress, also after the pull was cancelled (a background task polls it then). A worker thread
-polls (20 µs naps doubling to 1 ms; asyncio cannot sleep less than 1 ms) only while a transfer is
-in flight; the NIXL progress thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API
+in progress, also after the pull was cancelled. A READ that ``transfer()`` completed at once (one
+host: NIXL copies inline; over 1 MiB that call runs in a worker thread, off the event loop) needs
+no task; otherwise a watcher polls it from a worker thread (20 µs naps doubling to 1 ms; asyncio
+cannot sleep less than 1 ms) for at most ``read_timeout_s``, then drops the peer (which ends the
+READ). The NIXL progress thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API
 would make it spin a core).
 
 Over TCP-only UCX a NIXL READ is emulated in software by UCX (the CTX's progress thread answers
@@ -35,12 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import secrets
-import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -63,186 +70,29 @@ from ._errors import (
 )
 from ._ids import InvalidRequestId, check_handle, check_request_id
 from ._layout import KVLayout, KVSlice, dtype_from_name, dtype_name
+from ._nixl_common import (
+    _MAX_MESSAGE_BYTES,
+    _PRE_AUTH_BYTES,
+    NOTIF_PREFIX as NOTIF_PREFIX,
+    NIXLConfig as NIXLConfig,
+    _nixl_api as _nixl_api,
+    layout_info as layout_info,
+    make_agent as make_agent,
+    mem_type,
+    read_msg as read_msg,
+    segments as segments,
+    write_msg as write_msg,
+)
+from ._nixl_conn import _Conn
 from ._peers import PeerConnections, check_layout
 from ._protocol import Landing, parse_peer
 
-try:
-    from nixl_cu12 import _api as _nixl_api
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(f"transports.nixl needs nixl-cu12 (pip install -c constraints.txt '.[nixl]'): {exc}") from exc
-
 log = structlog.get_logger("transports.nixl")
 
-NOTIF_PREFIX = b"kvo1:"
-_HEAD = struct.Struct("!I")
-_PRE_AUTH_BYTES = 1024  # any message before the handshake is done
-_MAX_MESSAGE_BYTES = 4 << 20  # an ok with NIXL metadata, a lookup answer with block ids, a long hold
-
-
-@dataclasses.dataclass(frozen=True)
-class NIXLConfig:
-    secret: bytes | None = None
-    allow_insecure: bool = False
-    connect_timeout_s: float = 5.0
-    handshake_timeout_s: float = 5.0
-    request_timeout_s: float = 5.0  # a lookup or release answer
-    pin_timeout_s: float = 30.0  # CTX: a lookup's blocks stay pinned this long without its notification
-    dead_peer_backoff_s: float = 1.0  # GEN: after a failed connect, pulls to that peer fail at once this long
-    max_peers: int = 256  # GEN: distinct CTX peers connected (or connecting) at once
-    max_pulls_per_connection: int = 256  # CTX: lookups pinned at once for one GEN connection (more: BUSY)
-    progress_delay_us: int = 1000  # the NIXL progress thread's poll() timeout (0 spins a core)
-    progress_thread: bool = True
-    ucx_env: tuple[tuple[str, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        _auth.check_config_secret("NIXLConfig", self.secret, self.allow_insecure)
-
-
-def make_agent(name: str, config: NIXLConfig) -> Any:
-    """A NIXL agent with the UCX backend whose progress thread sleeps ``progress_delay_us`` in poll().
-
-    NIXL's Python ``nixl_agent`` hard-codes the thread's ``pthrDelay`` to 0, which the UCX backend
-    passes to ``poll()`` as its timeout: the thread never sleeps (48 % of this machine's 2 cores at
-    rest, measured). The binding's config is set by wrapping its constructor for this one call."""
-    from .ucx import apply_ucx_defaults  # NIXL's bundled UCX reads the same variables
-
-    apply_ucx_defaults(dict(config.ucx_env))
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    real = _nixl_api.nixlBind.nixlAgent
-
-    def construct(agent_name: str, cfg: Any) -> Any:
-        cfg.pthrDelay = int(config.progress_delay_us)
-        return real(agent_name, cfg)
-
-    _nixl_api.nixlBind.nixlAgent = construct
-    try:
-        return _nixl_api.nixl_agent(name, _nixl_api.nixl_agent_config(
-            enable_prog_thread=config.progress_thread, backends=["UCX"],
-            sync_mode=_nixl_api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))  # READs are polled off the loop
-    finally:
-        _nixl_api.nixlBind.nixlAgent = real
-
-
-def mem_type(t: torch.Tensor) -> tuple[str, int]:
-    return ("VRAM", t.device.index or 0) if t.is_cuda else ("DRAM", 0)
-
-
-def segments(layout: KVLayout, block_ids: Sequence[int], kv_slice: KVSlice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Byte offsets (remote in the pool, local in the wire-form ``into``) and lengths of a slice of
-    ``block_ids``, adjacent pieces merged: one piece per contiguous run of blocks for a full slice."""
-    if kv_slice == layout.full_slice():  # whole blocks: one piece per run of consecutive ids, no numpy
-        bb = layout.block_bytes
-        r: list[int] = []
-        lo: list[int] = []
-        ln: list[int] = []
-        prev = -2
-        for i, b in enumerate(int(x) for x in block_ids):
-            if b == prev + 1:
-                ln[-1] += bb
-            else:
-                r.append(b * bb)
-                lo.append(i * bb)
-                ln.append(bb)
-            prev = b
-        return np.array(r, dtype=np.int64), np.array(lo, dtype=np.int64), np.array(ln, dtype=np.int64)
-    e = layout.element_size
-    heads, tokens = layout.num_kv_heads, layout.block_size * layout.head_dim
-    block_bytes = layout.block_bytes
-    nl, nh = kv_slice.num_layers, kv_slice.num_heads
-    seg = nh * tokens * e
-    wire_block = nl * 2 * nh * tokens * e
-    lk = np.arange(nl * 2)  # (layer, k/v) pairs of the slice, in wire order
-    within_remote = ((kv_slice.layer_start * 2 + lk) * heads + kv_slice.head_start) * tokens * e
-    within_local = lk * seg
-    ids = np.asarray(block_ids, dtype=np.int64)
-    remote = (ids[:, None] * block_bytes + within_remote[None, :]).ravel()
-    local = (np.arange(len(ids))[:, None] * wire_block + within_local[None, :]).ravel()
-    if remote.size == 0:
-        return remote, local, remote.copy()
-    starts = np.flatnonzero(np.r_[True, (np.diff(remote) != seg) | (np.diff(local) != seg)])
-    lengths = np.diff(np.r_[starts, remote.size]) * seg
-    return remote[starts], local[starts], lengths
-
-
-# -- framing: 4-byte length, then one JSON object ---------------------------------------------------
-
-
-async def read_msg(reader: asyncio.StreamReader, limit: int) -> dict[str, Any]:
-    (n,) = _HEAD.unpack(await reader.readexactly(_HEAD.size))
-    if n > limit:
-        raise ProtocolViolation(f"message of {n} bytes exceeds {limit}")
-    try:
-        msg = json.loads(await reader.readexactly(n))
-    except ValueError as exc:
-        raise ProtocolViolation(f"malformed message: {exc}") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-        raise ProtocolViolation("malformed message: not an object with a type")
-    return msg
-
-
-def write_msg(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
-    body = json.dumps(msg, separators=(",", ":")).encode()
-    writer.write(_HEAD.pack(len(body)) + body)
-
-
-def layout_info(layout: KVLayout) -> dict[str, Any]:
-    return {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-            "block_size": layout.block_size, "dtype": dtype_name(layout.dtype)}
+_INLINE_TRANSFER_BYTES = 1 << 20  # READs larger than this call transfer() in a worker thread
 
 
 # -- GEN side ---------------------------------------------------------------------------------------
-
-
-class _Conn:
-    def __init__(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: dict[str, Any],
-                 agent_name: str, remote: KVLayout) -> None:
-        self.peer, self.reader, self.writer, self.info, self.agent_name = peer, reader, writer, info, agent_name
-        self.remote = remote  # the CTX's KV layout (its pool: only the heads it holds)
-        self.answered = 0  # lookups it answered (a connection that served before may have gone stale since)
-        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.error: TransportError | None = None
-        self.ids = itertools.count(1)
-        self.reader_task: asyncio.Task[None] | None = None
-
-    async def read_loop(self) -> None:
-        try:
-            while True:
-                msg = await read_msg(self.reader, _MAX_MESSAGE_BYTES)
-                fut = self.waiting.pop(int(msg.get("id", -1)), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-                elif msg.get("t") == "found":  # its pull was cancelled or timed out: unpin at once
-                    self.send({"t": "unpin", "token": msg.get("token")})
-        except (OSError, asyncio.IncompleteReadError, ProtocolViolation) as exc:
-            self.fail(PeerClosed(f"control connection to {self.peer} ended: {type(exc).__name__}: {exc}", peer=self.peer))
-
-    def fail(self, err: TransportError) -> None:
-        if self.error is None:
-            self.error = err
-            log.info("nixl_connection_failed", peer=self.peer, reason=str(err))
-        for fut in self.waiting.values():
-            if not fut.done():
-                fut.set_exception(err)
-        self.waiting.clear()
-        self.writer.close()
-
-    async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
-        if self.error is not None:
-            raise self.error
-        rid = next(self.ids)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.waiting[rid] = fut
-        write_msg(self.writer, {**msg, "id": rid})
-        try:
-            with anyio.fail_after(timeout):
-                return await fut
-        except TimeoutError:
-            self.waiting.pop(rid, None)
-            raise PeerClosed(f"{self.peer} did not answer {msg['t']} within {timeout}s", peer=self.peer) from None
-
-    def send(self, msg: dict[str, Any]) -> None:
-        if self.error is None:
-            write_msg(self.writer, msg)
 
 
 @dataclasses.dataclass
@@ -254,6 +104,7 @@ class NIXLTransportStatistics:
     bytes_moved: int
     peers_down: int
     adhoc_registrations: int  # pulls into memory not registered with register(): registered per pull
+    prepped_reads: int = 0  # READs made from descriptor lists prepared once (make_prepped_xfer)
 
 
 class NIXLTransport:
@@ -279,30 +130,71 @@ class NIXLTransport:
         if config.secret is None:
             log.warning("nixl_auth_disabled", role="gen")
         self.agent = make_agent(f"kvo-gen-{secrets.token_hex(6)}", config)
-        self._regions: list[tuple[int, int, str, Any]] = []  # (start, end, mem, reg descs)
+        self._regions: list[tuple[int, int, torch.Tensor, Any]] = []  # (start, end, tensor, reg descs)
+        self._local_dlists: list[tuple[int, int, Any]] = []  # (start, end, prepped per-block dlist)
+        self._remote_dlists: dict[str, Any] = {}  # agent name -> the CTX pool's prepped per-block dlist
+        self._prepped = 0
         self._peers: PeerConnections[_Conn] = PeerConnections(
             self._open, max_peers=config.max_peers, backoff_s=config.dead_peer_backoff_s,
             usable=lambda c: c.error is None, discard=self._close_conn)
         self._agents: dict[str, str] = {}  # peer -> the NIXL name of its agent (at most max_peers)
-        self._reads: dict[str, int] = {}  # peer -> READs in flight (its agent is not forgotten meanwhile)
+        self._reads: dict[str, int] = {}  # agent name -> READs in flight (the agent is not removed meanwhile)
+        self._stale: set[str] = set()  # agents replaced by a reconnect, removed when their last READ ends
+        self._pinned: dict[str, tuple[str, float]] = {}  # token -> (peer, pin lease): pins this GEN may READ from
+        self._renewer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[Any]] = set()
         self._ok = self._failed = self._bytes = self._adhoc = self._retried = 0
         self._closed = False
 
     def statistics(self) -> NIXLTransportStatistics:
         return NIXLTransportStatistics(self._peers.live, self._ok, self._failed, self._retried, self._bytes,
-                                       self._peers.down, self._adhoc)
+                                       self._peers.down, self._adhoc, self._prepped)
 
     def register(self, tensor: torch.Tensor) -> None:
-        """Register ``tensor``'s memory with NIXL once (the GEN's KV pool or staging arena)."""
-        mem, _ = mem_type(tensor)
+        """Register ``tensor``'s memory with NIXL once (the GEN's KV pool or staging arena); the
+        tensor is kept referenced until ``aclose`` deregisters it (its memory cannot be freed and
+        reused while NIXL may write into it)."""
         descs = self.agent.register_memory(tensor)
         start = tensor.data_ptr()
-        self._regions.append((start, start + tensor.numel() * tensor.element_size(), mem, descs))
+        end = start + tensor.numel() * tensor.element_size()
+        self._regions.append((start, end, tensor, descs))
+        bb = self.layout.block_bytes if self.layout is not None else 0
+        if bb and (end - start) % bb == 0:  # whole blocks: one descriptor each, prepared once
+            mem, dev = mem_type(tensor)
+            n = (end - start) // bb
+            rows = np.stack([start + np.arange(n, dtype=np.int64) * bb, np.full(n, bb), np.full(n, dev)], 1)
+            self._local_dlists.append((start, end, self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem)))
 
     def _registered(self, t: torch.Tensor) -> bool:
         start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
         return any(s <= start and end <= e for s, e, _, _ in self._regions)
+
+    # -- pins: renewed while a READ may use them ------------------------------------------------------
+
+    def _pin(self, conn: _Conn, token: str) -> None:
+        self._pinned[token] = (conn.peer, conn.pin_s)
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.ensure_future(self._renew_loop())
+
+    def _unpin(self, conn: _Conn, token: str, *, tell: bool) -> None:
+        """This GEN will not READ ``token``'s blocks any more; with ``tell`` the CTX may unpin them now
+        (a READ that failed or never started; a READ that succeeded notifies the CTX itself)."""
+        self._pinned.pop(token, None)
+        if tell:
+            conn.send({"t": "unpin", "token": token})
+
+    async def _renew_loop(self) -> None:
+        """One task for the whole transport, alive while any pin is held: every third of the shortest
+        pin lease, renew each peer's pins (over its current connection: a reconnect keeps them)."""
+        while self._pinned:
+            await asyncio.sleep(min(lease for _, lease in self._pinned.values()) / 3)
+            by_peer: dict[str, list[str]] = {}
+            for token, (peer, _) in self._pinned.items():
+                by_peer.setdefault(peer, []).append(token)
+            for peer, tokens in by_peer.items():
+                conn = self._peers.conns.get(peer)
+                if conn is not None:
+                    conn.send({"t": "renew", "tokens": tokens})
 
     async def connect(self, peer: str) -> None:
         await self._conn(peer)
@@ -316,15 +208,25 @@ class NIXLTransport:
             conn.reader_task.cancel()
 
     def _forget_agent(self, peer: str) -> None:
-        """Forget what NIXL knew of ``peer``'s agent, unless a READ from it is still in flight."""
-        if self._reads.get(peer):
-            return
+        """Forget what NIXL knew of ``peer``'s agent; one a READ still reads from goes when it ends."""
         name = self._agents.pop(peer, None)
-        if name is not None:
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception as exc:
-                log.debug("nixl_remove_agent_failed", peer=peer, reason=repr(exc))
+        if name is None:
+            return
+        if self._reads.get(name):
+            self._stale.add(name)
+            return
+        self._remove_agent(name)
+
+    def _remove_agent(self, name: str) -> None:
+        self._stale.discard(name)
+        dlist = self._remote_dlists.pop(name, None)
+        if dlist is not None:
+            with contextlib.suppress(Exception):
+                self.agent.release_dlist_handle(dlist)
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:
+            log.debug("nixl_remove_agent_failed", agent=name, reason=repr(exc))
 
     async def _open(self, peer: str) -> _Conn:
         try:
@@ -345,12 +247,13 @@ class NIXLTransport:
             remote = self._check_layout(peer, info)
             meta = base64.b64decode(info["meta"])
             self._forget_agent(peer)  # a reconnect: the peer's previous agent is gone
-            for old in [p for p in self._agents if p not in self._peers.conns and not self._reads.get(p)]:
+            for old in [p for p in self._agents if p not in self._peers.conns]:
                 if len(self._agents) < self.config.max_peers:
                     break
                 self._forget_agent(old)  # bounded: agents of peers no longer connected go first
             name = self.agent.add_remote_agent(meta)
             name = name.decode() if isinstance(name, bytes) else name
+            self._stale.discard(name)  # the same CTX agent again (a dropped connection, not a restart)
         except TimeoutError as exc:
             writer.close()
             raise PeerUnreachable(f"handshake with {peer} timed out", peer=peer) from exc
@@ -459,6 +362,20 @@ class NIXLTransport:
         conn.answered += 1
         return conn, answer
 
+    async def _before_read(self, peer: str, request_id: str) -> None:
+        """Test seam: runs once the CTX pinned the blocks, before the READ is posted."""
+
+    def _check_blocks(self, conn: _Conn, blocks: Any, kv_slice: KVSlice, into: torch.Tensor) -> list[int]:
+        """The CTX's block ids, checked before anything is built from them: a list of exactly the
+        blocks ``into`` holds, each an int inside the CTX's pool; ``ProtocolViolation`` otherwise."""
+        num_blocks = int(conn.info["pool"]["num_blocks"])
+        if (not isinstance(blocks, list) or len(blocks) != into.shape[0]
+                or not all(type(b) is int and 0 <= b < num_blocks for b in blocks)):
+            got = f"{len(blocks)} ids" if isinstance(blocks, list) else type(blocks).__name__
+            raise ProtocolViolation(f"{conn.peer} answered a block list ({got}) that does not fit `into` "
+                                    f"({into.shape[0]} blocks) or its pool ({num_blocks})", peer=conn.peer)
+        return blocks
+
     async def _pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, handle: str | None,
                     release: bool, landing: Landing) -> int:
         conn, answer = await self._lookup(peer, {
@@ -467,20 +384,33 @@ class NIXLTransport:
             "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release})
         if answer.get("t") == "error":
             raise _error(answer, peer, request_id)
-        if answer.get("t") != "found":
+        if answer.get("t") != "found" or not isinstance(answer.get("token"), str):
             conn.fail(ProtocolViolation(f"unexpected answer to a lookup: {answer.get('t')!r}", peer=peer))
             raise conn.error  # type: ignore[misc]
-        token, blocks = str(answer["token"]), answer["blocks"]
-        pool = conn.info["pool"]
-        remote, local, lengths = segments(conn.remote, blocks, kv_slice)  # the CTX's pool, its head numbering
-        if (any(not 0 <= int(b) < pool["num_blocks"] for b in blocks) or int(lengths.sum()) != into.numel() * into.element_size()):
-            conn.send({"t": "unpin", "token": token})
-            conn.fail(ProtocolViolation(f"{peer} answered blocks that do not fit `into` or its pool", peer=peer))
-            raise conn.error  # type: ignore[misc]
+        token = answer["token"]
+        self._pin(conn, token)  # renewed from here until the READ ends
+        nbytes = into.numel() * into.element_size()
+        try:
+            blocks = self._check_blocks(conn, answer.get("blocks"), kv_slice, into)
+            pool = conn.info["pool"]
+            remote, local, lengths = segments(conn.remote, blocks, kv_slice)  # the CTX's pool, its head numbering
+            if int(lengths.sum()) != nbytes:
+                raise ProtocolViolation(f"{peer} answered blocks that do not fit `into`", peer=peer)
+            await self._before_read(peer, request_id)
+        except ProtocolViolation as exc:
+            self._unpin(conn, token, tell=True)
+            conn.fail(exc)
+            raise
+        except BaseException:
+            self._unpin(conn, token, tell=True)
+            raise
         mem, dev = mem_type(into)
-        adhoc = None
-        with anyio.CancelScope(shield=True):  # post the READ and account for it as one unit
-            try:
+        adhoc = xfer = None
+        notif = NOTIF_PREFIX + token.encode()
+        # posted and accounted for with no await in between: cancellation cannot split them
+        try:
+            xfer = self._prepped_xfer(conn, blocks, kv_slice, into, notif)
+            if xfer is None:  # descriptors built for this READ
                 if not self._registered(into):
                     adhoc = self.agent.register_memory(into)
                     self._adhoc += 1
@@ -489,18 +419,33 @@ class NIXLTransport:
                 ldesc = self.agent.get_xfer_descs(np.stack([local + base, lengths, np.full(n, dev)], 1), mem)
                 rdesc = self.agent.get_xfer_descs(
                     np.stack([remote + pool["addr"], lengths, np.full(n, pool["dev"])], 1), pool["mem"])
-                xfer = self.agent.initialize_xfer("READ", ldesc, rdesc, conn.agent_name, NOTIF_PREFIX + token.encode())
-                landing.begin()
-                state = self.agent.transfer(xfer)
-            except Exception as exc:
-                if adhoc is not None:
-                    self.agent.deregister_memory(adhoc)
-                conn.send({"t": "unpin", "token": token})
-                raise PeerClosed(f"NIXL READ from {peer} could not be posted: {exc}", peer=peer) from None
-        unpin = lambda: conn.send({"t": "unpin", "token": token})  # noqa: E731  (a READ that failed)
-        self._reads[peer] = self._reads.get(peer, 0) + 1
-        watch = asyncio.ensure_future(self._watch(xfer, state, landing, adhoc, into.numel() * into.element_size(), unpin))
-        watch.add_done_callback(lambda _: self._read_ended(peer))
+                xfer = self.agent.initialize_xfer("READ", ldesc, rdesc, conn.agent_name, notif)
+            landing.begin()
+            posting = None
+            if nbytes > _INLINE_TRANSFER_BYTES:  # on one host transfer() copies inline: off the loop
+                posting = asyncio.get_running_loop().run_in_executor(None, self.agent.transfer, xfer)
+                state = "POSTING"
+            else:
+                try:
+                    state = self.agent.transfer(xfer)
+                except BaseException:
+                    landing.end()  # NIXL refused to post it: nothing can land
+                    raise
+        except Exception as exc:
+            self._end_read(xfer, adhoc)
+            self._unpin(conn, token, tell=True)
+            raise PeerClosed(f"NIXL READ from {peer} could not be posted: {exc}", peer=peer) from None
+        if state not in ("PROC", "POSTING"):  # done at once (one host: NIXL copied it inline): no task
+            self._end_read(xfer, adhoc)
+            landing.end()
+            self._unpin(conn, token, tell=state != "DONE")
+            if state != "DONE":
+                raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
+            return nbytes
+        name = conn.agent_name
+        self._reads[name] = self._reads.get(name, 0) + 1
+        watch = asyncio.ensure_future(self._watch(conn, token, xfer, landing, adhoc, nbytes, posting))
+        watch.add_done_callback(lambda _: self._read_ended(name))
         try:
             state = await asyncio.shield(watch)
         except BaseException:  # cancelled: the watcher goes on until NIXL ends the READ
@@ -509,36 +454,100 @@ class NIXLTransport:
             raise
         if state != "DONE":
             raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
-        return into.numel() * into.element_size()
+        return nbytes
 
-    def _read_ended(self, peer: str) -> None:
-        self._reads[peer] -= 1
-        if not self._reads[peer]:
-            del self._reads[peer]
+    def _prepped_xfer(self, conn: _Conn, blocks: list[int], kv_slice: KVSlice, into: torch.Tensor,
+                      notif: bytes) -> Any:
+        """A READ of whole blocks into whole blocks of a registered region, from descriptor lists
+        prepared once (the CTX pool's per peer agent, the region's at ``register``); None when the
+        pull is not of that shape (a head or layer subset, another block size, unaligned ``into``)."""
+        bb = conn.remote.block_bytes
+        if self.layout is None or bb != self.layout.block_bytes or kv_slice != conn.remote.full_slice():
+            return None
+        start = into.data_ptr()
+        for lo, hi, local in self._local_dlists:
+            if lo <= start and start + len(blocks) * bb <= hi and (start - lo) % bb == 0:
+                break
+        else:
+            return None
+        remote = self._remote_dlists.get(conn.agent_name)
+        if remote is None:
+            pool = conn.info["pool"]
+            n = int(pool["num_blocks"])
+            rows = np.stack([int(pool["addr"]) + np.arange(n, dtype=np.int64) * bb, np.full(n, bb),
+                             np.full(n, int(pool["dev"]))], 1)
+            remote = self._remote_dlists[conn.agent_name] = self.agent.prep_xfer_dlist(conn.agent_name, rows, pool["mem"])
+        first = (start - lo) // bb
+        xfer = self.agent.make_prepped_xfer("READ", local, list(range(first, first + len(blocks))), remote, blocks, notif)
+        self._prepped += 1
+        return xfer
 
-    async def _watch(self, xfer: Any, state: str, landing: Landing, adhoc: Any, nbytes: int, unpin: Any) -> str:
-        """Poll the READ until it is no longer in progress (backing off 50 µs .. 2 ms), then end landing."""
-        try:
-            if state == "PROC":  # in a worker thread: asyncio's sleeps are >= 1 ms (epoll's granularity)
-                state = await anyio.to_thread.run_sync(self._wait, xfer, nbytes)
-            if state != "DONE":  # no notification will come: the CTX may unpin now
-                unpin()
-            return state
-        finally:
+    def _end_read(self, xfer: Any, adhoc: Any) -> bool:
+        """Free a READ's handle (and an ad-hoc registration); False when NIXL refused (still busy)."""
+        ok = True
+        if xfer is not None:
             try:
                 self.agent.release_xfer_handle(xfer)
             except Exception as exc:  # NIXL refuses to free a handle it cannot cancel
                 log.warning("nixl_release_handle_failed", reason=str(exc))
-            if adhoc is not None:
-                self.agent.deregister_memory(adhoc)
-            landing.end()
+                ok = False
+        if adhoc is not None and ok:
+            self.agent.deregister_memory(adhoc)
+        return ok
 
-    def _wait(self, xfer: Any, nbytes: int) -> str:
-        """Poll a READ until it leaves PROC: a first nap of most of its expected time, then 20 µs
-        naps doubling to 1 ms (the agent is in NIXL's strict thread-sync mode)."""
+    def _read_ended(self, name: str) -> None:
+        self._reads[name] -= 1
+        if not self._reads[name]:
+            del self._reads[name]
+            if name in self._stale:  # replaced by a reconnect while this READ ran
+                self._remove_agent(name)
+
+    async def _watch(self, conn: _Conn, token: str, xfer: Any, landing: Landing, adhoc: Any, nbytes: int,
+                     posting: asyncio.Future[str] | None = None) -> str:
+        """Wait for ``posting`` (a ``transfer()`` running in a worker thread) if any, then poll the
+        READ (in a worker thread: asyncio's sleeps are >= 1 ms) until it is no longer in progress, at
+        most ``read_timeout_s``; then drop its peer (closing NIXL's connection to it ends the READ)
+        and poll as long again. ``landing`` ends only once NIXL says the READ is over."""
+        timeout = self.config.read_timeout_s
+        if posting is not None:
+            try:
+                state = await posting
+            except Exception as exc:  # NIXL refused to post it: nothing can land
+                log.warning("nixl_read_not_posted", peer=conn.peer, reason=str(exc))
+                state = "ERR"
+            if state != "PROC":
+                self._unpin(conn, token, tell=state != "DONE")
+                if self._end_read(xfer, adhoc):
+                    landing.end()
+                return state
+        state = await anyio.to_thread.run_sync(self._wait, xfer, nbytes, timeout)
+        if state == "PROC":
+            log.warning("nixl_read_timeout", peer=conn.peer, timeout_s=timeout)
+            conn.fail(PeerClosed(f"a READ from {conn.peer} was still in progress after {timeout}s", peer=conn.peer))
+            self._peers.drop(conn.peer, conn)
+            name = conn.agent_name
+            if self._agents.get(conn.peer) == name:
+                del self._agents[conn.peer]
+            self._remove_agent(name)  # ends the READ (its UCX endpoints close)
+            state = await anyio.to_thread.run_sync(self._wait, xfer, nbytes, timeout)
+            if state == "PROC":
+                log.error("nixl_read_stuck", peer=conn.peer, reason="NIXL still reports the READ in progress; "
+                          "its destination stays busy")
+                return "TIMEOUT"  # landing stays busy: the memory may still be written
+        self._unpin(conn, token, tell=state != "DONE")  # DONE: the CTX has its notification
+        if self._end_read(xfer, adhoc):
+            landing.end()
+        return state
+
+    def _wait(self, xfer: Any, nbytes: int, timeout: float) -> str:
+        """Poll a READ until it leaves PROC or ``timeout`` passes: a first nap of most of its expected
+        time, then 20 µs naps doubling to 1 ms (the agent is in NIXL's strict thread-sync mode)."""
         time.sleep(min(nbytes / 10e9, 0.001))
         nap = 20e-6
+        deadline = time.monotonic() + timeout
         while (state := self.agent.check_xfer_state(xfer)) == "PROC":
+            if time.monotonic() >= deadline:
+                return state
             time.sleep(nap)
             nap = min(nap * 2, 0.001)
         return state
@@ -564,16 +573,34 @@ class NIXLTransport:
             log.warning("nixl_hold_failed", peer=peer, requests=len(valid), reason=str(exc))
 
     async def aclose(self) -> None:
+        """Close every connection; READs still in flight get ``close_timeout_s`` to land, then their
+        peers are dropped (which ends them) and they get as long again. Memory a READ may still
+        write into is not deregistered (logged); everything else is."""
         if self._closed:
             return
         self._closed = True
-        for watch in list(self._background):  # READs still in flight land before the memory goes
-            await asyncio.shield(watch)
+        watches = list(self._background)
+        if watches:
+            _, pending = await asyncio.wait(watches, timeout=self.config.close_timeout_s)
+            if pending:
+                for name in list(self._reads):
+                    self._remove_agent(name)  # ends the READs from it
+                _, pending = await asyncio.wait(pending, timeout=self.config.close_timeout_s)
+            if pending:
+                log.error("nixl_close_reads_stuck", reads=len(pending))
+        if self._renewer is not None:
+            self._renewer.cancel()
         for conn in self._peers.close():
             self._close_conn(conn)
-        for _, _, _, descs in self._regions:
-            self.agent.deregister_memory(descs)
-        self._regions.clear()
+        if not self._reads:
+            for dlist in [*self._remote_dlists.values(), *(d for _, _, d in self._local_dlists)]:
+                with contextlib.suppress(Exception):
+                    self.agent.release_dlist_handle(dlist)
+            self._remote_dlists.clear()
+            self._local_dlists.clear()
+            for _, _, _, descs in self._regions:
+                self.agent.deregister_memory(descs)
+            self._regions.clear()
 
     async def __aenter__(self) -> NIXLTransport:
         return self

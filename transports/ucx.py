@@ -7,10 +7,13 @@ one tagged message straight into the caller's ``into`` tensor (CPU or CUDA). Tag
     GEN -> CTX   tag 0          every control frame (AUTH_RESPONSE, PULL, RELEASE, HOLD)
     CTX -> GEN   tag 0          handshake frames (AUTH_CHALLENGE, AUTH_OK, AUTH_FAIL)
     CTX -> GEN   tag 2*txid     the reply to the GEN request ``txid`` (PULL_OK/PULL_ERR/RELEASE_OK)
-    CTX -> GEN   tag 2*txid+1   the KV of pull ``txid`` (an empty message when the pull is refused)
+    CTX -> GEN   tag 2*txid+1   the KV of pull ``txid`` (only after a PULL_OK)
 
-A pull is one message before the data: GEN posts the receives of the reply and of the KV, then
-sends PULL; CTX answers with the reply and the KV at once (``wire`` draws it).
+A pull is one message before the data: GEN posts the receive of the reply, then sends PULL; CTX
+answers with the reply and the KV at once; GEN posts the KV's receive into ``into`` when the
+PULL_OK arrives (UCX holds the early message), then checks that all of it landed (``wire`` draws
+it: ucxx reports no length, so a sentinel in the last byte does). Sends and receives are posted
+as ucxx requests whose futures end with them (``_ucx_common``): no task per message.
 
 Life cycle of a GEN endpoint::
 
@@ -21,9 +24,12 @@ Life cycle of a GEN endpoint::
     usable  --ucxx error / close callback / bad reply--> failed: its pulls fail with PeerClosed, it
             is dropped; a pull that fails on a reused endpoint before any KV moved (a CTX that
             restarted while idle) reconnects once
-    a cancelled pull returns at once; its posted receive into ``into`` cannot be withdrawn, so its
-    ``Landing`` stays busy until UCX ends it: the CTX answers every PULL, and a receive still busy
-    ``cancel_grace_s`` later costs the endpoint (closing it cancels the receive).
+    a cancelled pull returns at once; its KV may still come into ``into`` (a posted receive cannot
+    be withdrawn, and a PULL_OK's KV is always received), so its ``Landing`` stays busy until UCX
+    ends that: the CTX answers every PULL, and a pull whose reply or KV has not ended
+    ``cancel_grace_s`` later costs the endpoint (closing it cancels what is posted).
+    a short, long or mismatched KV message fails its pull alone (ProtocolViolation); the endpoint
+    stays.
 
 ucxx reads its settings from the environment when its context is created, so ``apply_ucx_defaults``
 (called by both constructors) sets measured defaults with ``os.environ.setdefault``; a user's
@@ -35,9 +41,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import math
 import os
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,191 +64,18 @@ from ._ids import InvalidRequestId, check_handle, check_request_id
 from ._layout import KVLayout, KVSlice, dtype_name
 from ._peers import PeerConnections, check_layout
 from ._protocol import Landing, parse_peer
+from ._ucx_common import (
+    CONTROL_TAG as CONTROL_TAG,
+    UCX_DEFAULTS as UCX_DEFAULTS,
+    UCXConfig as UCXConfig,
+    _ucx_acquire,
+    _ucx_buffer as _ucx_buffer,
+    _ucx_release,
+    apply_ucx_defaults as apply_ucx_defaults,
+)
+from ._ucx_endpoint import _cancelled, _consume, _Endpoint, _KVReceive, _NothingMoved
 
 log = structlog.get_logger("transports.ucx")
-
-CONTROL_TAG = 0
-_INLINE_GATHER_BYTES = 1 << 20  # CTX: gathers up to this size run on the event loop
-
-# Chosen from measurements on one host (docs/transport.md): put_zcopy rendezvous instead of the
-# tcp default; shared memory and cma zero-copy stay enabled with peer-failure detection on; the
-# `thread` progress mode with Python futures is the only one that leaves a core idle at rest.
-UCX_DEFAULTS: dict[str, str] = {
-    "UCXPY_PROGRESS_MODE": "thread",
-    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
-    "UCX_RNDV_SCHEME": "put_zcopy",
-    "UCX_MM_ERROR_HANDLING": "y",
-    "UCX_CMA_MEMORY_INVALIDATE": "y",
-    "UCX_CMA_SEG_SIZE": "4M",
-    "UCX_TCP_CM_REUSEADDR": "y",  # a restarted CTX can listen on its old port at once
-    "UCX_WARN_UNUSED_ENV_VARS": "n",  # ucxx sets UCX_MEMTYPE_CACHE, which UCX >= 1.19 warns about
-}
-
-
-def apply_ucx_defaults(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Set ``UCX_DEFAULTS`` (and ``extra``) where the environment does not; returns what is in effect.
-
-    Must run before ucxx creates its context (the first endpoint or listener of the process).
-    """
-    for key, value in {**UCX_DEFAULTS, **(extra or {})}.items():
-        os.environ.setdefault(key, value)
-    return {key: os.environ[key] for key in {**UCX_DEFAULTS, **(extra or {})}}
-
-
-# -- ucxx context ownership: the last owner in a process resets ucxx (stops its notifier thread) --
-
-_owners = 0
-_owners_lock = threading.Lock()
-
-
-def _ucx_acquire() -> Any:
-    global _owners
-    import ucxx
-
-    with _owners_lock:
-        _owners += 1
-    return ucxx
-
-
-def _ucx_release() -> None:
-    global _owners
-    with _owners_lock:
-        _owners -= 1
-        last = _owners == 0
-    if last:
-        import ucxx
-
-        try:
-            ucxx.reset()
-        except Exception as exc:  # references still alive somewhere; the context is freed later
-            log.debug("ucx_reset_deferred", reason=repr(exc))
-
-
-@dataclasses.dataclass(frozen=True)
-class UCXConfig:
-    """Settings of both ends. ``secret`` is required unless ``allow_insecure`` is set."""
-
-    secret: bytes | None = dataclasses.field(default=None, repr=False)
-    allow_insecure: bool = False
-    connect_timeout_s: float = 5.0
-    handshake_timeout_s: float = 5.0
-    release_timeout_s: float = 2.0
-    cancel_grace_s: float = 2.0  # GEN: a cancelled pull's receive may stay posted this long before the endpoint goes
-    dead_peer_backoff_s: float = 1.0  # GEN: after a failed connect, pulls to that peer fail at once this long
-    max_peers: int = 256  # GEN: distinct CTX peers with an endpoint (or a connect) at once
-    expire_interval_s: float = 1.0  # CTX: lease expiry period
-    max_pulls_per_endpoint: int = 256  # CTX: pulls served at once on one endpoint (told to GEN, which keeps below)
-    max_unauthenticated: int = 64  # CTX: endpoints still in their handshake; more are closed at once
-    summary_interval_s: float = 60.0  # CTX: period of the kv_pulls_summary log line
-    limits: wire.WireLimits = dataclasses.field(default_factory=wire.WireLimits)
-    ucx_env: tuple[tuple[str, str], ...] = ()  # extra UCX defaults, e.g. (("UCX_TLS", "tcp"),)
-
-    def __post_init__(self) -> None:
-        _auth.check_config_secret("UCXConfig", self.secret, self.allow_insecure)
-
-    def _warn_if_insecure(self, role: str) -> None:
-        if self.secret is None:
-            log.warning("ucx_auth_disabled", role=role, reason="allow_insecure=True and no secret")
-
-
-def _ucx_buffer(t: torch.Tensor) -> Any:
-    """A view of a contiguous tensor's bytes that ucxx accepts (buffer protocol or CUDA interface)."""
-    flat = t.reshape(-1).view(torch.uint8)
-    return flat if flat.is_cuda else flat.numpy()
-
-
-def _cancelled() -> type[BaseException]:
-    return anyio.get_cancelled_exc_class()
-
-
-# -- GEN side -------------------------------------------------------------------------------------
-
-
-def _consume(task: asyncio.Future[Any]) -> None:
-    """Retrieve a finished task's outcome so that asyncio does not report it as never retrieved."""
-    if not task.cancelled():
-        task.exception()
-
-
-class _NothingMoved(Exception):
-    """Internal: the endpoint failed before any of this pull's KV could have moved."""
-
-    def __init__(self, error: TransportError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-class _Endpoint:
-    """One authenticated ucxx endpoint to a CTX peer, and the failure that ended it (if any)."""
-
-    def __init__(self, peer: str, ep: Any, limits: wire.WireLimits) -> None:
-        self.peer = peer
-        self.ep = ep
-        self.limits = limits
-        self.error: TransportError | None = None
-        self.info: wire.PeerInfo | None = None
-        self.slots: anyio.Semaphore | None = None  # pulls in flight, at most what the CTX serves
-        self.pulls = 0  # pulls started on it (a reused endpoint may have gone stale)
-
-    def watch_close(self) -> None:
-        """Fail this endpoint when UCX reports the peer gone (the callback may run on any thread)."""
-        loop = asyncio.get_running_loop()
-
-        def closed() -> None:
-            try:
-                loop.call_soon_threadsafe(self.fail, PeerClosed(f"{self.peer} closed the connection", peer=self.peer))
-            except RuntimeError:  # the loop is gone
-                pass
-
-        self.ep.set_close_callback(closed)
-
-    def _check(self) -> None:
-        if self.error is not None:
-            raise PeerClosed(f"endpoint to {self.peer} failed earlier: {self.error}", peer=self.peer)
-
-    async def _io(self, coro: Any) -> Any:
-        try:
-            return await coro
-        except (TransportError, _cancelled()):
-            raise
-        except Exception as exc:
-            err = PeerClosed(f"connection to {self.peer} broke: {type(exc).__name__}: {exc}", peer=self.peer)
-            self.fail(err)
-            raise err from exc
-
-    async def send(self, msg: wire.Message) -> None:
-        self._check()
-        await self._io(self.ep.send(wire.encode_frame(msg), tag=CONTROL_TAG))
-
-    async def recv(self, tag: int) -> wire.Message:
-        frame = bytearray(wire.FRAME_BYTES)
-        fut = self.post_recv(frame, tag)
-        await asyncio.shield(fut)  # a cancelled caller leaves it posted: the peer answers every request
-        return wire.decode_frame(frame, self.limits)
-
-    def post_recv(self, buf: Any, tag: int) -> asyncio.Future[Any]:
-        """Post a receive now; the returned future ends when UCX ends it (its outcome is always retrieved)."""
-        self._check()
-        fut = asyncio.ensure_future(self._io(self.ep.recv(buf, tag=tag)))
-        fut.add_done_callback(_consume)
-        return fut
-
-    def fail(self, err: TransportError) -> None:
-        if self.error is None:
-            self.error = err
-            log.warning("ucx_endpoint_failed", peer=self.peer, reason=str(err))
-        self.abort()
-
-    def abort(self) -> None:
-        """Close the endpoint; UCX cancels every receive still posted on it."""
-        ep, self.ep = self.ep, None
-        if ep is not None:
-            try:
-                ep.abort(period=10**8)
-            except Exception as exc:
-                log.debug("ucx_abort_error", peer=self.peer, reason=repr(exc))
-        if self.error is None:
-            self.error = PeerClosed(f"endpoint to {self.peer} closed", peer=self.peer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,7 +217,8 @@ class UCXTransport:
     def _pull_message(
         self, peer: str, request_id: str, handle: str | None, kv_slice: KVSlice, into: torch.Tensor, release: bool
     ) -> wire.Pull:
-        """Build (and so validate) the PULL locally; a bad request never reaches the network."""
+        """Build (and so validate) the PULL locally; a bad request never reaches the network. The
+        checks are those the CTX's ``decode`` makes that a local caller could break (no re-encode)."""
         try:
             check_request_id(request_id)
             check_handle(handle)
@@ -398,15 +230,13 @@ class UCXTransport:
             raise ProtocolViolation("`into` must be contiguous", peer=peer)
         if len(shape) != 6 or shape[1] != kv_slice.num_layers or shape[2] != 2 or shape[3] != kv_slice.num_heads:
             raise ProtocolViolation(f"`into` of shape {shape} does not hold slice {kv_slice}", peer=peer)
-        msg = wire.Pull(0, request_id, handle, kv_slice, dtype, shape, math.prod(shape) * into.element_size(), 0,  # type: ignore[arg-type]
-                        release)
-        try:
-            wire.decode(wire.encode(msg), self.config.limits)
-        except (ValueError, UnicodeError) as exc:
-            raise ProtocolViolation(f"cannot encode PULL: {exc}", peer=peer) from None
-        except ProtocolViolation as exc:
-            raise ProtocolViolation(f"PULL would break the protocol: {exc}", peer=peer) from None
-        return msg
+        limits = self.config.limits
+        nbytes = into.numel() * into.element_size()
+        if (not 0 < nbytes <= limits.max_transfer_bytes or len(request_id) > limits.max_request_id_len
+                or kv_slice.num_layers > limits.max_layers or kv_slice.num_heads > limits.max_heads
+                or max(shape) > limits.max_dim):
+            raise ProtocolViolation(f"PULL of {request_id!r} ({nbytes} B, {shape}) would break the wire limits", peer=peer)
+        return wire.Pull(0, request_id, handle, kv_slice, dtype, shape, nbytes, 0, release)  # type: ignore[arg-type]
 
     async def pull(
         self,
@@ -461,73 +291,108 @@ class UCXTransport:
             txid = next(self._txids)
             msg = dataclasses.replace(template, txid=txid, tag=2 * txid + 1)
             frame = bytearray(wire.FRAME_BYTES)
-            # Post both receives and send the PULL as one unit that cancellation cannot split:
-            # the CTX then answers every receive posted here (or the endpoint closes and cancels them).
-            with anyio.CancelScope(shield=True):
-                try:
-                    conn.pulls += 1
-                    reply = conn.post_recv(frame, 2 * txid)
-                    landing.begin()
-                    try:
-                        data = conn.post_recv(_ucx_buffer(into), msg.tag)
-                    except BaseException:
-                        landing.end()
-                        raise
-                    data.add_done_callback(lambda _: landing.end())
-                    with anyio.fail_after(self.config.release_timeout_s):
-                        await conn.send(msg)
-                except TimeoutError:
-                    conn.fail(PeerClosed(f"PULL to {peer} not sent within {self.config.release_timeout_s}s", peer=peer))
-                    raise _NothingMoved(conn.error) from None  # type: ignore[arg-type]
-                except PeerClosed as exc:
-                    raise _NothingMoved(exc) from None
+            kv = _KVReceive(conn, into, msg.tag, landing, frame)  # `into` is busy from here until kv.end()
+            try:  # posted and sent with no await in between: cancellation cannot split them
+                conn.pulls += 1
+                reply = conn.post(frame, 2 * txid)
+                conn.post_send(msg)  # a failed send fails the endpoint, which ends `reply`
+            except PeerClosed as exc:
+                kv.end()
+                raise _NothingMoved(exc) from None
             try:
                 try:
                     await asyncio.shield(reply)
                 except PeerClosed as exc:
                     raise _NothingMoved(exc) from None  # the reply comes before any KV
-                answer = wire.decode_frame(frame, self.config.limits)
-                if isinstance(answer, wire.PullErr):
-                    await asyncio.shield(data)  # the empty message that ends our posted receive
-                    refusal = _pull_error(answer, peer, msg.request_id)
-                elif not isinstance(answer, wire.PullOk) or answer.txid != txid:
-                    raise ProtocolViolation(f"unexpected reply to PULL {txid}: {answer!r}", peer=peer)
-                elif (answer.tag, answer.dtype, answer.shape, answer.nbytes) != (msg.tag, msg.dtype, msg.shape, msg.nbytes):
-                    raise ProtocolViolation(
-                        f"PULL_OK {answer.dtype}{list(answer.shape)} ({answer.nbytes} B) does not match "
-                        f"`into` {msg.dtype}{list(msg.shape)} ({msg.nbytes} B)", peer=peer)
-                else:
-                    await asyncio.shield(data)
-                    refusal = None
+                answer = self._answer(conn, frame, msg, kv)
+                if isinstance(answer, TransportError):
+                    raise answer
+                await asyncio.shield(kv.posted)  # type: ignore[arg-type]
+                kv.verify(answer.tail)
             except _cancelled():
-                self._reap(conn, data)
-                raise
-            except ProtocolViolation as exc:
-                conn.fail(exc)  # the peer broke the protocol: do not trust this endpoint again
+                self._reap(kv, reply)
                 raise
             finally:
+                if kv.posted is None and not kv.reaping:
+                    kv.end()  # no KV receive was posted (refused, failed): nothing can land in `into`
                 if conn.error is not None and self._eps.get(peer) is conn:
                     del self._eps[peer]
-        if refusal is not None:  # a refusal, not a broken peer: the endpoint stays
-            raise refusal
         log.debug("ucx_pull_done", peer=peer, request_id=msg.request_id, bytes=msg.nbytes)
         return msg.nbytes
 
-    def _reap(self, conn: _Endpoint, data: asyncio.Future[Any]) -> None:
-        """A cancelled pull's receive is still posted: give the CTX ``cancel_grace_s`` to finish
-        sending (it always answers), then close the endpoint, which cancels the receive."""
-        if data.done():
+    def _answer(self, conn: _Endpoint, frame: bytearray, msg: wire.Pull, kv: _KVReceive) -> wire.PullOk | TransportError:
+        """The PULL_OK of ``msg`` (its KV receive posted), or the error that fails the pull.
+
+        A refusal is followed by nothing. Any PULL_OK is followed by its KV message, which is received
+        (into ``into``, which this pull owns) also when the PULL_OK does not match the PULL: that
+        fails the pull alone. A reply that is not a PULL_OK or PULL_ERR fails the endpoint: what
+        follows it is unknown."""
+        peer = conn.peer
+        try:
+            answer = wire.decode_frame(frame, self.config.limits)
+        except ProtocolViolation as exc:
+            conn.fail(exc)
+            return exc
+        if isinstance(answer, wire.PullErr) and answer.txid == msg.txid:
+            return _pull_error(answer, peer, msg.request_id)
+        if not isinstance(answer, wire.PullOk):
+            err = ProtocolViolation(f"unexpected reply to PULL {msg.txid}: {answer!r}", peer=peer)
+            conn.fail(err)
+            return err
+        match = (answer.txid, answer.tag, answer.dtype, answer.shape, answer.nbytes) == (
+            msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes)
+        kv.post(answer.tail if match else None)
+        if match:
+            return answer
+        self._reap(kv, None)  # its KV still comes: receive it in the background
+        return ProtocolViolation(
+            f"PULL_OK {answer.txid} {answer.dtype}{list(answer.shape)} ({answer.nbytes} B) does not match "
+            f"PULL {msg.txid} {msg.dtype}{list(msg.shape)} ({msg.nbytes} B)", peer=peer)
+
+    def _reap(self, kv: _KVReceive, reply: asyncio.Future[Any] | None) -> None:
+        """A pull ended early (cancelled, or a mismatched PULL_OK) while its reply or KV may still
+        come: give the CTX ``cancel_grace_s`` to answer and send (it always does; a PULL_OK's KV is
+        received into ``into``), then close the endpoint, which cancels what is still posted."""
+        conn = kv.conn
+        if kv.posted is not None and kv.posted.done():
             return
+        if kv.posted is None and (reply is None or reply.done() and not self._reply_is_ok(reply)):
+            kv.end()
+            return
+        kv.reaping = True
 
         async def reap() -> None:
-            await asyncio.wait([data], timeout=self.config.cancel_grace_s)
-            if not data.done():
-                conn.fail(PeerClosed(f"a receive from {conn.peer} was still busy {self.config.cancel_grace_s}s "
-                                     "after its pull was cancelled; endpoint dropped", peer=conn.peer))
+            try:
+                with anyio.move_on_after(self.config.cancel_grace_s):
+                    if kv.posted is None:
+                        assert reply is not None
+                        await asyncio.wait([reply])
+                        if not self._reply_is_ok(reply):
+                            return  # the endpoint failed: nothing was posted into `into`
+                        try:
+                            answer = wire.decode_frame(kv.frame, self.config.limits)
+                        except ProtocolViolation as exc:
+                            conn.fail(exc)
+                            return
+                        if not isinstance(answer, wire.PullOk):
+                            return  # a refusal: no KV follows
+                        kv.post(None)
+                    await asyncio.wait([kv.posted])  # type: ignore[list-item]
+                    return
+                conn.fail(PeerClosed(f"a pull from {conn.peer} was still unanswered {self.config.cancel_grace_s}s "
+                                     "after it ended early; endpoint dropped", peer=conn.peer))
+            finally:
+                if kv.posted is None:
+                    kv.end()
 
         task = asyncio.ensure_future(reap())
+        task.add_done_callback(_consume)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    def _reply_is_ok(reply: asyncio.Future[Any]) -> bool:
+        return not reply.cancelled() and reply.exception() is None
 
     async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
         """Best effort: tell ``peer`` to free ``request_id``; failures are logged, not raised."""
@@ -542,8 +407,8 @@ class UCXTransport:
                 conn = await self._endpoint(peer)
                 txid = next(self._txids)
                 frame = bytearray(wire.FRAME_BYTES)
-                answered = conn.post_recv(frame, 2 * txid)
-                await conn.send(wire.Release(txid, request_id, handle))  # type: ignore[arg-type]
+                answered = conn.post(frame, 2 * txid)
+                conn.post_send(wire.Release(txid, request_id, handle))  # type: ignore[arg-type]
                 await asyncio.shield(answered)
             reply = wire.decode_frame(frame, self.config.limits)
             if not isinstance(reply, wire.ReleaseOk) or reply.txid != txid:

@@ -12,19 +12,26 @@ peer declared.
 Life cycle of one pull (after the handshake): one message before the data ("push")::
 
     GEN                                                  CTX
-    posts the receive of the KV (data tag 2*txid+1) and of the reply (tag 2*txid), then
+    posts the receive of the reply (tag 2*txid), then
     PULL(txid, id, handle, slice, dtype, shape, nbytes, tag[, KEEP]) ->
                                           validates it (handle, slice, dtype, shape, bytes), then
-                                       <- PULL_OK(txid, ...) on the reply tag, the KV on the data tag,
-                                          then releases the entry (unless FLAG_KEEP: a chunk)
-                                       or PULL_ERR(txid, status) on the reply tag and an empty
-                                          message on the data tag (so GEN's posted receive ends)
+                                       <- PULL_OK(txid, ..., tail) on the reply tag and the KV on the
+                                          data tag (2*txid+1) at once, then releases the entry
+                                          (unless FLAG_KEEP: a chunk)
+                                       or PULL_ERR(txid, status) on the reply tag, and nothing else
+    on PULL_OK: sets the last byte of ``into`` to ``tail ^ 0xFF``, posts the KV receive, and once it
+    ends checks that the last byte is ``tail``
     RELEASE(txid, id, handle) ->       <- RELEASE_OK(txid, released)
     HOLD(txid, [(id, handle), ...]) ->    (no reply) renews the leases of requests GEN holds waiting
 
-UCX tag matching keeps an early message until its receive is posted, and GEN posts before it asks,
-so nothing waits for a READY. Every PULL gets exactly one reply and one data message, whatever
-happens, so every receive GEN posts ends (or the endpoint closes, which cancels it).
+Integrity (DESIGN invariant 12): ucxx (0.52) completes a message shorter than the posted buffer
+without reporting its length, so the length is checked through the data: a short message leaves
+the sentinel in the last byte (it differs from ``tail`` by construction), a long one fails its
+receive as truncated; either fails that pull alone. The data tag ties the message to its PULL (UCX
+hashes it with the endpoint's own tag). UCX tag matching keeps the early KV message until its
+receive is posted (a rendezvous message waits on the CTX), so nothing waits for a READY. Every PULL
+gets exactly one reply; a PULL_OK is followed by exactly one data message, which GEN always
+receives (also when the pull was cancelled meanwhile), or the endpoint closes.
 
 Handshake (mutual HMAC, see ``_auth``): CTX sends AUTH_CHALLENGE(nonce), GEN answers AUTH_RESPONSE
 (nonce, mac), CTX answers AUTH_OK(mac, PeerInfo: its KV layout, head range, pull limit, lease) or
@@ -46,7 +53,7 @@ from ._errors import ProtocolViolation
 from ._layout import KVSlice, _DTYPES
 
 MAGIC = b"KVOW"
-VERSION = 2
+VERSION = 3  # 3: PULL_OK carries the KV's last byte; a refused PULL gets no data message
 FRAME_BYTES = 1024
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -56,7 +63,7 @@ HEADER_BYTES = _HEADER.size  # 20
 _PULL_FIXED = struct.Struct("!HBBIIIIQQ")  # id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag (+ handle)
 _INFO_FIXED = struct.Struct("!IIIIIIIIB")  # layers, total heads, h0, h1, head_dim, block_size, max_pulls, lease_ms, dtype_len
 HANDLE_BYTES = 32
-_PULL_OK_FIXED = struct.Struct("!BBQQ")  # dtype_len, rank, nbytes, tag
+_PULL_OK_FIXED = struct.Struct("!BBQQB")  # dtype_len, rank, nbytes, tag, tail (the KV's last byte)
 _ERR_FIXED = struct.Struct("!HH")  # status, reason_len
 _U16 = struct.Struct("!H")
 _U8 = struct.Struct("!B")
@@ -191,6 +198,7 @@ class PullOk:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    tail: int = 0  # the last byte of the KV message: GEN checks it landed (ucxx reports no length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,9 +308,9 @@ def encode(msg: Message) -> bytes:
                 + _shape_bytes(dtype, shape)
             )
             mtype = MsgType.PULL
-        case PullOk(tag=tag, dtype=dtype, shape=shape, nbytes=nbytes):
+        case PullOk(tag=tag, dtype=dtype, shape=shape, nbytes=nbytes, tail=tail):
             mtype = MsgType.PULL_OK
-            body = _PULL_OK_FIXED.pack(len(dtype), len(shape), nbytes, tag) + _shape_bytes(dtype, shape)
+            body = _PULL_OK_FIXED.pack(len(dtype), len(shape), nbytes, tag, tail) + _shape_bytes(dtype, shape)
         case Release(request_id=rid, handle=handle):
             r = rid.encode("ascii")
             mtype, body = MsgType.RELEASE, _U16.pack(len(r)) + r + _handle_bytes(handle)
@@ -506,9 +514,9 @@ def _decode_body(kind: MsgType, flags: int, txid: int, body: memoryview, limits:
         dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
         msg = Pull(txid, rid, handle, KVSlice(l0, l1, h0, h1), dtype, shape, nbytes, tag, not flags & FLAG_KEEP)
     elif kind is MsgType.PULL_OK:
-        dtype_len, rank, nbytes, tag = r.unpack(_PULL_OK_FIXED)
+        dtype_len, rank, nbytes, tag, tail = r.unpack(_PULL_OK_FIXED)
         dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
-        msg = PullOk(txid, tag, dtype, shape, nbytes)
+        msg = PullOk(txid, tag, dtype, shape, nbytes, tail)
     elif kind is MsgType.RELEASE:
         (id_len,) = r.unpack(_U16)
         if not 0 < id_len <= limits.max_request_id_len:

@@ -1,0 +1,288 @@
+"""Invariant 12 on the NIXL data plane (issue 17): no CTX block is freed or reused while a READ of it
+may be in flight, and every path of a READ ends what it started (landing, pin, handle), bounded.
+
+GEN (``NIXLTransport``) and CTX (``NIXLKVServer``) run in this process over shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import socket
+import time
+import weakref
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu12._api", reason="nixl-cu12 is not installed (pip install -c constraints.txt '.[nixl]')")
+
+from transports import KVLayout, KVStore, Landing, PeerClosed, ProtocolViolation, gather  # noqa: E402
+from transports.nixl import NIXLConfig, NIXLKVServer, NIXLTransport  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+SECRET = b"test-secret-0123456789abcdef"
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=4, head_dim=8, block_size=4, dtype=torch.float16)
+IDS = torch.tensor([5, 2, 3, 7, 8, 9, 0])
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+@contextlib.asynccontextmanager
+async def _served(*, lease_s: float = 60, gen: type[NIXLTransport] = NIXLTransport, server_kw: dict | None = None,
+                  **config_kw: object) -> AsyncIterator[tuple[KVStore, str, NIXLKVServer, str, NIXLTransport]]:
+    """A CTX holding "r1" (its freed blocks are overwritten at once, as a reuse would) and a GEN."""
+    store = KVStore(LAYOUT, LAYOUT.new_pool(16).uniform_())
+
+    def reuse() -> None:
+        store.pool[IDS] = -1.0
+
+    handle = store.put("r1", IDS, num_tokens=25, lease_s=lease_s, on_release=reuse)
+    config = NIXLConfig(secret=SECRET, **config_kw)  # type: ignore[arg-type]
+    async with NIXLKVServer(store, config, host="127.0.0.1", lease_s=lease_s, **(server_kw or {})) as server:
+        async with gen(config, layout=LAYOUT) as t:
+            yield store, handle, server, f"127.0.0.1:{server.port}", t
+
+
+def _into() -> torch.Tensor:
+    return torch.zeros(LAYOUT.wire_shape(len(IDS)), dtype=LAYOUT.dtype)
+
+
+@pytest.mark.anyio
+async def test_a_read_held_past_the_pin_lease_finds_its_blocks_intact() -> None:
+    """The CTX's pin lease (0.3 s) and the entry's lease (0.3 s) pass several times between the lookup
+    and the READ: the GEN renews the pin while it may READ, so the blocks are neither freed nor
+    reused; the READ gets the CTX's KV (CRC equal), and the pin ends with the READ's notification."""
+
+    class SlowReader(NIXLTransport):
+        async def _before_read(self, peer: str, request_id: str) -> None:
+            await asyncio.sleep(1.2)
+
+    async with _served(lease_s=0.3, gen=SlowReader, pin_timeout_s=0.3, server_kw={"expire_interval_s": 0.05}) as (
+            store, handle, server, peer, t):
+        want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+        into = _into()
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle)
+        assert torch.equal(into, want), "a block was freed and reused under the READ"
+        assert server.statistics().pins_expired == 0
+        await _until(lambda: server.statistics().pinned == 0 and store.statistics().held_requests == 0)
+
+
+@pytest.mark.anyio
+async def test_a_dead_gen_s_pin_still_ends_with_its_lease() -> None:
+    """Renewal is the GEN's: a pin nobody renews (its READ never came) ends with its lease."""
+    async with _served(pin_timeout_s=0.3, server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
+        conn = await t._conn(peer)
+        answer = await conn.request({"t": "lookup", "rid": "r1", "handle": handle, "slice": [0, 3, 0, 4],
+                                     "dtype": "float16", "shape": list(LAYOUT.wire_shape(len(IDS))), "keep": True},
+                                    timeout=5)
+        assert answer["t"] == "found" and server.statistics().pinned == 1
+        await _until(lambda: server.statistics().pinned == 0, timeout=3)
+        assert server.statistics().pins_expired == 1 and store.statistics().held_requests == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("off_loop", [False, True], ids=["inline", "worker-thread"])
+async def test_a_transfer_that_raises_ends_its_landing_and_its_pin(monkeypatch: pytest.MonkeyPatch,
+                                                                   off_loop: bool) -> None:
+    """Also when transfer() runs in a worker thread (a READ large enough that its inline copy on one
+    host would stall the event loop)."""
+    if off_loop:
+        monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", 0)
+    async with _served() as (store, handle, server, peer, t):
+        await t.connect(peer)
+
+        def broken(xfer, notif=b""):  # noqa: ANN001
+            raise RuntimeError("NIXL_ERR_BACKEND")
+
+        t.agent.transfer = broken
+        landing = Landing()
+        with pytest.raises(PeerClosed, match="could not be posted|failed"):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, landing=landing)
+        assert not landing.busy
+        await _until(lambda: server.statistics().pinned == 0)
+        assert store.statistics().held_requests == 1 and not t._pinned
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("blocks", [["5", 2, 3, 7, 8, 9, 0], [5, 2, 3], [5, 2, 3, 7, 8, 9, 99], [5, 2, 3, 7, 8, 9, 0.0],
+                                    "5,2,3", None])
+async def test_a_bad_block_list_is_a_protocol_violation(blocks: object) -> None:
+    """Block ids are checked (count, type, range) before anything is built from them."""
+    async with _served() as (store, handle, server, peer, t):
+        real = server._lookup
+
+        def lying(msg: dict) -> dict:
+            answer = real(msg)
+            return {**answer, "blocks": blocks}
+
+        server._lookup = lying  # type: ignore[method-assign]
+        landing = Landing()
+        with pytest.raises(ProtocolViolation, match="block list"):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, landing=landing)
+        assert not landing.busy
+        await _until(lambda: server.statistics().pinned == 0)
+        assert store.statistics().held_requests == 1
+
+
+@pytest.mark.anyio
+async def test_a_read_that_never_ends_is_bounded_and_so_is_aclose() -> None:
+    """A READ NIXL still reports in progress after ``read_timeout_s`` gets its peer dropped, which
+    ends it; the pull fails, its landing ends only then, and ``aclose`` does not hang on it."""
+    async with _served(read_timeout_s=0.3, close_timeout_s=0.5) as (store, handle, server, peer, t):
+        await t.connect(peer)
+        real_transfer, real_state, real_remove = t.agent.transfer, t.agent.check_xfer_state, t.agent.remove_remote_agent
+        dropped: list[str] = []
+
+        def transfer(xfer, notif=b""):  # noqa: ANN001  (the copy happens, NIXL just does not say so)
+            real_transfer(xfer, notif) if notif else real_transfer(xfer)
+            return "PROC"
+
+        def state(xfer):  # noqa: ANN001
+            return "ERR" if dropped else "PROC"
+
+        def remove(name):  # noqa: ANN001
+            dropped.append(name)
+            return real_remove(name)
+
+        t.agent.transfer, t.agent.check_xfer_state, t.agent.remove_remote_agent = transfer, state, remove
+        landing = Landing()
+        t0 = time.monotonic()
+        with pytest.raises(PeerClosed, match="failed"):
+            await asyncio.wait_for(t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, landing=landing,
+                                          release=False), 5)
+        assert time.monotonic() - t0 < 3 and dropped and not landing.busy
+        t.agent.check_xfer_state = real_state
+
+        # aclose with a READ that stays in progress until its peer is dropped: bounded
+        dropped.clear()
+        t.agent.check_xfer_state = state
+        task = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle,
+                                            landing=(landing := Landing()), release=False))
+        await _until(lambda: landing.busy or task.done())
+        assert not task.done(), task.exception()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        t.config = NIXLConfig(secret=SECRET, read_timeout_s=60, close_timeout_s=0.5)  # only aclose can end it now
+        t0 = time.monotonic()
+        await asyncio.wait_for(t.aclose(), 5)
+        assert time.monotonic() - t0 < 3 and dropped and not landing.busy
+
+
+@pytest.mark.anyio
+async def test_unauthenticated_control_connections_are_capped() -> None:
+    async with _served(max_unauthenticated=2, handshake_timeout_s=5) as (store, handle, server, peer, t):
+        host, port = "127.0.0.1", server.port
+        silent = [socket.create_connection((host, port)) for _ in range(2)]
+        try:
+            await _until(lambda: server._handshaking == 2)
+            extra = socket.create_connection((host, port))
+            extra.settimeout(2)
+            data = await asyncio.to_thread(extra.recv, 1)  # the server runs on this loop
+            assert data == b"", "a third connection in its handshake was served"
+            extra.close()
+        finally:
+            for s in silent:
+                s.close()
+        await _until(lambda: server._handshaking == 0)
+        into = _into()  # an authenticated GEN is served as before
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle)
+
+
+@pytest.mark.anyio
+async def test_a_registered_tensor_is_kept_until_aclose_deregisters_it() -> None:
+    config = NIXLConfig(secret=SECRET)
+    t = NIXLTransport(config, layout=LAYOUT)
+    pool = torch.zeros(1 << 16)
+    ref = weakref.ref(pool)
+    t.register(pool)
+    del pool
+    gc.collect()
+    assert ref() is not None, "NIXL may still write into memory that was freed"
+    await t.aclose()
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.anyio
+async def test_whole_block_reads_into_a_registered_pool_use_prepared_descriptor_lists(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full-slice pull into whole blocks of a registered pool is one make_prepped_xfer from lists
+    prepared once (the CTX pool per peer, the GEN pool at register); the data is the CTX's blocks.
+    A head subset, or memory outside a registered pool, takes the per-READ descriptors."""
+    from transports import KVSlice
+
+    async with _served() as (store, handle, server, peer, t):
+        pool = LAYOUT.new_pool(16).zero_()
+        t.register(pool)
+        monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", 0)  # the second READ off the loop
+        want = gather(store.pool, IDS, LAYOUT.full_slice())
+        into = pool[3:3 + len(IDS)]
+        with monkeypatch.context() as m:
+            m.setattr("transports.nixl._INLINE_TRANSFER_BYTES", 1 << 30)  # the first inline
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
+        assert torch.equal(into, want) and t.statistics().prepped_reads == 1
+        assert not pool[:3].any() and not pool[3 + len(IDS):].any()  # nothing else written
+        into2 = pool[9:9 + len(IDS)]
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into2, handle=handle, release=False)
+        assert torch.equal(into2, want) and t.statistics().prepped_reads == 2
+        part = KVSlice(0, 3, 1, 3)
+        sub = torch.zeros(LAYOUT.wire_shape(len(IDS), part), dtype=LAYOUT.dtype)
+        await t.pull(peer, "r1", part, sub, handle=handle, release=False)
+        assert torch.equal(sub, gather(store.pool, IDS, part)) and t.statistics().prepped_reads == 2
+        await _until(lambda: server.statistics().pinned == 0)
+
+
+@pytest.mark.anyio
+async def test_a_reconnect_removes_the_old_agent_once_its_last_read_ends() -> None:
+    """A CTX restarted (a new NIXL agent) while a READ from its old agent is still in flight: the
+    reconnect does not remove the old agent under that READ, and removes it when the READ ends
+    (before, the old agent was forgotten but never removed: a leak per restart)."""
+    store = KVStore(LAYOUT, LAYOUT.new_pool(16).uniform_())
+    handle = store.put("r1", IDS, num_tokens=25, lease_s=60)
+    config = NIXLConfig(secret=SECRET)
+    async with NIXLTransport(config, layout=LAYOUT) as t:
+        real_transfer, real_remove = t.agent.transfer, t.agent.remove_remote_agent
+        removed: list[str] = []
+        release = asyncio.Event()
+
+        def transfer(xfer, notif=b""):  # noqa: ANN001  (the copy happens; NIXL reports it in flight)
+            real_transfer(xfer, notif) if notif else real_transfer(xfer)
+            return "PROC"
+
+        def remove(name):  # noqa: ANN001
+            removed.append(name.decode() if isinstance(name, bytes) else name)
+            return real_remove(name)
+
+        t.agent.transfer, t.agent.remove_remote_agent = transfer, remove
+        t.agent.check_xfer_state = lambda xfer: "DONE" if release.is_set() else "PROC"
+        async with NIXLKVServer(store, config, host="127.0.0.1") as first:
+            port, old = first.port, first.agent.name
+            peer = f"127.0.0.1:{port}"
+            landing = Landing()
+            reading = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle,
+                                                   landing=landing, release=False))
+            await _until(lambda: landing.busy)
+        async with NIXLKVServer(store, config, host="127.0.0.1", port=port) as second:
+            t._peers.drop(peer, t._peers.conns[peer])  # the old control connection is gone
+            await t.connect(peer)
+            assert t._agents[peer] == second.agent.name != old
+            assert old not in removed, "the old agent was removed under its READ"
+            release.set()
+            await reading
+            await _until(lambda: old in removed and not landing.busy)
+            assert second.agent.name not in removed
