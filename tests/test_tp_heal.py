@@ -114,7 +114,7 @@ def _heal_run(role: str, fault: str) -> dict:
             out["after"] = await _load(ctx, gen, "after", 16, 8, seed=9, concurrency=8)()
             out["exact_s"] = time.perf_counter() - t_fault
             out["ping"] = await _ping(group)
-            out["old_alive"] = [p for p in old_pids if _alive(p)]
+            out["old_pids"], out["old_alive"] = old_pids, [p for p in old_pids if _alive(p)]
             out["new_pids"] = (await _stats(group))["tp"]["rank_pids"]
             out["gen_stats"] = await _stats(gen)
             out["ctx_held"] = (await _stats(ctx))["store"]["held_requests"]
@@ -149,7 +149,7 @@ def _check_healed(out: dict, cause: str, *, errors_by_s: float) -> None:
     assert out["ctx_empty_s"] <= errors_by_s  # ... and was told at once, not at the end of a lease
     assert out["ping"]["tp"]["restarts"] == 1 and cause in out["ping"]["tp"]["last_cause"]
     assert out["old_alive"] == []  # every rank of the old group is gone (a stopped one too)
-    assert not set(out["new_pids"]) & set(out["ping"]["tp"].get("old_pids", []))
+    assert len(out["new_pids"]) == len(out["old_pids"]) and not set(out["new_pids"]) & set(out["old_pids"])
     _exact(out["after"], 8, seed=9)
     assert out["exact_s"] <= 30, out["exact_s"]
     assert out["ctx_held"] == 0 and out["gen_stats"]["rest_problems"] == []
@@ -172,3 +172,60 @@ def test_gen_rank_stopped_shorter_than_the_step_timeout_fails_nothing() -> None:
     assert all(r.ok for r in out["load"].records), [(r.state, r.message[:80]) for r in out["load"].records]
     _exact(out["load"], LOAD_OSL, seed=5)
     assert out["ping"]["healthy"] and out["ping"]["tp"]["restarts"] == 0
+
+
+# -- a CTX group ---------------------------------------------------------------------------------------
+
+def _check_ctx_healed(out: dict, cause: str, *, by_s: float) -> None:
+    print({k: v for k, v in out.items() if k.endswith("_s")})
+    records = out["load"].records
+    failed = [r for r in records if not r.ok]
+    # what the GEN had pulled decodes on; a pull of the broken group's KV fails at once (refused,
+    # reset, or already freed by CTX rank 0), never at the 60 s transfer timeout
+    assert failed and all(r.state == "failed" for r in failed), [(r.state, r.failure, r.message[:80]) for r in records]
+    assert max(out["ends_s"]) <= by_s, out["ends_s"]
+    assert out["ctx_empty_s"] <= by_s
+    assert out["ping"]["tp"]["restarts"] == 1 and cause in out["ping"]["tp"]["last_cause"]
+    assert out["old_alive"] == []
+    assert len(out["new_pids"]) == len(out["old_pids"]) and not set(out["new_pids"]) & set(out["old_pids"])
+    _exact(out["after"], 8, seed=9)
+    assert out["exact_s"] <= 30, out["exact_s"]
+    assert out["ctx_held"] == 0 and out["gen_stats"]["rest_problems"] == [] and out["gen_stats"]["healthy"]
+
+
+def test_ctx_rank_killed_under_load_regroups_and_gen_pulls_fail_at_once() -> None:
+    out = _heal_run("ctx", "kill")
+    _check_ctx_healed(out, "CTX rank 1 (pid", by_s=10.0)
+    assert "was killed by SIGKILL" in out["ping"]["tp"]["last_cause"]
+
+
+def test_ctx_rank_stopped_past_the_step_timeout_is_killed_and_the_ctx_regroups() -> None:
+    out = _heal_run("ctx", "stop")
+    _check_ctx_healed(out, "CTX rank 1 (pid", by_s=STEP_S + 10.0)
+    assert f"stopped answering: no step exchange for {STEP_S:g} s" in out["ping"]["tp"]["last_cause"]
+
+
+def test_ctx_rank_stopped_shorter_than_the_step_timeout_fails_nothing() -> None:
+    out = _heal_run("ctx", "pause")
+    assert all(r.ok for r in out["load"].records), [(r.state, r.message[:80]) for r in out["load"].records]
+    _exact(out["load"], LOAD_OSL, seed=5)
+    assert out["ping"]["healthy"] and out["ping"]["tp"]["restarts"] == 0
+
+
+def test_ctx_ranks_disagreeing_on_a_first_token_fail_that_prefill_not_the_group() -> None:
+    env = node_env()
+    with NodeProcess.start(["ctx", "--tp", "2", "--inject-first-token", "1:skew"], env=env, timeout=180) as ctx, \
+            NodeProcess.start(["gen", "--step", "device"], env=env, timeout=180) as gen:
+
+        async def drive() -> tuple[client.LoadResult, client.LoadResult, dict, dict]:
+            skewed = await _load(ctx, gen, "skew", 3, 4, seed=1, concurrency=3)()
+            fine = await _load(ctx, gen, "fine", 4, 4, seed=2, concurrency=2)()
+            return skewed, fine, await _ping(ctx), await _stats(ctx)
+
+        skewed, fine, ping, stats = anyio.run(drive)
+    assert all(r.state == "error" and r.failure == "prefill_rejected" for r in skewed.records), \
+        [(r.state, r.failure, r.message) for r in skewed.records]
+    assert all("disagree on the first token of skew-" in r.message for r in skewed.records)
+    assert all(r.ok for r in fine.records), [(r.state, r.message) for r in fine.records]
+    assert ping["healthy"] and ping["tp"]["restarts"] == 0  # the group was never broken
+    assert stats["store"]["held_requests"] == 0  # every rank freed its copy of the refused prefills

@@ -131,7 +131,8 @@ class CtxNode:
         assert self.control is not None
         ranks = [self.rank_stats()]
         if self.group is not None and self.group.broken is None:
-            ranks = await self._in_group(("stats",))
+            with contextlib.suppress(control.ControlError):  # the group broke meanwhile: rank 0's own
+                ranks = await self._in_group(("stats",))
         store = {k: sum(r["store"][k] for r in ranks) for k in ranks[0]["store"]}
         pool = {k: sum(r["pool"][k] for r in ranks) for k in ranks[0]["pool"]}
         return {"ok": True, "role": "ctx", "prefills": self._prefills, "store": store, "pool": pool,
