@@ -341,6 +341,7 @@ class GenNode:
         if not isinstance(engine, TPGenEngine):
             return {"world_size": 1}
         return {"world_size": engine.world_size, "rank_pids": getattr(self.args, "tp_pids", []),
+                "device": self.config.device, "model_backend": tp_group.model_backend(),
                 **(self.healer.statistics() if self.healer is not None else {}),
                 "kv_head_offset": self.config.kv_head_offset,
                 "rank_admitted": [list(a) for a in engine.rank_admitted],
