@@ -206,3 +206,16 @@ def test_gen_tp2_on_cuda_runs_its_model_on_nccl_with_a_device_per_rank() -> None
     check(report, 4)
     tp = report["gen"]["tp"]
     assert tp["model_backend"] == "nccl" and tp["device"] == "cuda:0"
+
+
+def test_the_fronts_health_shows_each_groups_restarts_and_last_cause() -> None:
+    from examples.serve.cluster import Cluster
+
+    cluster = Cluster(["127.0.0.1:9"], ["127.0.0.1:10"], secret=b"x" * 32)
+    ctx, gen = cluster.nodes
+    ctx.stats = {"store": {"held_requests": 0}, "tp": {"world_size": 1}}  # no group: nothing to show
+    gen.stats = {"engine": {"waiting": 0, "receiving": 0, "ready": 0, "running": 0},
+                 "tp": {"world_size": 4, "restarts": 2, "last_cause": "GEN rank 2 (pid 7) was killed by SIGKILL"}}
+    nodes = cluster.health()["nodes"]
+    assert "restarts" not in nodes[0]
+    assert nodes[1]["restarts"] == 2 and nodes[1]["last_cause"] == "GEN rank 2 (pid 7) was killed by SIGKILL"

@@ -93,6 +93,7 @@ class GenNode:
             kv_hold_interval_s=args.kv_hold_interval_s,
             kv_head_offset=self.model.kv_head_range().start,
             device=str(self.model.device),
+            **gen_tp.blocking_wait_bound(args),
         )
         self.step_fn: Any = self._step_fn()
         self.checksums: dict[str, list[int]] = {}

@@ -108,6 +108,19 @@ def use_group(args: argparse.Namespace, group: tp_group.Group) -> None:
     args.tp_pids = group.pids
 
 
+def blocking_wait_bound(args: argparse.Namespace) -> dict[str, float]:
+    """``OrchestratorConfig(max_blocking_wait_s=...)`` for a rank of a group: half the step timeout,
+    so no wait on one rank (an inline connect, a reservation) outlasts its peers' step exchange.
+    Empty at ``--tp 1`` or with an engine that has no such knob."""
+    import dataclasses
+
+    from orchestrator import OrchestratorConfig
+
+    if args.tp == 1 or "max_blocking_wait_s" not in {f.name for f in dataclasses.fields(OrchestratorConfig)}:
+        return {}
+    return {"max_blocking_wait_s": args.tp_step_timeout_s / 2}
+
+
 def step_sync(group: Any, watch: tp_group.RankWatch | None) -> Any:
     """The engine's step exchange on ``group``; on rank 0 a failure is the watch's readable cause."""
     from orchestrator import TorchStepSync
