@@ -97,6 +97,18 @@ M = [
  ("16 rank 0's tokens are the group's", "orchestrator/_engine.py", "            token = word & ~FINISH\n", "            token = (word & ~FINISH) + 1\n", "tests/test_one_step.py -k exact_kv"),
  ("16 blocking waits bounded", "orchestrator/_engine.py", "        return wanted if limit is None else min(wanted, limit)", "        return wanted", "tests/test_one_step.py -k max_blocking_wait"),
  ("16 quarantine waits for every rank", "orchestrator/_engine.py", "seq.seq_no in self._ending and seq.quiet & everyone == everyone:", "seq.seq_no in self._ending and seq.quiet & 1:", "tests/test_one_step.py -k quarantined"),
+ # issue 16: the self-healing TP group (process side), each protection removed once
+ ("16 one readable cause from a failed collective", "examples/two_node/tp_group.py", "            raise GroupBroken(self.cause(exc)) from exc\n", "            raise\n", "tests/test_tp_heal_units.py -k failed_collective"),
+ ("16 the cause is decided once", "examples/two_node/tp_group.py", "        with self._lock:\n            if self._cause is not None:\n                return self._cause\n", "        with self._lock:\n", "tests/test_tp_heal_units.py -k killed_by_a_signal"),
+ ("16 a killed rank outranks one that exited", "examples/two_node/tp_group.py", "                found = (3, f\"{self.role} rank", "                found = (0, f\"{self.role} rank", "tests/test_tp_heal_units.py -k killed_by_a_signal"),
+ ("16 a stop counts only past the step timeout", "examples/two_node/tp_group.py", "        if any(now - t >= self.step_timeout_s for t in self._stopped_since.values()):", "        if self._stopped_since:", "tests/test_tp_heal_units.py -k past_the_step_timeout"),
+ ("16 SIGKILL reaches a stopped rank", "examples/two_node/tp_group.py", "                child.kill()\n", "                child.terminate()\n", "tests/test_tp_heal_units.py -k past_the_step_timeout"),
+ ("16 rank 0 stuck in a collective breaks the group", "examples/two_node/tp_group.py", "        if busy is not None and now - busy >= self.step_timeout_s:", "        if False:", "tests/test_tp_heal_units.py -k inside_one_collective"),
+ ("16 the step exchange's failure reads as the cause", "examples/two_node/gen_tp.py", "        return self._watch.collective(lambda: self._inner.exchange(message))", "        return self._inner.exchange(message)", "tests/test_tp_two_node.py -k killed_rank_fails_clients"),
+ ("16 a broken GEN group frees every CTX copy at once", "examples/two_node/gen_tp.py", "                            tg.start_soon(self._release, peer, rid, handle)\n", "                            pass\n", "tests/test_tp_heal.py -k gen_rank_killed"),
+ ("7 the model group has its own timeout", "examples/two_node/tp_group.py", "timeout=datetime.timedelta(seconds=model_timeout_s(args)), backend=model_backend())", "timeout=datetime.timedelta(seconds=args.tp_step_timeout_s), backend=model_backend())", "tests/test_tp_heal_units.py -k own_timeouts"),
+ ("8 CTX first-token disagreement fails that prefill only", "examples/two_node/ctx_tp.py", "        if not all(p[\"ok\"] for p in parts) or len(set(firsts)) != 1:", "        if not all(p[\"ok\"] for p in parts):", "tests/test_tp_heal.py -k disagreeing"),
+ ("9 KV checksums off the event loop", "examples/two_node/gen_tp.py", "        self._pool.submit(work)\n", "        work()\n", "tests/test_tp_heal_units.py -k worker_thread"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

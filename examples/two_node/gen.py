@@ -476,9 +476,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "while another waits (Python's default: 5 ms)")
     p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
-    p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
-                   help="CRC32 of each received KV block, reported at the end of a generate stream (a parity "
-                        "check; --no-kv-checksums saves event-loop CPU in benchmarks)")
+    p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=False,
+                   help="CRC32 of each received KV block (per KV head; each rank its own, sent to rank 0 off the "
+                        "step exchange), reported at the end of a generate stream: a parity check (the demo "
+                        "turns it on; it costs a gather and CPU per request)")
     gen_tp.add_args(p)
     p.add_argument("--kv-hold-interval-s", type=float, default=OrchestratorConfig.kv_hold_interval_s,
                    help="how often CTX nodes are asked to renew the leases of requests still waiting here "
