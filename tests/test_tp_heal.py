@@ -24,7 +24,7 @@ from examples.two_node.launch import NodeProcess, node_env
 pytestmark = pytest.mark.integration
 
 STEP_S = 4.0  # --tp-step-timeout-s of the group under test
-LOAD_ISL, LOAD_OSL = 48, 160  # long enough to be decoding when the fault comes
+LOAD_ISL, LOAD_OSL = 48, 96  # long enough to be decoding when the fault comes
 
 
 async def _stats(node: NodeProcess) -> dict:

@@ -369,7 +369,8 @@ class Healer:
         t0 = time.monotonic()
         self.last_cause, self.regrouping = cause, True
         log.warning("tp_group_healing", role=self.role, cause=cause, generation=self.group.generation)
-        kill_ranks(self.group.children)  # first: rank 0's pending collectives now fail at once
+        children = self.group.children  # first: rank 0's pending collectives now fail at once
+        await anyio.to_thread.run_sync(kill_ranks, children)
         await node.fail(cause)
         await node.stop()
         generation = self.group.generation + 1
