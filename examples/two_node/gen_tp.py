@@ -25,7 +25,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import hmac
-import inspect
 import json
 import os
 import secrets
@@ -110,39 +109,15 @@ def use_group(args: argparse.Namespace, group: tp_group.Group) -> None:
 
 def blocking_wait_bound(args: argparse.Namespace) -> dict[str, float]:
     """``OrchestratorConfig(max_blocking_wait_s=...)`` for a rank of a group: half the step timeout,
-    so no wait on one rank (an inline connect, a reservation) outlasts its peers' step exchange.
-    Empty at ``--tp 1`` or with an engine that has no such knob."""
-    import dataclasses
-
-    from orchestrator import OrchestratorConfig
-
-    if args.tp == 1 or "max_blocking_wait_s" not in {f.name for f in dataclasses.fields(OrchestratorConfig)}:
-        return {}
-    return {"max_blocking_wait_s": args.tp_step_timeout_s / 2}
+    so no wait on one rank (an inline connect, a reservation) outlasts its peers' step exchange."""
+    return {} if args.tp == 1 else {"max_blocking_wait_s": args.tp_step_timeout_s / 2}
 
 
 def step_sync(group: Any, watch: tp_group.RankWatch | None) -> Any:
-    """The engine's step exchange on ``group``; on rank 0 a failure is the watch's readable cause."""
+    """The engine's step exchange on ``group``; on rank 0 a failure reads as the watch's cause."""
     from orchestrator import TorchStepSync
 
-    if watch is None:
-        return TorchStepSync(group)
-    if "describe_failure" in inspect.signature(TorchStepSync).parameters:
-        return TorchStepSync(group, describe_failure=watch.cause)
-    return _WatchedSync(TorchStepSync(group), watch)
-
-
-class _WatchedSync:
-    """A ``StepSync`` whose failure says which rank broke the group, never the transport's text."""
-
-    def __init__(self, inner: Any, watch: tp_group.RankWatch) -> None:
-        self._inner = inner
-        self._watch = watch
-        self.rank = inner.rank
-        self.world_size = inner.world_size
-
-    def exchange(self, message: Any) -> Any:
-        return self._watch.collective(lambda: self._inner.exchange(message))
+    return TorchStepSync(group, describe_failure=watch.cause if watch is not None else None)
 
 
 def watched_step(step_fn: Callable[[Any], Any], watch: tp_group.RankWatch | None) -> Callable[[Any], Any]:
