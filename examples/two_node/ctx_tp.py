@@ -18,8 +18,11 @@
 
 GEN then pulls each of its KV heads straight from the CTX rank that holds it (``kv_sources`` in the
 prefill reply; fan-in when a GEN rank's heads span several CTX ranks) and releases each CTX rank
-once. When a rank dies, rank 0's next collective fails: it reports unhealthy and refuses prefills;
-the other ranks' next collective fails and they exit.
+once. When a rank dies or stops answering past --tp-step-timeout-s, rank 0 heals the group
+(``tp_group.Healer``, ``CtxRank0`` below): prefills are refused with one readable cause, the old
+ranks are killed, rank 0 frees its copies of the old group's prefills, and a new group serves on
+the same ports; the other ranks' next collective fails and they exit. Ranks that disagree on a
+prefill's first token fail that prefill only.
 """
 
 from __future__ import annotations
