@@ -21,7 +21,7 @@ prefill reply; fan-in when a GEN rank's heads span several CTX ranks) and releas
 once. When a rank dies or stops answering past --tp-step-timeout-s, rank 0 heals the group
 (``tp_group.Healer``, ``CtxRank0`` below): prefills are refused with one readable cause, the old
 ranks are killed, rank 0 frees its copies of the old group's prefills, and a new group serves on
-the same ports; the other ranks' next collective fails and they exit. Ranks that disagree on a
+the same control port; the other ranks' next collective fails and they exit. Ranks that disagree on a
 prefill's first token fail that prefill only.
 """
 
