@@ -185,8 +185,7 @@ def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: li
                     "--max-num-seqs", str(cfg["max_num_seqs"]),
                     "--kv-transfer-timeout-ms", str(cfg["kv_transfer_timeout_ms"]),
                     "--block-size", str(BLOCK_SIZE), "--max-seq-len", str(cfg["max_seq_len"])]
-        if not cfg["kv_checksums"]:
-            gen_args.append("--no-kv-checksums")
+        gen_args.append("--kv-checksums" if cfg["kv_checksums"] else "--no-kv-checksums")  # off unless asked
         for key, flag in (("max_prefetch_seqs", "--max-prefetch-seqs"), ("switch_interval_ms", "--switch-interval-ms")):
             if cfg.get(key) is not None:  # only when asked: older GEN nodes lack these flags
                 gen_args += [flag, str(cfg[key])]

@@ -109,6 +109,17 @@ M = [
  ("12 nixl unauthenticated connections capped", "transports/_nixl_server.py", "        if self._handshaking >= self.config.max_unauthenticated:", "        if False:", "tests/test_dataplane_nixl.py -k capped"),
  ("12 nixl registered tensor referenced", "transports/nixl.py", "        self._regions.append((start, end, tensor, descs))", "        self._regions.append((start, end, None, descs))", "tests/test_dataplane_nixl.py -k registered_tensor"),
  ("12 nixl a reconnect removes the old agent after its READ", "transports/nixl.py", "            if name in self._stale:  # replaced by a reconnect while this READ ran\n", "            if False:\n", "tests/test_dataplane_nixl.py -k reconnect"),
+ # issue 16: the self-healing TP group (process side), each protection removed once
+ ("16 one readable cause from a failed collective", "examples/two_node/tp_group.py", "            raise GroupBroken(self.cause(exc)) from exc\n", "            raise\n", "tests/test_tp_heal_units.py -k failed_collective"),
+ ("16 the cause is decided once", "examples/two_node/tp_group.py", "        with self._lock:\n            if self._cause is not None:\n                return self._cause\n", "        with self._lock:\n", "tests/test_tp_heal_units.py -k killed_by_a_signal"),
+ ("16 a killed rank outranks one that exited", "examples/two_node/tp_group.py", "                found = (3, f\"{self.role} rank", "                found = (0, f\"{self.role} rank", "tests/test_tp_heal_units.py -k killed_by_a_signal"),
+ ("16 a stop counts only past the step timeout", "examples/two_node/tp_group.py", "        if any(now - t >= self.step_timeout_s for t in self._stopped_since.values()):", "        if self._stopped_since:", "tests/test_tp_heal_units.py -k past_the_step_timeout"),
+ ("16 SIGKILL reaches a stopped rank", "examples/two_node/tp_group.py", "                child.kill()\n", "                child.terminate()\n", "tests/test_tp_heal_units.py -k past_the_step_timeout"),
+ ("16 rank 0 stuck in a collective breaks the group", "examples/two_node/tp_group.py", "        if busy is not None and now - busy >= self.step_timeout_s:", "        if False:", "tests/test_tp_heal_units.py -k inside_one_collective"),
+ ("16 the step exchange's failure reads as the cause", "examples/two_node/gen_tp.py", "describe_failure=watch.cause if watch is not None else None)", "describe_failure=None)", "tests/test_tp_two_node.py -k killed_rank_fails_clients"),
+ ("7 the model group has its own timeout", "examples/two_node/tp_group.py", "timeout=datetime.timedelta(seconds=model_timeout_s(args)), backend=model_backend())", "timeout=datetime.timedelta(seconds=args.tp_step_timeout_s), backend=model_backend())", "tests/test_tp_heal_units.py -k own_timeouts"),
+ ("8 CTX first-token disagreement fails that prefill only", "examples/two_node/ctx_tp.py", "        if not all(p[\"ok\"] for p in parts) or len(set(firsts)) != 1:", "        if not all(p[\"ok\"] for p in parts):", "tests/test_tp_heal.py -k disagreeing"),
+ ("9 KV checksums off the event loop", "examples/two_node/gen_tp.py", "        self._pool.submit(work)\n", "        work()\n", "tests/test_tp_heal_units.py -k worker_thread"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

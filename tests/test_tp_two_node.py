@@ -46,10 +46,10 @@ def test_backpressure_at_tp4_defers_and_admits_the_same_requests_on_every_rank()
     same_admissions(report["gen"]["tp"], 16)
 
 
-async def _load(ctx: NodeProcess, gen: NodeProcess, prefix: str, n: int) -> client.LoadResult:
+async def _load(ctx: NodeProcess, gen: NodeProcess, prefix: str, n: int, *, release: bool = False) -> client.LoadResult:
     return await client.run_load(ctx=[ctx.info["ctrl"]], gen=gen.info["ctrl"], secret=ctx.secret,
                                  prompts=client.make_prompts(n, 48, seed=3), max_tokens=4, concurrency=4,
-                                 progress=False, id_prefix=prefix, timeout_s=60)
+                                 progress=False, id_prefix=prefix, timeout_s=60, release=release)
 
 
 async def _stats(node: NodeProcess) -> dict:
@@ -79,32 +79,37 @@ def test_one_ranks_failed_pull_fails_the_request_on_every_rank_and_all_come_to_r
     assert c["store"]["held_requests"] == 0  # rank 0 told the CTX to free each failed copy
 
 
-def test_a_killed_rank_stops_the_group_and_clients_get_errors_not_hangs() -> None:
+def test_a_killed_rank_fails_clients_with_one_readable_cause_and_the_group_serves_again() -> None:
+    # TP2 here; TP4 under load, SIGSTOP, and the times the issue asks for: tests/test_tp_heal.py
     env = node_env()
-    with NodeProcess.start(["ctx", "--lease-s", "3"], env=env) as ctx, \
+    with NodeProcess.start(["ctx"], env=env) as ctx, \
             NodeProcess.start(["gen", "--tp", "2", "--step", "device", "--kv-transfer-timeout-ms", "10000"], env=env) as gen:
 
-        async def drive() -> tuple[client.LoadResult, client.LoadResult, dict, float, dict]:
+        async def drive() -> tuple[client.LoadResult, client.LoadResult, dict, client.LoadResult, dict]:
             ok = await _load(ctx, gen, "before", 4)
             pid = (await _stats(gen))["tp"]["rank_pids"][0]
             os.kill(pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            after = await _load(ctx, gen, "after", 4)
+            # while the group breaks and re-forms: a GEN that refuses a request never saw its KV, so
+            # this client frees it (what the GEN held, the GEN frees: tests/test_tp_heal.py)
+            after = await _load(ctx, gen, "after", 4, release=True)
             with anyio.fail_after(60):
-                while (ping := await control.call(gen.info["ctrl"], {"op": "ping"}, secret=gen.secret))["healthy"]:
+                while not ((ping := await control.call(gen.info["ctrl"], {"op": "ping"}, secret=gen.secret))["healthy"]
+                           and ping["tp"]["restarts"] == 1):
                     await anyio.sleep(0.1)
-            unhealthy_after = time.monotonic() - t0
-            with anyio.fail_after(30):  # what the GEN never pulled, the CTX frees when its lease ends
+            again = await _load(ctx, gen, "again", 4)
+            with anyio.fail_after(10):  # every CTX copy was freed at once (no lease wait: the lease is 30 s)
                 while (c := await _stats(ctx))["store"]["held_requests"]:
-                    await anyio.sleep(0.2)
-            return ok, after, ping, unhealthy_after, c
+                    await anyio.sleep(0.1)
+            return ok, after, ping, again, c
 
-        ok, after, ping, unhealthy_after, c = anyio.run(drive)
-        assert gen.alive()  # rank 0 stays up and says what is wrong
+        ok, after, ping, again, c = anyio.run(drive)
+        assert gen.alive()
     assert all(r.ok for r in ok.records)
-    assert not any(r.ok for r in after.records)  # errors, within the requests' timeout, not hangs
-    assert "group broken" in (ping["health"] or "") or "stopped" in (ping["health"] or "")
-    assert unhealthy_after < 20, [(r.state, r.failure, r.message[:60], round(r.t_end - r.t_start, 1)) for r in after.records]  # the watchdog sees the rank die; a step stuck on it fails by --tp-timeout-s
+    assert ping["tp"]["last_cause"].startswith("GEN rank 1 (pid ") and "was killed by SIGKILL" in ping["tp"]["last_cause"]
+    # whichever detector fired first (the watchdog, the step exchange, the decode step), a client that
+    # failed sees the one cause, never the transport's text
+    assert all(ping["tp"]["last_cause"] in r.message for r in after.records if not r.ok), [r.message for r in after.records]
+    assert all(r.ok for r in again.records), [(r.state, r.message) for r in again.records]
     assert c["store"]["held_requests"] == 0
 
 
@@ -122,34 +127,31 @@ def test_ctx_tp_to_gen_tp_fans_in_and_equals_a_single_process(ctx_tp: int, gen_t
     assert report["gen"]["tp"]["world_size"] == gen_tp
 
 
-def test_a_killed_ctx_rank_makes_the_ctx_refuse_prefills_and_nothing_hangs() -> None:
+def test_a_killed_ctx_rank_fails_what_needs_it_and_the_ctx_group_serves_again() -> None:
     env = node_env()
-    with NodeProcess.start(["ctx", "--tp", "2", "--tp-timeout-s", "5"], env=env) as ctx, \
+    with NodeProcess.start(["ctx", "--tp", "2", "--tp-step-timeout-s", "5"], env=env) as ctx, \
             NodeProcess.start(["gen", "--step", "device", "--kv-transfer-timeout-ms", "10000"], env=env) as gen:
 
-        async def drive() -> tuple[client.LoadResult, client.LoadResult, dict, float, dict]:
+        async def drive() -> tuple[client.LoadResult, dict, client.LoadResult, dict]:
             ok = await _load(ctx, gen, "before", 4)
             c = await _stats(ctx)
             assert c["tp"]["world_size"] == 2 and [r["head_range"] for r in c["tp"]["ranks"]] == [[0, 1], [1, 2]]
             os.kill(c["tp"]["rank_pids"][0], signal.SIGKILL)
-            t0 = time.monotonic()
-            with anyio.fail_after(30):
-                while (ping := await control.call(ctx.info["ctrl"], {"op": "ping"}, secret=ctx.secret))["healthy"]:
+            with anyio.fail_after(60):
+                while not ((ping := await control.call(ctx.info["ctrl"], {"op": "ping"}, secret=ctx.secret))["healthy"]
+                           and ping["tp"]["restarts"] == 1):
                     await anyio.sleep(0.1)
-            unhealthy_after = time.monotonic() - t0
             after = await _load(ctx, gen, "after", 4)
             with anyio.fail_after(30):
                 while (g := await _stats(gen))["rest_problems"]:
                     await anyio.sleep(0.05)
-            return ok, after, ping, unhealthy_after, g
+            return ok, ping, after, g
 
-        ok, after, ping, unhealthy_after, g = anyio.run(drive)
-        assert ctx.alive()  # rank 0 stays up and says what is wrong
+        ok, ping, after, g = anyio.run(drive)
+        assert ctx.alive()
     assert all(r.ok for r in ok.records)
-    assert all(r.state == "error" and r.failure == "prefill_rejected" for r in after.records), \
-        [(r.state, r.failure, r.message) for r in after.records]
-    assert "exited" in (ping["health"] or "") or "broken" in (ping["health"] or "")
-    assert unhealthy_after < 20
+    assert ping["tp"]["last_cause"].startswith("CTX rank 1 (pid ") and "was killed by SIGKILL" in ping["tp"]["last_cause"]
+    assert all(r.ok for r in after.records), [(r.state, r.failure, r.message) for r in after.records]
     assert g["healthy"] and g["rest_problems"] == []
 
 

@@ -129,8 +129,14 @@ class Cluster:
         return {
             "status": "ok" if self.ready() else "unavailable",
             "nodes": [{"role": n.role, "addr": n.addr, "up": n.up, "down": n.down, "load": n.load(),
-                       "mode": n.mode} for n in self.nodes],
+                       "mode": n.mode, **_group_health(n.stats)} for n in self.nodes],
         }
+
+
+def _group_health(stats: dict[str, Any] | None) -> dict[str, Any]:
+    """A tensor-parallel node's healing: how often its group was re-formed, and why the last time."""
+    tp = (stats or {}).get("tp") or {}
+    return {"restarts": tp["restarts"], "last_cause": tp.get("last_cause")} if "restarts" in tp else {}
 
 
 # -- starting nodes -------------------------------------------------------------------------------

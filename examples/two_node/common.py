@@ -60,14 +60,16 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def build_model(args: argparse.Namespace) -> TinyModel:
-    """The tiny model; a rank's shard when the node runs tensor-parallel (``--tp``, group joined)."""
+    """The tiny model; a rank's shard when the node runs tensor-parallel (``--tp``, group joined:
+    its model group, on its device)."""
     torch.set_num_threads(1)  # two cores: one for the execution thread, one for the event loop
     tp = None
     if getattr(args, "tp", 1) > 1:
         from examples.tp import TensorParallel
 
         tp = TensorParallel.from_group(getattr(args, "tp_group", None))
-    return TinyModel(model_config(args), tp=tp)
+    state = getattr(args, "tp_state", None)
+    return TinyModel(model_config(args), state.device if state is not None else "cpu", tp=tp)
 
 
 def load_secret_or_exit(path: str | None, what: str) -> bytes | None:

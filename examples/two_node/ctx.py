@@ -26,7 +26,7 @@ import structlog
 import torch
 
 from examples.metrics import ctx_node_stats, serve_node_metrics
-from examples.two_node import control, ctx_tp, gen_tp
+from examples.two_node import control, ctx_tp, gen_tp, tp_group
 from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, kv_server
 from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
@@ -50,12 +50,20 @@ class CtxNode:
         self._exec = anyio.CapacityLimiter(1)  # the CTX execution thread: one prefill at a time
         self._prefills = 0
         self.group: ctx_tp.CtxGroup | None = None
+        self.healer: tp_group.Healer | None = None  # rank 0 of a group: re-forms it when it breaks
+        self.group_copies: dict[str, str] = {}  # rank 0: request id -> handle of what the group holds
+        self.exec_thread: threading.Thread | None = None
         if args.tp > 1:
-            self.group = ctx_tp.CtxGroup(self, args.tp_group, self.rank, args.tp)
+            if self.rank == 0:
+                self.healer = tp_group.Healer("CTX", args, args.tp_state)
+            self.group = ctx_tp.CtxGroup(self, args.tp_step_group, self.rank, args.tp,
+                                         self.healer.watch if self.healer is not None else None)
         self.control = control_server(args, self.handle, self.model.config) if self.rank == 0 else None
 
-    def on_free(self, block_ids: torch.Tensor) -> None:
+    def on_free(self, block_ids: torch.Tensor, request_id: str | None = None) -> None:
         """Any thread: give the blocks back and wake every prefill waiting for blocks."""
+        if request_id is not None:
+            self.group_copies.pop(request_id, None)
         self.pool.free(block_ids)
         if self.group is not None:
             self.group.notify_freed()
@@ -107,12 +115,15 @@ class CtxNode:
         elif op == "stats":
             await stream.send(await self.stats())
         elif op == "ping":
-            await stream.send({"ok": True, "role": "ctx", **self._health()})
+            await stream.send({"ok": True, "role": "ctx", **self._health(),
+                               **({"tp": self.healer.statistics()} if self.healer is not None else {})})
         else:
             raise control.ControlError(f"unknown op {op!r}")
 
     def _health(self) -> dict[str, Any]:
         why = self.group.broken if self.group is not None else None
+        if self.healer is not None and self.healer.regrouping:
+            why = f"regrouping after: {self.healer.last_cause}"
         return {"healthy": why is None, "health": why}
 
     async def stats(self) -> dict[str, Any]:
@@ -120,11 +131,13 @@ class CtxNode:
         assert self.control is not None
         ranks = [self.rank_stats()]
         if self.group is not None and self.group.broken is None:
-            ranks = await self._in_group(("stats",))
+            with contextlib.suppress(control.ControlError):  # the group broke meanwhile: rank 0's own
+                ranks = await self._in_group(("stats",))
         store = {k: sum(r["store"][k] for r in ranks) for k in ranks[0]["store"]}
         pool = {k: sum(r["pool"][k] for r in ranks) for k in ranks[0]["pool"]}
         return {"ok": True, "role": "ctx", "prefills": self._prefills, "store": store, "pool": pool,
-                "tp": {"world_size": self.args.tp, "ranks": ranks, "rank_pids": getattr(self.args, "tp_pids", [])},
+                "tp": {"world_size": self.args.tp, "ranks": ranks, "rank_pids": getattr(self.args, "tp_pids", []),
+                       **(self.healer.statistics() if self.healer is not None else {})},
                 "control": dataclasses.asdict(self.control.statistics()), **self._health()}
 
     async def _prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -196,9 +209,8 @@ class CtxNode:
 
     async def _serve_control(self) -> None:
         async with anyio.create_task_group() as tg:
-            if getattr(self.args, "tp_children", None):
-                assert self.group is not None
-                tg.start_soon(gen_tp.watch_children, self.args.tp_children, self.group.mark_broken)
+            if self.healer is not None:
+                tg.start_soon(self.healer.run, ctx_tp.CtxRank0(self, self.healer))
             assert self.control is not None
             port = await tg.start(self.control.serve, self.args.host, self.args.port)
             metrics = (None if self.args.metrics_port is None else serve_node_metrics(
@@ -207,13 +219,18 @@ class CtxNode:
                            tp=self.args.tp)
             log.info("ctx_ready", ctrl_port=port, ucx=self.ucx_addr, tp=self.args.tp)
 
-    async def _run_group(self) -> None:
-        """``--tp``: this rank's execution thread runs the group's operations (rank 0 leads)."""
+    def start_execution(self) -> threading.Thread:
+        """This rank's execution thread for the current group (rank 0 leads it)."""
         group = self.group
         assert group is not None
-        exec_thread = threading.Thread(target=group.lead if self.rank == 0 else group.follow, name="execution",
-                                       daemon=True)
-        exec_thread.start()
+        self.exec_thread = threading.Thread(target=group.lead if self.rank == 0 else group.follow, name="execution",
+                                            daemon=True)
+        self.exec_thread.start()
+        return self.exec_thread
+
+    async def _run_group(self) -> None:
+        """``--tp``: this rank's execution thread runs the group's operations (rank 0 leads)."""
+        exec_thread = self.start_execution()
         if self.rank != 0:  # serves pulls of its heads until rank 0 stops the group (or it breaks)
             log.info("ctx_rank_ready", rank=self.rank, ucx=self.ucx_addr, heads=list(self.head_range))
             await anyio.to_thread.run_sync(exec_thread.join, abandon_on_cancel=True)

@@ -18,8 +18,11 @@
 
 GEN then pulls each of its KV heads straight from the CTX rank that holds it (``kv_sources`` in the
 prefill reply; fan-in when a GEN rank's heads span several CTX ranks) and releases each CTX rank
-once. When a rank dies, rank 0's next collective fails: it reports unhealthy and refuses prefills;
-the other ranks' next collective fails and they exit.
+once. When a rank dies or stops answering past --tp-step-timeout-s, rank 0 heals the group
+(``tp_group.Healer``, ``CtxRank0`` below): prefills are refused with one readable cause, the old
+ranks are killed, rank 0 frees its copies of the old group's prefills, and a new group serves on
+the same control port; the other ranks' next collective fails and they exit. Ranks that disagree on a
+prefill's first token fail that prefill only.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 import structlog
 import torch
 
+from examples.two_node import tp_group
 from examples.two_node.gen_tp import head_checksums
 
 log = structlog.get_logger("examples.ctx_tp")
@@ -47,10 +51,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1,
                    help="CTX ranks (1, 2, 4; 8 allowed): M processes, one TP group, each holding its KV heads "
                         "and serving them on its own UCX listener (--ucx-port P: rank r listens on P + r)")
-    g.add_argument("--tp-timeout-s", type=float, default=10.0,
-                   help="a group operation that a rank does not join within this fails the group (a rank that died)")
+    tp_group.add_timeout_args(g)
     g.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by rank 0 for its children
     g.add_argument("--tp-init", default=None, help=argparse.SUPPRESS)
+    # fault drill (tests): on rank R, the first token of every prefill whose id starts with PREFIX is off by one
+    g.add_argument("--inject-first-token", metavar="RANK:PREFIX", default=None, help=argparse.SUPPRESS)
 
 
 @dataclasses.dataclass
@@ -67,7 +72,8 @@ class GroupBroken(RuntimeError):
 class CtxGroup:
     """One rank's side of the group's lockstep operations (see the module docstring)."""
 
-    def __init__(self, node: Any, group: Any, rank: int, world_size: int) -> None:
+    def __init__(self, node: Any, group: Any, rank: int, world_size: int,
+                 watch: tp_group.RankWatch | None = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
@@ -80,6 +86,9 @@ class CtxGroup:
         self._lock = threading.Lock()
         self._stopped = False
         self._freed = threading.Condition()
+        self._watch = watch  # rank 0: times its collectives and names the cause when the group breaks
+        rank_, _, prefix = (node.args.inject_first_token or "").partition(":")
+        self._skew_prefix = prefix if rank_ and int(rank_) == rank else None
 
     # -- rank 0, any thread ------------------------------------------------------------------------
     def submit(self, op: tuple[Any, ...], local: Any, done: Callable[[Any], None]) -> None:
@@ -108,10 +117,9 @@ class CtxGroup:
             except queue.Empty:
                 job = _Job(("noop",), None, lambda _: None)
             try:
-                self._dist.broadcast_object_list([job.op], src=0, group=self.group)
-                result = self.run(job.op, job.local)
+                result = self._lead_one(job)
             except Exception as exc:  # a rank died or the group broke: no further collective
-                self._break(f"{type(exc).__name__}: {exc}")
+                self._break(str(exc) if isinstance(exc, tp_group.GroupBroken) else f"{type(exc).__name__}: {exc}")
                 job.done(GroupBroken(self.broken))
                 self._fail_queued()
                 return
@@ -119,6 +127,13 @@ class CtxGroup:
             if job.op[0] == "stop":
                 self._fail_queued()
                 return
+
+    def _lead_one(self, job: _Job) -> Any:
+        def both() -> Any:
+            self._dist.broadcast_object_list([job.op], src=0, group=self.group)
+            return self.run(job.op, job.local)
+
+        return self._watch.collective(both) if self._watch is not None else both()
 
     def follow(self) -> None:
         """Ranks 1..M-1: run what rank 0 broadcasts until it says stop or the group breaks."""
@@ -190,7 +205,7 @@ class CtxGroup:
         # 1. every rank's blocks (rank 0 waited for its own before it submitted; the others' frees
         #    follow GEN's releases closely, so their wait is short and bounded below the group timeout)
         blocks = local_blocks if local_blocks is not None else \
-            self._allocate_blocking(n, min(node.args.alloc_wait_s, node.args.tp_timeout_s / 2))
+            self._allocate_blocking(n, min(node.args.alloc_wait_s, node.args.tp_step_timeout_s / 2))
         got = self._gather(blocks is not None)
         if not all(got):
             if blocks is not None:
@@ -200,23 +215,29 @@ class CtxGroup:
         assert blocks is not None
         # 2. prefill the shard (collectives inside), hold this rank's heads under the group's handle
         first = node.model.prefill(prompt, node.pool.kv, blocks)
+        if self._skew_prefix is not None and rid.startswith(self._skew_prefix):
+            first = (first + 1) % node.model.config.vocab_size  # the fault drill: this rank disagrees
         crcs = head_checksums(node.pool.kv, blocks) if checksums else []
         stored, error = True, None
         try:
             node.store.put(rid, blocks, num_tokens=len(prompt), lease_s=lease_s, handle=handle,
-                           on_release=lambda: node.on_free(blocks))
+                           on_release=lambda: node.on_free(blocks, rid))
+            node.group_copies[rid] = handle
         except ValueError as exc:  # a duplicate id
             node.pool.free(blocks)
             stored, error = False, str(exc)
         h0, h1 = node.head_range
         parts = self._gather({"ok": stored, "error": error, "peer": node.ucx_addr, "head_start": h0, "head_end": h1,
                               "crcs": crcs, "first": first})
-        if not all(p["ok"] for p in parts):
+        firsts = [p["first"] for p in parts]
+        if not all(p["ok"] for p in parts) or len(set(firsts)) != 1:  # every rank sees the same parts
             if stored:
                 node.store.release(rid, handle=handle)
+            if len(set(firsts)) != 1:  # cannot happen with an exact model: this prefill fails, the group serves on
+                log.error("ctx_tp_first_token_disagreement", request_id=rid, first_tokens=firsts)
+                return {"ok": False, "error": f"CTX ranks disagree on the first token of {rid}: {firsts} "
+                                              "(rank r at index r); the prefill is refused"}
             return {"ok": False, "error": next(p["error"] for p in parts if not p["ok"])}
-        if len({p["first"] for p in parts}) != 1:  # cannot happen with an exact model: say so loudly
-            raise RuntimeError(f"CTX ranks disagree on the first token of {rid}: {[p['first'] for p in parts]}")
         return {"ok": True, "first_token": first, "kv_sources": [
             {"peer": p["peer"], "head_start": p["head_start"], "head_end": p["head_end"]} for p in parts],
             "head_checksums": merge_head_checksums(parts) if checksums else []}
@@ -233,3 +254,42 @@ def merge_head_checksums(parts: list[dict[str, Any]]) -> list[list[int]]:
         return []
     heads = sorted(by_head)
     return [[by_head[h][b] for h in heads] for b in range(len(by_head[heads[0]]))]
+
+
+class CtxRank0:
+    """Rank 0 of a CTX group, as its ``tp_group.Healer`` sees it (``tp_group.GroupNode``)."""
+
+    def __init__(self, node: Any, healer: tp_group.Healer) -> None:
+        self.node = node
+        self.healer = healer
+
+    def broken(self) -> str | None:
+        return self.node.group.broken
+
+    async def fail(self, cause: str) -> None:
+        self.node.group.mark_broken(cause)  # prefills are refused with it from now on
+
+    async def stop(self) -> None:
+        """The old group's execution thread ends (its collectives failed when the ranks were killed);
+        rank 0 frees its copies of the old group's prefills: the other heads died with their ranks,
+        and a GEN pull of them fails at once (a refused or reset connection), never at its timeout."""
+        import anyio
+
+        node = self.node
+        thread = node.exec_thread
+        if thread is not None:
+            await anyio.to_thread.run_sync(thread.join, 10.0)
+        for rid, handle in list(node.group_copies.items()):
+            node.store.release(rid, handle=handle)
+        node.group_copies.clear()
+
+    async def start(self, group: tp_group.Group) -> None:
+        from examples.two_node import gen_tp
+        from examples.two_node.common import build_model
+
+        node = self.node
+        gen_tp.use_group(node.args, group)
+        node.model = build_model(node.args)
+        node.group = CtxGroup(node, group.step_group, 0, group.size, self.healer.watch)
+        node.start_execution()
+

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         ctx_addrs = [c.info["ctrl"] for c in ctxs]
         gen = stack.enter_context(NodeProcess.start(
             ["gen", "--host", gen_host, *[a for addr in ctx_addrs for a in ("--ctx", addr)], "--mode", args.mode,
-             "--tp", str(args.gen_tp), "--kv-transport", args.kv_transport,
+             "--tp", str(args.gen_tp), "--kv-transport", args.kv_transport, "--kv-checksums",
              "--num-blocks", str(args.num_blocks), "--max-tokens-in-buffer", str(args.max_tokens_in_buffer),
              "--kv-transfer-timeout-ms", str(args.kv_transfer_timeout_ms)],
             env=env, netns=ns.b if ns else None))

@@ -24,19 +24,20 @@ import structlog
 import torch
 
 from examples.metrics import serve_node_metrics
-from examples.two_node import control, gen_tp
-from examples.two_node.common import announce_ready, backend, block_checksums, build_model, control_server, kv_transport
+from examples.two_node import control, gen_tp, tp_group
+from examples.two_node.common import announce_ready, backend, build_model, control_server, kv_transport
 from orchestrator import (
     DecodeBatch,
     DecodeLoop,
     GenEngine,
+    FailureReason,
     GenRequest,
     InvalidRequest,
     KVSource,
     Mode,
     OrchestratorConfig,
     RequestOutput,
-    TorchStepSync,
+    RequestState,
     TPGenEngine,
     Unavailable,
     loop_caller,
@@ -70,6 +71,15 @@ class GenNode:
         layout = self.model.kv_layout(args.block_size)
         self.head_sums = gen_tp.HeadChecksums()
         self.rank_loops: dict[int, Any] = {}  # rank 0: the other ranks' execution-thread statistics
+        self.kv_held: dict[str, tuple[list[str], str | None]] = {}  # live request -> (its CTX peers, handle)
+        self.healer: tp_group.Healer | None = None  # rank 0 of a group: re-forms it when it breaks
+        self.notes: gen_tp.NotesClient | None = None  # ranks 1..N-1: notes to rank 0
+        self._crc: gen_tp.ChecksumWorker | None = None
+        self._all_heads = gen_tp.expected_head_starts(args)
+        self._transport: Any = None
+        self._tg: Any = None
+        self._exec_stop = threading.Event()
+        self._exec_thread: threading.Thread | None = None
         self._report_seq = 0  # rank 0: the last statistics request sent; other ranks: the last answered
         self.config = OrchestratorConfig(
             layout=layout,
@@ -82,12 +92,10 @@ class GenNode:
             max_model_len=self.model.config.max_seq_len,
             kv_hold_interval_s=args.kv_hold_interval_s,
             kv_head_offset=self.model.kv_head_range().start,
+            device=str(self.model.device),
+            **gen_tp.blocking_wait_bound(args),
         )
-        if args.step == "device":
-            self.step_fn: Any = DeviceStep(args.device_step_ms, args.device_step_us_per_seq, self.model.config.vocab_size)
-        else:
-            m = self.model
-            self.step_fn = lambda b: m.decode(b.tokens, b.positions, b.block_tables, b.kv)
+        self.step_fn: Any = self._step_fn()
         self.checksums: dict[str, list[int]] = {}
         self._streams: dict[str, Any] = {}
         self._pending: collections.deque[RequestOutput] = collections.deque()
@@ -96,6 +104,13 @@ class GenNode:
         self.engine: GenEngine | None = None
         self.loop: DecodeLoop | None = None
         self.control = control_server(args, self.handle, self.model.config)
+
+    def _step_fn(self) -> Any:
+        args = self.args
+        if args.step == "device":
+            return DeviceStep(args.device_step_ms, args.device_step_us_per_seq, self.model.config.vocab_size)
+        m = self.model
+        return lambda b: m.decode(b.tokens, b.positions, b.block_tables, b.kv)
 
     # -- output routing: execution thread -> event loop, one wake-up per burst ---------------------
     def _on_output(self, out: RequestOutput) -> None:
@@ -118,16 +133,25 @@ class GenNode:
                     log.debug("output_dropped", request_id=out.request_id)
 
     def _on_received(self, request_id: str, block_ids: torch.Tensor) -> None:
-        if not self.args.kv_checksums:
+        """Event loop, a receive landed (before the request can decode): its checksums, on a worker."""
+        if not self.args.kv_checksums or self._crc is None:
             return
-        pool = self.engine.pool.kv  # type: ignore[union-attr]
-        crcs = gen_tp.head_checksums(pool, block_ids)
-        if self.rank == 0:
-            if self.args.tp == 1:
-                self.checksums[request_id] = block_checksums(pool, block_ids)
-            self.head_sums.add(request_id, self.config.kv_head_offset, crcs)
-        else:  # to rank 0, with this rank's next step message
-            self.engine.note(request_id, {"h0": self.config.kv_head_offset, "crcs": crcs})  # type: ignore[union-attr]
+        self._crc.submit(request_id, self.config.kv_head_offset, self.engine.pool.kv, block_ids,  # type: ignore[union-attr]
+                         self._checksums_done)
+
+    def _checksums_done(self, request_id: str, h0: int, per_head: list[list[int]], whole: list[int]) -> None:
+        """Event loop: this rank's checksums of a request: kept for its stream (rank 0), or sent to rank 0."""
+        if self.notes is not None:
+            self.notes.send_soon({"rid": request_id, "h0": h0, "crcs": per_head})
+        else:
+            self._add_checksums(request_id, h0, per_head, whole)
+
+    def _add_checksums(self, request_id: str, h0: int, per_head: list[list[int]], whole: list[int] | None = None) -> None:
+        if request_id not in self._streams:  # ended already (failed): nobody will read them
+            return
+        if whole:
+            self.checksums[request_id] = whole
+        self.head_sums.add(request_id, h0, per_head)
 
     def _on_command(self, command: Any) -> None:
         """Execution thread, every rank at the same step: what rank 0 broadcast."""
@@ -136,7 +160,9 @@ class GenNode:
             self.loop.reset_statistics()
         elif self.rank != 0 and isinstance(command, tuple) and command[0] == gen_tp.REPORT_STATS:  # rank 0 waits
             self._report_seq = int(command[1])
-            self.engine.note(gen_tp.LOOP_NOTE, self._loop_stats())  # type: ignore[attr-defined]
+            stats, notes = self._loop_stats(), self.notes
+            if notes is not None:
+                self._call(lambda: notes.send_soon({"loop": stats}))
 
     async def _fresh_rank_loops(self, timeout_s: float = 3.0) -> None:
         """Rank 0 of a tensor-parallel GEN: every rank's loop statistics as of now (not of its last
@@ -169,12 +195,14 @@ class GenNode:
                 self.loop.reset_statistics()
             await stream.send({"ok": True})
         elif op == "ping":
-            await stream.send({"ok": True, "role": "gen", "mode": self.config.mode.value, **self._health()})
+            await stream.send({"ok": True, "role": "gen", "mode": self.config.mode.value, **self._health(),
+                               **({"tp": self.healer.statistics()} if self.healer is not None else {})})
         else:
             raise control.ControlError(f"unknown op {op!r}")
 
     async def _generate(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
-        assert self.engine is not None
+        if self.engine is None:
+            raise control.ControlError("GEN engine unavailable: starting")
         limit = self.config.max_model_len
         rid = control.request_id(msg)  # before anything is allocated for it
         pulls = self.config.mode is not Mode.IDEAL
@@ -196,6 +224,9 @@ class GenNode:
             raise control.ControlError(str(exc)) from None
         send, receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
         self._streams[rid] = send
+        if request.kv_handle is not None:  # what a broken group tells every CTX to free at once
+            peers = [s.peer for s in request.kv_sources] or [request.peer]
+            self.kv_held[rid] = ([p for p in peers if p], request.kv_handle)
         done = False
         try:
             async with anyio.create_task_group() as tg:
@@ -220,6 +251,7 @@ class GenNode:
                 self.engine.abort(rid)
             if self._streams.get(rid) is send:  # not a later request that reuses the finished id
                 del self._streams[rid]
+                self.kv_held.pop(rid, None)
                 self.checksums.pop(rid, None)
                 self.head_sums.discard(rid)
             send.close()
@@ -239,6 +271,8 @@ class GenNode:
                 if out.finished:
                     if tokens:
                         await stream.send({"tokens": tokens})
+                    if out.state is RequestState.FINISHED:
+                        await self._wait_checksums(rid)
                     await stream.send({"done": True, "state": out.state.value,
                                        "failure": out.failure.value if out.failure else None,
                                        "message": out.message, "kv_checksums": self.checksums.get(rid, []),
@@ -247,8 +281,22 @@ class GenNode:
                 await stream.send({"tokens": tokens})
         return False
 
+    async def _wait_checksums(self, rid: str, timeout_s: float = 2.0) -> None:
+        """With --kv-checksums: every rank's checksums of ``rid`` (computed off the event loop, other
+        ranks' sent over the notes channel) are there before its stream ends, or ``timeout_s`` passed."""
+        if not self.args.kv_checksums or self.config.mode is Mode.IDEAL:
+            return
+        with anyio.move_on_after(timeout_s):
+            while not (self.head_sums.has(rid, self._all_heads) and (self.args.tp > 1 or rid in self.checksums)):
+                await anyio.sleep(0.002)
+
+    def streams_open(self) -> int:
+        return len(self._streams)
+
     def _health(self) -> dict[str, Any]:
         why = self.engine.health() if self.engine is not None else "starting"
+        if self.healer is not None and self.healer.regrouping:
+            why = f"regrouping after: {self.healer.last_cause}"
         return {"healthy": why is None, "health": why}
 
     def stats(self) -> dict[str, Any]:
@@ -294,6 +342,8 @@ class GenNode:
         if not isinstance(engine, TPGenEngine):
             return {"world_size": 1}
         return {"world_size": engine.world_size, "rank_pids": getattr(self.args, "tp_pids", []),
+                "device": self.config.device, "model_backend": tp_group.model_backend(),
+                **(self.healer.statistics() if self.healer is not None else {}),
                 "kv_head_offset": self.config.kv_head_offset,
                 "rank_admitted": [list(a) for a in engine.rank_admitted],
                 "rank_loop": {"0": self._loop_stats(), **{str(r): v for r, v in sorted(self.rank_loops.items())}}}
@@ -305,33 +355,25 @@ class GenNode:
         self.config = dataclasses.replace(self.config, kv_transport=backend(args))
         transport = (kv_transport(args, self.config.layout, total_kv_heads=self.model.config.num_kv_heads)
                      if self.config.mode is not Mode.IDEAL else None)
+        self._transport = gen_tp.maybe_failing(transport, args)
+        self._crc = gen_tp.ChecksumWorker(self._call, whole_blocks=args.tp == 1) if args.kv_checksums else None
         try:
-            if args.tp > 1:
-                self.engine = TPGenEngine(self.config, gen_tp.maybe_failing(transport, args), self.step_fn, sync=TorchStepSync(args.tp_group),
-                                          on_output=self._on_output, on_received=self._on_received,
-                                          on_note=gen_tp.on_note(self.head_sums, self.rank_loops),
-                                          on_command=self._on_command)
-            else:
-                self.engine = GenEngine(self.config, transport, self.step_fn, on_output=self._on_output,
-                                        on_received=self._on_received)
-            self.loop = DecodeLoop(self.engine)
-            stop = threading.Event()
             async with anyio.create_task_group() as tg:
-                await self.engine.start(tg)
-                exec_thread = threading.Thread(target=self.loop.run, args=(stop,), name="execution", daemon=True)
-                exec_thread.start()
+                self._tg = tg
                 if self.rank != 0:  # a follower rank: steps with rank 0 until the group stops
-                    tg.start_soon(gen_tp.report_loop, self.engine, self._loop_stats)
-                    try:
-                        await anyio.to_thread.run_sync(exec_thread.join)
-                    finally:
-                        stop.set()
-                        await anyio.to_thread.run_sync(exec_thread.join)
-                        self.engine.close()
-                        tg.cancel_scope.cancel()
+                    await self._follow(tg)
                     return
-                if getattr(args, "tp_children", None):
-                    tg.start_soon(gen_tp.watch_children, args.tp_children, self.engine.mark_unhealthy)
+                notes = getattr(args, "tp_notes_server", None)
+                if notes is not None:
+                    notes.on_checksums = self._add_checksums
+                    notes.on_loop = self.rank_loops.__setitem__
+                    tg.start_soon(notes.serve)
+                if args.tp > 1:
+                    env, argv = args.tp_extra
+                    self.healer = tp_group.Healer("GEN", args, args.tp_state, extra_env=env, extra_argv=argv)
+                await self.start_generation()
+                if self.healer is not None:
+                    tg.start_soon(self.healer.run, gen_tp.GenRank0(self, self._transport))
                 try:
                     port = await tg.start(self.control.serve, args.host, args.port)
                     metrics = (None if args.metrics_port is None else
@@ -341,19 +383,78 @@ class GenNode:
                              transfer_budget_bytes=self.config.transfer_budget_bytes, num_blocks=self.config.num_blocks)
                     await anyio.sleep_forever()
                 finally:
-                    if isinstance(self.engine, TPGenEngine):  # tell the other ranks, then stop stepping
-                        self.engine.request_stop()
-                        with anyio.move_on_after(5, shield=True):
-                            while not self.engine.stopped and exec_thread.is_alive():
-                                await anyio.sleep(0.01)
-                    stop.set()
-                    self.engine.wakeup.set()
-                    await anyio.to_thread.run_sync(exec_thread.join)
-                    self.engine.close()
+                    with anyio.CancelScope(shield=True):
+                        await self.end_generation(tell_group=True)
         finally:
+            if self._crc is not None:
+                self._crc.close()
             if transport is not None:
                 with anyio.CancelScope(shield=True):
                     await transport.aclose()
+
+    def _new_engine(self) -> GenEngine:
+        args = self.args
+        if args.tp == 1:
+            return GenEngine(self.config, self._transport, self.step_fn, on_output=self._on_output,
+                             on_received=self._on_received)
+        watch = self.healer.watch if self.healer is not None else None  # rank 0: this generation's
+        return TPGenEngine(self.config, self._transport, gen_tp.watched_step(self.step_fn, watch),
+                           sync=gen_tp.step_sync(args.tp_step_group, watch), on_output=self._on_output,
+                           on_received=self._on_received, on_command=self._on_command)
+
+    async def start_generation(self) -> None:
+        """Rank 0: an engine, a decode loop and an execution thread on the current group (the first,
+        or the one the healer just formed: then the model is rebuilt on its model group)."""
+        if self.engine is not None:
+            self.model = build_model(self.args)
+            self.step_fn = self._step_fn()
+        self.rank_loops.clear()
+        self.engine = self._new_engine()
+        self.loop = DecodeLoop(self.engine)
+        await self.engine.start(self._tg)
+        self._exec_stop = threading.Event()
+        self._exec_thread = threading.Thread(target=self.loop.run, args=(self._exec_stop,), name="execution", daemon=True)
+        self._exec_thread.start()
+
+    async def end_generation(self, *, tell_group: bool = False, timeout_s: float = 10.0) -> None:
+        """Stop this generation's execution thread and engine. ``tell_group``: rank 0 is stopping and
+        the group is whole (the next step tells every rank). A stream still open then fails here."""
+        engine, thread = self.engine, self._exec_thread
+        if engine is None or thread is None:
+            return
+        if tell_group and isinstance(engine, TPGenEngine) and engine.health() is None:
+            engine.request_stop()
+            with anyio.move_on_after(5):
+                while not engine.stopped and thread.is_alive():
+                    await anyio.sleep(0.01)
+        self._exec_stop.set()
+        engine.wakeup.set()
+        await anyio.to_thread.run_sync(thread.join, timeout_s)
+        engine.close()
+        why = engine.health() or "the GEN node is stopping"
+        for rid in list(self._streams):  # the engine could not end them (its thread was stuck): say why here
+            self._on_output(RequestOutput(rid, (), RequestState.FAILED, FailureReason.INTERNAL,
+                                          f"GEN engine unavailable: {why}"))
+
+    async def _follow(self, tg: Any) -> None:
+        args = self.args
+        if args.tp_notes:
+            self.notes = gen_tp.NotesClient(args.tp_notes, self.rank)
+            tg.start_soon(self.notes.run)
+            tg.start_soon(gen_tp.report_loop, self.notes, self._loop_stats)
+        self.engine = self._new_engine()
+        self.loop = DecodeLoop(self.engine)
+        await self.engine.start(tg)
+        stop = threading.Event()
+        exec_thread = threading.Thread(target=self.loop.run, args=(stop,), name="execution", daemon=True)
+        exec_thread.start()
+        try:
+            await anyio.to_thread.run_sync(exec_thread.join)
+        finally:
+            stop.set()
+            await anyio.to_thread.run_sync(exec_thread.join)
+            self.engine.close()
+            tg.cancel_scope.cancel()
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -375,9 +476,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "while another waits (Python's default: 5 ms)")
     p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
-    p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
-                   help="CRC32 of each received KV block, reported at the end of a generate stream (a parity "
-                        "check; --no-kv-checksums saves event-loop CPU in benchmarks)")
+    p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=False,
+                   help="CRC32 of each received KV block (per KV head; each rank its own, sent to rank 0 off the "
+                        "step exchange), reported at the end of a generate stream: a parity check (the demo "
+                        "turns it on; it costs a gather and CPU per request)")
     gen_tp.add_args(p)
     p.add_argument("--kv-hold-interval-s", type=float, default=OrchestratorConfig.kv_hold_interval_s,
                    help="how often CTX nodes are asked to renew the leases of requests still waiting here "
@@ -387,4 +489,4 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    return gen_tp.run_in_group(args, lambda: GenNode(args).run())
+    return gen_tp.run_in_group(args, lambda: GenNode(args).run(), notes=True)

@@ -1,0 +1,392 @@
+"""A node's tensor-parallel group of rank processes (GEN or CTX): forming it, watching it, healing it.
+
+    rank 0 (the node the user starts)                    generation g = 0, 1, 2, ...
+      form():  spawn ranks 1..N-1 (same flags + --tp-rank r --tp-init URL); every rank joins, then
+               step group   gloo, --tp-step-timeout-s: the step exchange / the CTX's lockstep operations
+               model group  NCCL when CUDA is present, else gloo, --tp-model-timeout-s: the model's
+                            all-reduces (a stall shorter than the step timeout never fails them)
+               each rank on CUDA: torch.cuda.set_device(rank_device(rank))
+      serve    Healer.run() watches every 0.1 s:  a rank exited or was killed         (RankWatch)
+                                                 a rank stopped past the step timeout
+                                                 rank 0 inside a collective past the step timeout
+                                                 the node's own detector (a failed exchange or step)
+      break    RankWatch.cause(): ONE sentence, whichever detector fired first
+               -> node.fail(cause): fail every client, release at every CTX what it holds
+               -> kill_ranks(): SIGKILL (reaches a stopped rank), reaped
+               -> node.stop(): its execution thread ends (its collectives now fail at once)
+               -> leave the old group, form generation g + 1 on the same control port
+               -> node.start(group); restarts += 1 (ping / stats: "tp": {"restarts", "last_cause"})
+
+Ranks 1..N-1 never heal: when their group breaks they exit, and rank 0 starts new ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import structlog
+
+log = structlog.get_logger("examples.tp_group")
+
+JOIN_TIMEOUT_S = 120.0  # every rank joining the group (a rank's start imports torch: slow on a busy host)
+WATCH_PERIOD_S = 0.1
+
+
+def add_timeout_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--tp-step-timeout-s", "--tp-timeout-s", dest="tp_step_timeout_s", type=float, default=10.0,
+                   help="a rank that does not join a step exchange within this (dead, stopped, stuck) breaks the "
+                        "group: rank 0 fails what it holds, kills the ranks and forms a new group")
+    g.add_argument("--tp-model-timeout-s", type=float, default=None,
+                   help="the model's collectives (their own group); default: 3 x --tp-step-timeout-s, so a stall "
+                        "shorter than the step timeout never fails them (rank 0 heals a longer one itself)")
+
+
+def model_timeout_s(args: argparse.Namespace) -> float:
+    return args.tp_model_timeout_s or 3 * args.tp_step_timeout_s
+
+
+# -- devices ----------------------------------------------------------------------------------------
+
+def model_backend(cuda_available: bool | None = None) -> str:
+    """The model group's backend: NCCL when CUDA is present, gloo otherwise (the step group is always gloo)."""
+    import torch
+
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    return "nccl" if cuda_available else "gloo"
+
+
+def rank_device(rank: int, cuda_devices: int | None = None) -> str:
+    """Where rank ``rank`` runs its model and KV pool: ``cuda:<rank mod devices>``, or ``cpu``."""
+    import torch
+
+    if cuda_devices is None:
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return f"cuda:{rank % cuda_devices}" if cuda_devices else "cpu"
+
+
+def use_device(device: str) -> None:
+    """``torch.cuda.set_device`` for a CUDA rank (NCCL and every default-device allocation follow it)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
+# -- the group ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Group:
+    """One generation of a tensor-parallel group, as one rank sees it."""
+
+    rank: int
+    size: int
+    step_group: Any
+    model_group: Any
+    device: str
+    generation: int = 0
+    children: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
+    """Rank 0: the processes of ranks 1..N-1 (index r - 1)."""
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.pid for c in self.children]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _make_groups(args: argparse.Namespace, rank: int) -> tuple[Any, Any]:
+    import torch.distributed as dist
+
+    ranks = list(range(args.tp))
+    step = dist.new_group(ranks, timeout=datetime.timedelta(seconds=args.tp_step_timeout_s), backend="gloo")
+    model = dist.new_group(ranks, timeout=datetime.timedelta(seconds=model_timeout_s(args)), backend=model_backend())
+    return step, model
+
+
+def form(args: argparse.Namespace, argv: list[str], generation: int = 0, *, extra_env: dict[str, str] | None = None,
+         extra_argv: list[str] | None = None) -> Group:
+    """Rank 0 (blocking: run it in a worker thread once the node serves): start ranks 1..N-1 and
+    join a fresh group with them. On any failure the children are killed and the error raised."""
+    import torch.distributed as dist
+
+    leave()  # the last generation's groups, if any
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    env = {**os.environ, **(extra_env or {})}
+    children = []
+    try:
+        for rank in range(1, args.tp):
+            cmd = [sys.executable, "-m", "examples.two_node", *argv, *(extra_argv or []),
+                   "--tp-rank", str(rank), "--tp-init", init]
+            children.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env))
+        device = rank_device(0)
+        use_device(device)
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=args.tp,
+                                timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+        step, model = _make_groups(args, 0)
+    except BaseException:
+        kill_ranks(children)
+        leave()
+        raise
+    log.info("tp_group_ready", world_size=args.tp, generation=generation, ranks=[os.getpid(), *(c.pid for c in children)])
+    return Group(0, args.tp, step, model, device, generation, children)
+
+
+def join(args: argparse.Namespace) -> Group:
+    """Ranks 1..N-1: join the group rank 0 made."""
+    import torch.distributed as dist
+
+    device = rank_device(args.tp_rank)
+    use_device(device)
+    dist.init_process_group("gloo", init_method=args.tp_init, rank=args.tp_rank, world_size=args.tp,
+                            timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+    step, model = _make_groups(args, args.tp_rank)
+    return Group(args.tp_rank, args.tp, step, model, device)
+
+
+def leave() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def kill_ranks(children: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL every rank process still there (a stopped one too: SIGKILL needs no scheduling) and reap it."""
+    for child in children:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(10)
+
+
+def stop_ranks(children: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """Rank 0 stopping: the ranks leave when told (the group's stop); any still there are killed."""
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(max(0.0, deadline - time.monotonic()))
+    kill_ranks(children)
+
+
+# -- watching the ranks and naming the cause ----------------------------------------------------------
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (``T``: stopped; ``Z``: dead, not reaped), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2:][:1].decode()
+
+
+class RankWatch:
+    """Rank 0: the state of every other rank of one generation, and THE cause of its end.
+
+    Every detector (this watch, a failed step exchange, a failed model step) asks ``cause()``; the
+    first answer is kept, so the text a client, ``ping`` and the log show does not depend on which
+    detector fired first. A rank killed by a signal or stopped outranks one that merely exited
+    (the others exit *because* the group broke)."""
+
+    def __init__(self, role: str, children: list[subprocess.Popen[bytes]], step_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.role = role
+        self.children = children
+        self.step_timeout_s = step_timeout_s
+        self._clock = clock
+        self._stopped_since: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._cause: str | None = None
+        self.busy_since: float | None = None
+        """When rank 0's execution thread entered a collective it has not left (None: not in one)."""
+
+    @property
+    def decided(self) -> str | None:
+        return self._cause
+
+    def _stopped_text(self, rank: int, pid: int) -> str:
+        return (f"{self.role} rank {rank} (pid {pid}) stopped answering: no step exchange for "
+                f"{self.step_timeout_s:g} s (the process is stopped)")
+
+    def _evidence(self) -> tuple[int, str] | None:
+        """(strength, sentence) of the strongest sign of a broken rank now, or None."""
+        best: tuple[int, str] | None = None
+        now = self._clock()
+        for rank, child in enumerate(self.children, start=1):
+            code = child.poll()
+            if code is None:
+                if process_state(child.pid) in ("T", "t"):
+                    self._stopped_since.setdefault(rank, now)
+                    found = (2, self._stopped_text(rank, child.pid))
+                else:
+                    self._stopped_since.pop(rank, None)
+                    continue
+            elif code < 0:
+                try:
+                    name = signal.Signals(-code).name
+                except ValueError:
+                    name = f"signal {-code}"
+                found = (3, f"{self.role} rank {rank} (pid {child.pid}) was killed by {name}")
+            else:
+                found = (1 if code else 0, f"{self.role} rank {rank} (pid {child.pid}) exited with code {code}")
+            if best is None or found[0] > best[0]:
+                best = found
+        return best
+
+    def _no_evidence_text(self, exc: BaseException | None) -> str:
+        text = "" if exc is None else f"{type(exc).__name__} {exc}".lower()
+        if exc is None or "timeout" in text or "timed out" in text:
+            return f"a {self.role} rank stopped answering: no step exchange for {self.step_timeout_s:g} s"
+        return f"the {self.role} group lost a connection between its ranks (no rank exited or stopped)"
+
+    def cause(self, exc: BaseException | None = None, settle_s: float = 1.0) -> str:
+        """THE cause of this generation's end (decided once). With no sign on any rank yet, waits up to
+        ``settle_s`` for one (a killed rank's sockets close a moment before it can be reaped)."""
+        with self._lock:
+            if self._cause is not None:
+                return self._cause
+            deadline = self._clock() + settle_s
+            while (found := self._evidence()) is None and self._clock() < deadline:
+                time.sleep(0.02)
+            self._cause = found[1] if found is not None else self._no_evidence_text(exc)
+            log.error("tp_group_broken", role=self.role, cause=self._cause)
+            return self._cause
+
+    def poll(self) -> str | None:
+        """The cause, once a rank exited, was killed, stopped past the step timeout, or rank 0 sat in
+        one collective past it; None while the group looks healthy (a shorter stop fails nothing)."""
+        if self._cause is not None:
+            return self._cause
+        found = self._evidence()
+        now = self._clock()
+        if found is not None and found[0] != 2:
+            return self.cause()
+        if any(now - t >= self.step_timeout_s for t in self._stopped_since.values()):
+            return self.cause()
+        busy = self.busy_since
+        if busy is not None and now - busy >= self.step_timeout_s:
+            return self.cause(settle_s=0.0)
+        return None
+
+    def collective(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (a collective on rank 0's execution thread) with ``busy_since`` set; a failure
+        becomes ``GroupBroken(cause)`` when it is the group's (a rank is gone, or the cause is known)."""
+        self.busy_since = self._clock()
+        try:
+            return fn()
+        except Exception as exc:
+            if self._cause is None and self._evidence() is None and not _looks_like_the_group(exc):
+                raise  # a model bug, not a broken group: the node reports it as it is
+            raise GroupBroken(self.cause(exc)) from exc
+        finally:
+            self.busy_since = None
+
+
+class GroupBroken(RuntimeError):
+    """A collective failed because the group broke; ``str()`` is the readable cause."""
+
+
+def _looks_like_the_group(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in ("gloo", "Gloo", "NCCL", "Connection", "timed out", "Timed out"))
+
+
+# -- rank 0's healing loop ------------------------------------------------------------------------------
+
+class GroupNode(Protocol):
+    """What a node's rank 0 gives the healer (``Healer.run``)."""
+
+    def broken(self) -> str | None:
+        """The node's own detectors: why this generation cannot serve (None while it can)."""
+
+    async def fail(self, cause: str) -> None:
+        """The group broke: refuse new work, fail every client, release what the node holds elsewhere."""
+
+    async def stop(self) -> None:
+        """After the ranks were killed: end this generation's execution thread and engine."""
+
+    async def start(self, group: Group) -> None:
+        """Serve on ``group`` (a new generation)."""
+
+
+class Healer:
+    """Rank 0: keep the node's group serving; re-form it each time it breaks (see the module docstring)."""
+
+    def __init__(self, role: str, args: argparse.Namespace, group: Group, *,
+                 extra_env: dict[str, str] | None = None, extra_argv: list[str] | None = None) -> None:
+        self.role = role
+        self.args = args
+        self.group = group
+        self.watch = RankWatch(role, group.children, args.tp_step_timeout_s)
+        self.restarts = 0
+        self.last_cause: str | None = None
+        self.regrouping = False
+        self.last_heal_s: float | None = None
+        self._extra_env = extra_env
+        self._extra_argv = extra_argv
+
+    def statistics(self) -> dict[str, Any]:
+        return {"restarts": self.restarts, "last_cause": self.last_cause, "regrouping": self.regrouping,
+                "generation": self.group.generation, "last_heal_s": self.last_heal_s}
+
+    async def run(self, node: GroupNode) -> None:
+        import anyio
+
+        try:
+            while True:
+                while (cause := self.watch.poll()) is None:
+                    if (why := node.broken()) is not None:
+                        cause = self.watch.decided or why
+                        break
+                    await anyio.sleep(WATCH_PERIOD_S)
+                await self._heal(node, cause)
+        finally:
+            kill_ranks(self.group.children)
+
+    async def _heal(self, node: GroupNode, cause: str) -> None:
+        import anyio
+
+        t0 = time.monotonic()
+        self.last_cause, self.regrouping = cause, True
+        log.warning("tp_group_healing", role=self.role, cause=cause, generation=self.group.generation)
+        children = self.group.children  # first: rank 0's pending collectives now fail at once
+        await anyio.to_thread.run_sync(kill_ranks, children)
+        await node.fail(cause)
+        await node.stop()
+        generation = self.group.generation + 1
+        while True:
+            try:
+                group = await anyio.to_thread.run_sync(
+                    lambda: form(self.args, self.args.argv, generation, extra_env=self._extra_env,
+                                 extra_argv=self._extra_argv))
+                break
+            except Exception as exc:  # e.g. a rank could not start: try again, still refusing work
+                log.error("tp_group_form_failed", role=self.role, error=f"{type(exc).__name__}: {exc}")
+                await anyio.sleep(1.0)
+        self.group = group
+        self.watch = RankWatch(self.role, group.children, self.args.tp_step_timeout_s)
+        await node.start(group)
+        self.restarts += 1
+        self.regrouping = False
+        self.last_heal_s = round(time.monotonic() - t0, 3)
+        log.warning("tp_group_healed", role=self.role, generation=generation, seconds=self.last_heal_s)

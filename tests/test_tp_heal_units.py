@@ -1,0 +1,221 @@
+"""The healing group's decisions without a cluster (issue 16, items 6, 7, 9): one cause whichever
+detector asks first, the step and model groups' own timeouts and backends, CUDA placement per rank,
+and KV checksums computed off the event loop from a snapshot. The CUDA test skips without GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from examples.two_node import gen_tp, tp_group
+
+
+class FakeChild:
+    """What RankWatch reads of a rank process: ``pid`` and ``poll()``."""
+
+    def __init__(self, pid: int, code: int | None = None) -> None:
+        self.pid = pid
+        self.code = code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_rank_killed_by_a_signal_is_the_cause_whichever_detector_asks_first() -> None:
+    # ranks 1 and 3 exited *because* rank 2 was killed: the kill is the cause, and every detector
+    # (the watchdog's poll, a failed exchange, a failed model step) reads the same sentence
+    children = [FakeChild(11, 0), FakeChild(12, -signal.SIGKILL), FakeChild(13, 0)]
+    first = tp_group.RankWatch("GEN", children, 10.0)
+    assert first.cause(RuntimeError("[pair.cc:537] Read error")) == "GEN rank 2 (pid 12) was killed by SIGKILL"
+    other = tp_group.RankWatch("GEN", children, 10.0)
+    assert other.poll() == "GEN rank 2 (pid 12) was killed by SIGKILL"
+    children[1].code = None  # later evidence never changes a decided cause
+    assert first.cause(TimeoutError("Connection closed by peer")) == first.decided == other.poll()
+
+
+def test_with_no_sign_on_any_rank_the_cause_says_so_without_the_transport_text() -> None:
+    watch = tp_group.RankWatch("GEN", [FakeChild(2**22 + 7)], 10.0)
+    text = watch.cause(RuntimeError("[/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: Connection reset"),
+                       settle_s=0.0)
+    assert text == "the GEN group lost a connection between its ranks (no rank exited or stopped)"
+    assert "pair.cc" not in text
+    timed_out = tp_group.RankWatch("CTX", [FakeChild(2**22 + 7)], 4.0)
+    assert timed_out.cause(RuntimeError("Timed out waiting 4000ms"), settle_s=0.0) == \
+        "a CTX rank stopped answering: no step exchange for 4 s"
+
+
+@pytest.fixture
+def stopped_process() -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_stopped_rank_breaks_the_group_only_past_the_step_timeout(stopped_process: subprocess.Popen[bytes]) -> None:
+    clock = Clock()
+    watch = tp_group.RankWatch("GEN", [FakeChild(os.getpid()), stopped_process], 10.0, clock=clock)
+    os.kill(stopped_process.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while tp_group.process_state(stopped_process.pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watch.poll() is None  # seen stopped now
+    clock.t += 9.9
+    assert watch.poll() is None  # a stop shorter than the step timeout fails nothing
+    clock.t += 0.1
+    assert watch.poll() == (f"GEN rank 2 (pid {stopped_process.pid}) stopped answering: no step exchange for 10 s "
+                            "(the process is stopped)")
+    tp_group.kill_ranks([stopped_process])  # SIGKILL reaches a stopped process
+    assert stopped_process.returncode == -signal.SIGKILL
+
+
+def test_a_continued_rank_is_forgotten(stopped_process: subprocess.Popen[bytes]) -> None:
+    clock = Clock()
+    watch = tp_group.RankWatch("GEN", [stopped_process], 10.0, clock=clock)
+    os.kill(stopped_process.pid, signal.SIGSTOP)
+    while tp_group.process_state(stopped_process.pid) != "T":
+        time.sleep(0.01)
+    assert watch.poll() is None
+    os.kill(stopped_process.pid, signal.SIGCONT)
+    while tp_group.process_state(stopped_process.pid) == "T":
+        time.sleep(0.01)
+    assert watch.poll() is None
+    clock.t += 60
+    assert watch.poll() is None  # stopped 0 s now, not 60
+
+
+def test_rank_0_inside_one_collective_past_the_step_timeout_breaks_the_group() -> None:
+    clock = Clock()
+    watch = tp_group.RankWatch("GEN", [FakeChild(2**22 + 7)], 10.0, clock=clock)
+    seen: list[str | None] = []
+
+    def collective() -> None:  # a model all-reduce that a stuck (not stopped) rank never joins
+        clock.t += 9.0
+        seen.append(watch.poll())
+        clock.t += 1.0
+        seen.append(watch.poll())
+
+    watch.collective(collective)
+    assert seen == [None, "a GEN rank stopped answering: no step exchange for 10 s"]
+    assert watch.busy_since is None
+
+
+def test_a_failed_collective_reads_as_the_cause_and_a_model_bug_as_itself() -> None:
+    watch = tp_group.RankWatch("GEN", [FakeChild(5, -signal.SIGKILL)], 10.0)
+
+    def broken() -> None:
+        raise RuntimeError("[pair.cc:537] Read error")
+
+    with pytest.raises(tp_group.GroupBroken, match=r"^GEN rank 1 \(pid 5\) was killed by SIGKILL$"):
+        watch.collective(broken)
+    healthy = tp_group.RankWatch("GEN", [FakeChild(2**22 + 7)], 10.0)
+
+    def bug() -> None:
+        raise IndexError("index 9 is out of bounds")
+
+    with pytest.raises(IndexError):
+        healthy.collective(bug)
+    assert healthy.decided is None
+
+
+# -- item 7 and 9: two groups, their own timeouts and backends; a device per rank -----------------------
+
+def test_the_step_group_and_the_model_group_have_their_own_timeouts(tmp_path) -> None:
+    import torch.distributed as dist
+
+    args = argparse.Namespace(tp=1, tp_step_timeout_s=4.0, tp_model_timeout_s=None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        step, model = tp_group._make_groups(args, 0)
+        cpu = torch.device("cpu")
+        assert step is not model
+        assert step._get_backend(cpu).options._timeout == datetime.timedelta(seconds=4)
+        assert model._get_backend(cpu).options._timeout == datetime.timedelta(seconds=12)  # 3 x the step's
+        assert dist.get_backend(model) == tp_group.model_backend()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_model_timeout_is_never_shorter_than_the_step_timeout() -> None:
+    args = argparse.Namespace(tp=2, tp_step_timeout_s=10.0, tp_model_timeout_s=5.0, layers=2, heads=4, kv_heads=2,
+                              head_dim=16, max_seq_len=2048, seed=0)
+    with pytest.raises(SystemExit, match="at least as long"):
+        gen_tp.check_args(args)
+
+
+def test_cuda_placement_per_rank_and_the_model_backend() -> None:
+    assert tp_group.model_backend(cuda_available=True) == "nccl"
+    assert tp_group.model_backend(cuda_available=False) == "gloo"
+    assert [tp_group.rank_device(r, 2) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert tp_group.rank_device(3, 0) == "cpu"
+
+
+def test_kv_checksums_run_on_a_worker_thread_from_a_snapshot_of_the_blocks() -> None:
+    pool = torch.arange(4 * 2 * 2 * 2 * 4 * 3, dtype=torch.float32).reshape(4, 2, 2, 2, 4, 3)  # [blocks, L, 2, H, bs, d]
+    ids = torch.tensor([2, 0])
+    expected = gen_tp.head_checksums(pool, ids)
+    done = threading.Event()
+    seen: list[tuple[str, list[list[int]], str]] = []
+    calls: list[object] = []
+    gate = threading.Event()
+
+    def call(fn) -> None:  # stands in for the event loop's call_soon_threadsafe
+        calls.append(fn)
+        fn()
+
+    def finished(rid: str, h0: int, per_head: list[list[int]], whole: list[int]) -> None:
+        seen.append((rid, per_head, threading.current_thread().name))
+        done.set()
+
+    worker = gen_tp.ChecksumWorker(call, whole_blocks=False)
+    worker._pool.submit(gate.wait)  # hold the worker: submit() must not compute on the caller's thread
+    worker.submit("r-1", 0, pool, ids, finished)
+    pool.zero_()  # decode writes into the blocks after the receive: the checksums are of what landed
+    assert not done.is_set()
+    gate.set()
+    assert done.wait(10)
+    worker.close()
+    assert seen[0][:2] == ("r-1", expected)
+    assert seen[0][2].startswith("kv-checksums")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL refuses two ranks on one GPU)")
+def test_gen_tp2_on_cuda_runs_its_model_on_nccl_with_a_device_per_rank() -> None:
+    from tests.test_two_node import check, run_demo
+
+    _, report = run_demo("--gen-tp", "2", "--requests", "4", "--concurrency", "2", "--isl", "32", "--osl", "4")
+    check(report, 4)
+    tp = report["gen"]["tp"]
+    assert tp["model_backend"] == "nccl" and tp["device"] == "cuda:0"
+
+
+def test_the_fronts_health_shows_each_groups_restarts_and_last_cause() -> None:
+    from examples.serve.cluster import Cluster
+
+    cluster = Cluster(["127.0.0.1:9"], ["127.0.0.1:10"], secret=b"x" * 32)
+    ctx, gen = cluster.nodes
+    ctx.stats = {"store": {"held_requests": 0}, "tp": {"world_size": 1}}  # no group: nothing to show
+    gen.stats = {"engine": {"waiting": 0, "receiving": 0, "ready": 0, "running": 0},
+                 "tp": {"world_size": 4, "restarts": 2, "last_cause": "GEN rank 2 (pid 7) was killed by SIGKILL"}}
+    nodes = cluster.health()["nodes"]
+    assert "restarts" not in nodes[0]
+    assert nodes[1]["restarts"] == 2 and nodes[1]["last_cause"] == "GEN rank 2 (pid 7) was killed by SIGKILL"
