@@ -21,6 +21,7 @@ import structlog
 from anyio.from_thread import start_blocking_portal
 
 from ._engine import GenEngine, StepReport
+from ._step import GroupBroken
 
 log = structlog.get_logger("orchestrator.loop")
 
@@ -82,7 +83,9 @@ class DecodeLoop:
                 if self.error is None:
                     self.error = exc
                     log.exception("decode_loop_crashed")
-                    engine.mark_unhealthy(f"decode loop crashed: {type(exc).__name__}: {exc}")
+                    engine.mark_unhealthy(exc.cause if isinstance(exc, GroupBroken)  # the model's collective:
+                                          # the group's one cause, whichever collective met it first
+                                          else f"decode loop crashed: {type(exc).__name__}: {exc}")
                 else:  # failing the live requests failed too: nothing more can be done here
                     log.exception("decode_loop_gave_up")
                     return

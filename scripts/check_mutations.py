@@ -120,6 +120,7 @@ M = [
  ("7 the model group has its own timeout", "examples/two_node/tp_group.py", "timeout=datetime.timedelta(seconds=model_timeout_s(args)), backend=model_backend())", "timeout=datetime.timedelta(seconds=args.tp_step_timeout_s), backend=model_backend())", "tests/test_tp_heal_units.py -k own_timeouts"),
  ("8 CTX first-token disagreement fails that prefill only", "examples/two_node/ctx_tp.py", "        if not all(p[\"ok\"] for p in parts) or len(set(firsts)) != 1:", "        if not all(p[\"ok\"] for p in parts):", "tests/test_tp_heal.py -k disagreeing"),
  ("9 KV checksums off the event loop", "examples/two_node/gen_tp.py", "        self._pool.submit(work)\n", "        work()\n", "tests/test_tp_heal_units.py -k worker_thread"),
+ ("16 a model collective's break keeps the group's cause", "orchestrator/_loop.py", "exc.cause if isinstance(exc, GroupBroken)", "str(exc) if False", "tests/test_hardening.py -k one_cause"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -151,6 +151,29 @@ async def test_a_crashing_decode_step_marks_the_engine_unhealthy_and_frees_every
     assert calls == 1 and h.engine.rest_problems() == []
 
 
+async def test_a_model_collective_that_breaks_reports_the_groups_one_cause() -> None:
+    """A decode step whose collective finds the group broken (GroupBroken, as the node's model
+    group raises it) marks the engine with that cause verbatim: the text does not depend on which
+    collective met the failure first."""
+    from orchestrator import EngineThreads, GroupBroken
+
+    cause = "GEN rank 2 (pid 4242) was killed by SIGKILL"
+
+    def broken(batch):  # noqa: ANN001
+        raise GroupBroken(cause)
+
+    h = make_harness(step_fn=broken)
+    with pytest.raises(RuntimeError):
+        with EngineThreads(h.engine, idle_wait_s=0.005):
+            h.engine.submit(h.request("a"))
+            deadline = time.monotonic() + 10
+            while h.engine.live_requests and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert h.engine.health() == cause
+    outs = [o for o in h.engine.poll() if o.finished]
+    assert [o.message for o in outs] == [f"GEN engine unavailable: {cause}"] and h.engine.rest_problems() == []
+
+
 # -- 3. a receive publishes its result before it talks to the peer again ----------------------------
 async def test_a_timed_out_receive_is_published_before_its_release_completes(harness_factory) -> None:
     h = await harness_factory(make_config(kv_transfer_timeout_ms=200))
