@@ -79,12 +79,22 @@ class SimParams:
     # what-if
     pipelined: bool = False
     """Layer-wise pipelined transfer: GEN may pull layer i once CTX has prefilled it (see ``ModelledTransport``)."""
+    iterations_per_step: int = 1
+    """Device iterations one engine step stands for (its model time is that many step times; a
+    request then needs ceil((osl - 1) / k) engine steps). 1 is exact; larger trades admission
+    granularity for speed and is sound only while one engine step stays shorter than the CTX's
+    time between two first tokens (the output reports the most admissions seen in one step)."""
     idle_poll_ms: float = 0.5
     seed: int = 0
 
     # -- derived ---------------------------------------------------------------------------------
     def step_s(self, batch: int) -> float:
         return (self.step_base_ms + self.step_per_seq_us * batch / 1e3) / 1e3
+
+    def engine_max_tokens(self) -> int:
+        """``max_tokens`` given to the engine: the CTX's token plus ceil((osl - 1) / k) decode steps."""
+        k = self.iterations_per_step
+        return 1 + -(-(self.osl - 1) // k)
 
     def prefill_s(self, isl: int) -> float:
         return (self.ctx_prefill_base_ms + self.ctx_prefill_ms_per_ktok * isl / 1e3) / 1e3
@@ -112,7 +122,7 @@ class SimParams:
     def check(self) -> None:
         if self.num_kv_heads % self.gen_tp:
             raise ValueError(f"{self.num_kv_heads} KV heads do not split over GEN TP {self.gen_tp}")
-        if min(self.concurrency, self.requests, self.osl) < 1 or self.warmup < 0:
+        if min(self.concurrency, self.requests, self.osl, self.iterations_per_step) < 1 or self.warmup < 0:
             raise ValueError("concurrency, requests and osl must be >= 1, warmup >= 0")
 
     def describe(self) -> dict[str, object]:

@@ -57,6 +57,7 @@ class ModeResult:
     virtual_s: float
     wall_s: float
     engine_steps: int
+    max_admitted_per_step: int
     fcfs_violations: int
     rest_problems: list[str]
     requests: list[tuple[float, float, float, float, int]] = dataclasses.field(default_factory=list, repr=False)
@@ -129,12 +130,16 @@ class _Replay:
         self.steps = 0
         self.clients_done = False
         self._submitted = False
+        self.max_admitted = 0
+        self._unstamped: list[str] = []
 
-    def _on_output(self, out: Any) -> None:  # on the execution thread, inside step()
-        if out.state is not RequestState.RUNNING:
+    def _on_output(self, out: Any, _running: RequestState = RequestState.RUNNING) -> None:
+        # on the execution thread, inside step(), once per token: kept small
+        if out.state is not _running:
             self.ends.append(out)
         elif out.request_id not in self.first_gen_token:
             self.first_gen_token[out.request_id] = -1.0  # stamped after the step's model time
+            self._unstamped.append(out.request_id)
 
     def _may_block(self) -> bool:
         """Inline: only admitting a request waits (staging reservation, connect): a step may wait
@@ -166,8 +171,11 @@ class _Replay:
                 if batch or blocked:
                     self.batches.append(batch)
                     self.blocked.append(blocked)
+                admitted = reports[0].admitted
+                if admitted > self.max_admitted:
+                    self.max_admitted = admitted
                 if batch:
-                    await trio.sleep(p.step_s(batch))
+                    await trio.sleep(p.step_s(batch) * p.iterations_per_step)
                 else:
                     with trio.move_on_after(idle):
                         await self.activity.wait()
@@ -179,9 +187,10 @@ class _Replay:
 
     def _settle(self) -> None:
         now = trio.current_time()
-        for rid, t in self.first_gen_token.items():
-            if t < 0:
+        if self._unstamped:
+            for rid in self._unstamped:
                 self.first_gen_token[rid] = now
+            self._unstamped = []
         ends, self.ends = self.ends, []
         for out in ends:
             i = int(out.request_id[1:])
@@ -216,7 +225,7 @@ class _Replay:
 
     def _submit(self, i: int, rid: str, isl: int) -> None:
         self.gen_arrival.append(i)
-        self.lead.submit(GenRequest(rid, prompt_len=isl, first_token=1, max_tokens=self.p.osl, peer=CTX_PEER))
+        self.lead.submit(GenRequest(rid, prompt_len=isl, first_token=1, max_tokens=self.p.engine_max_tokens(), peer=CTX_PEER))
         self._submitted = True
         self.activity.set()
 
@@ -314,6 +323,7 @@ def _result(r: _Replay, virtual_s: float, wall_s: float) -> ModeResult:
         virtual_s=virtual_s,
         wall_s=wall_s,
         engine_steps=r.steps,
+        max_admitted_per_step=r.max_admitted,
         fcfs_violations=r.fcfs_violations(),
         rest_problems=problems,
         requests=[tuple(row) for row in rec.tolist()] if r.keep_requests else [],  # type: ignore[misc]
