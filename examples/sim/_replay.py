@@ -276,8 +276,7 @@ def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False) -> Mo
         clock.loop_thread = __import__("threading").get_ident()
         r = holder["r"] = _Replay(p, mode, clock, keep_requests)
         await r.run()
-        for engine in r.engines:  # results published while stopping free their blocks here
-            engine.step()
+        r._step()  # results published while stopping free their blocks here
 
     wall = time.perf_counter()
     trio.run(main, clock=mock)
