@@ -16,7 +16,6 @@ model's step time and the load, and reads what the engine reports.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from typing import Any
 
@@ -119,7 +118,8 @@ class _Replay:
         self.lead = self.engines[0]
         self.isls = p.prompt_lengths()
         self.total = p.warmup + p.requests
-        self._next = itertools.count()
+        self._next = iter(range(0))
+        self.phase_start = 0.0
         self.waiters: dict[str, trio.Event] = {}
         self.records = np.zeros((self.total, 5))  # arrival, first token, first GEN token, end, ok
         self.gen_arrival: list[int] = []  # request indices in the order GEN received them
@@ -203,7 +203,7 @@ class _Replay:
     # -- the client and the CTX ------------------------------------------------------------------
     async def client(self, ctx_slots: trio.Semaphore) -> None:
         p = self.p
-        while (i := next(self._next)) < self.total:
+        for i in self._next:
             rid = f"r{i}"
             isl = self.isls[i]
             self.records[i, 0] = trio.current_time()
@@ -236,9 +236,13 @@ class _Replay:
             async with trio.open_nursery() as inner:
                 inner.start_soon(self.execution_loop)
                 ctx_slots = trio.Semaphore(self.p.ctx_prefill_slots)
-                async with trio.open_nursery() as clients:
-                    for _ in range(self.p.concurrency):
-                        clients.start_soon(self.client, ctx_slots)
+                # two phases, as the public case ran them: warm-up to completion, then the measured one
+                for start, end in ((0, self.p.warmup), (self.p.warmup, self.total)):
+                    self._next = iter(range(start, end))
+                    self.phase_start = trio.current_time()
+                    async with trio.open_nursery() as clients:
+                        for _ in range(min(self.p.concurrency, end - start)):
+                            clients.start_soon(self.client, ctx_slots)
                 self.clients_done = True
                 self.activity.set()
             # the execution loop has ended with nothing live: stop the receive groups
@@ -290,7 +294,7 @@ def _result(r: _Replay, virtual_s: float, wall_s: float) -> ModeResult:
     rec = r.records
     measured = rec[p.warmup:]
     ok = measured[:, 4] > 0
-    window = float(measured[:, 3].max() - measured[:, 0].min()) if len(measured) else 0.0
+    window = float(measured[:, 3].max() - r.phase_start) if len(measured) else 0.0  # the measured phase
     tokens = p.osl * int(ok.sum())
     tpot = (measured[ok, 3] - measured[ok, 1]) / max(1, p.osl - 1) * 1e3
     batches = np.array(r.batches or [0])
