@@ -229,3 +229,16 @@ def test_cli_tiny_writes_json(tmp_path) -> None:
     assert set(data["modes"]) == {"ideal", "inline", "orchestrated"}
     assert data["params"]["derived"]["kv_bytes_per_token_model"] == SimParams(**{
         k: v for k, v in data["params"].items() if k != "derived" and k != "isl_choices"}).kv_bytes_per_token()
+
+
+def test_sweep_writes_json_and_png(tmp_path) -> None:
+    from examples.sim._sweep import sweep
+
+    js, png = tmp_path / "s.json", tmp_path / "s.png"
+    assert sweep(tiny(), json_path=str(js), png_path=str(png), budgets=(48, 512), bandwidths=(0.001,), tps=(1, 2),
+                 warmup=8, requests=16) == 0
+    data = json.loads(js.read_text())
+    assert len(data["points"]) == 2 * 2 * 1 * 2  # tp x budget x bandwidth x mode
+    assert {p["mode"] for p in data["points"]} == {"inline", "orchestrated"}
+    assert all(p["rest_problems"] == [] and p["failed"] == 0 for p in data["points"])
+    assert data["pipelined"] and png.stat().st_size > 1000
