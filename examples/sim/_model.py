@@ -251,7 +251,6 @@ class ModelledTransport:
         self._links = {CTX_PEER: ModelledLink(bw, params.link_latency_us / 1e6, params.link_concurrency)}
         self._connected: set[str] = set()
         self._ready_at = ready_at
-        self.first_pull: dict[str, float] = {}
         self.pulls = 0
         self.bytes_moved = 0
 
@@ -272,7 +271,6 @@ class ModelledTransport:
         link = self._links.get(peer)
         if link is None:
             raise PeerUnreachable(f"cannot reach {peer}", peer=peer)
-        self.first_pull.setdefault(request_id, trio.current_time())
         nbytes = into.numel() * into.element_size()
         await link.transfer(nbytes)
         if self._ready_at is not None and request_id in self._ready_at:

@@ -131,6 +131,7 @@ class _Replay:
         self.clients_done = False
         self._submitted = False
         self.max_admitted = 0
+        self.admission_order: list[str] = []
         self._unstamped: list[str] = []
 
     def _on_output(self, out: Any, _running: RequestState = RequestState.RUNNING) -> None:
@@ -172,8 +173,10 @@ class _Replay:
                     self.batches.append(batch)
                     self.blocked.append(blocked)
                 admitted = reports[0].admitted
-                if admitted > self.max_admitted:
-                    self.max_admitted = admitted
+                if admitted:  # this step's admissions, in the engine's order (its log keeps the newest)
+                    self.admission_order.extend(self.lead.admission_log[-admitted:])
+                    if admitted > self.max_admitted:
+                        self.max_admitted = admitted
                 if batch:
                     await trio.sleep(p.step_s(batch) * p.iterations_per_step)
                 else:
@@ -252,19 +255,10 @@ class _Replay:
     # -- what it showed --------------------------------------------------------------------------
     def fcfs_violations(self) -> int:
         """Requests admitted before one that reached GEN earlier (every request here fits the KV
-        pool, so FCFS must hold strictly). Admission: TP ranks log it; one rank: its first pull
-        (inline/orchestrated) or its first decoded token (ideal), both at the admitting step."""
-        if isinstance(self.lead, TPGenEngine):
-            order = [int(r[1:]) for r in self.lead.admission_log]
-            rank = {i: k for k, i in enumerate(order)}
-            seq = [rank.get(i, len(order)) for i in self.gen_arrival]
-            return sum(1 for a, b in zip(seq, seq[1:]) if b < a)
-        if self.transports:
-            when = self.transports[0].first_pull
-            times = [when.get(f"r{i}", float("inf")) for i in self.gen_arrival]
-        else:
-            times = [self.records[i, 2] for i in self.gen_arrival]
-        return sum(1 for a, b in zip(times, times[1:]) if b < a - 1e-12)
+        pool, so FCFS must hold strictly), from the engine's own admission log, read every step."""
+        rank = {int(rid[1:]): k for k, rid in enumerate(self.admission_order)}
+        seq = [rank.get(i, len(rank)) for i in self.gen_arrival]
+        return sum(1 for a, b in zip(seq, seq[1:]) if b < a)
 
 
 def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False) -> ModeResult:
