@@ -236,9 +236,9 @@ def test_sweep_writes_json_and_png(tmp_path) -> None:
 
     js, png = tmp_path / "s.json", tmp_path / "s.png"
     assert sweep(tiny(), json_path=str(js), png_path=str(png), budgets=(48, 512), bandwidths=(0.001,), tps=(1, 2),
-                 warmup=8, requests=16) == 0
+                 warmup=8, requests=16, ctx_slots=(1, 2)) == 0
     data = json.loads(js.read_text())
-    assert len(data["points"]) == 2 * 2 * 1 * 2  # tp x budget x bandwidth x mode
+    assert len(data["points"]) == 2 * 2 * 1 * 2  # ctx slots x tp x bandwidth x mode (the budget axis at TP4 only)
     assert {p["mode"] for p in data["points"]} == {"inline", "orchestrated"}
     assert all(p["rest_problems"] == [] and p["failed"] == 0 for p in data["points"])
     assert data["pipelined"] and png.stat().st_size > 1000
