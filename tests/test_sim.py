@@ -242,3 +242,14 @@ def test_sweep_writes_json_and_png(tmp_path) -> None:
     assert {p["mode"] for p in data["points"]} == {"inline", "orchestrated"}
     assert all(p["rest_problems"] == [] and p["failed"] == 0 for p in data["points"])
     assert data["pipelined"] and png.stat().st_size > 1000
+
+
+def test_check_fits_the_ctx_on_ideal_only() -> None:
+    """--check fits the CTX's prefill cost so that the replay's ideal matches a measured ideal run."""
+    from examples.sim._check import fit_ctx
+
+    p = tiny(isl_choices=(), ctx_prefill_ms_per_ktok=45.0)
+    target = replay(dataclasses.replace(p, ctx_prefill_ms_per_ktok=900.0), "ideal").output_tok_s
+    fitted = fit_ctx(p, target)
+    assert 45.0 < fitted
+    assert replay(dataclasses.replace(p, ctx_prefill_ms_per_ktok=fitted), "ideal").output_tok_s == pytest.approx(target, rel=0.03)
