@@ -113,6 +113,9 @@ def plot(payload: dict[str, Any], path: str) -> None:
                     ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", color=colors[k % len(colors)],
                             label=f"{mode}, budget {budget} tok")
             ax.set_xscale("log")
+            bws = sorted({p["link_gbyte_s"] for p in payload["points"]})
+            ax.set_xticks(bws, [f"{b:g}" for b in bws])
+            ax.minorticks_off()
             ax.set_title(f"GEN TP{tp}, {'CTX-bound (public case)' if slots == 1 else f'{slots}x arrivals (GEN-bound)'}",
                          fontsize=9)
             ax.set_xlabel("link bandwidth per GEN rank (GB/s)")
