@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         from ._check import main as check_main
 
-        return check_main(rest, params_overrides=args.set)
+        return check_main(rest)
     if rest:
         ap.error(f"unknown arguments {rest}")
     if args.sweep:

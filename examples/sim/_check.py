@@ -127,7 +127,7 @@ def compare(real: dict[str, Any], sim: dict[str, ModeResult]) -> tuple[str, list
     return "\n".join(lines), rows, ok
 
 
-def main(argv: list[str], params_overrides: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m examples.sim --check")
     ap.add_argument("--bench-json", help="a real quick benchmark's JSON to compare with (default: run it now)")
     ap.add_argument("--shaped-json", help="a real shaped-link run's JSON (default: run it now, root only)")

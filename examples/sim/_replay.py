@@ -271,7 +271,6 @@ def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False) -> Mo
 
     async def main() -> None:
         clock = VirtualClock(mock)
-        clock.loop_thread = __import__("threading").get_ident()
         r = holder["r"] = _Replay(p, mode, clock, keep_requests)
         await r.run()
         r._step()  # results published while stopping free their blocks here

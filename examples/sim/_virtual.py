@@ -69,8 +69,9 @@ class VirtualClock:
     """The library's ``Clock`` (``orchestrator._clock``) over a ``trio.testing.MockClock``."""
 
     def __init__(self, mock: trio.testing.MockClock) -> None:
+        """Make it on the loop's thread (inside ``trio.run``)."""
         self._mock = mock
-        self.loop_thread: int | None = None
+        self.loop_thread: int | None = threading.get_ident()
         self._pending: list[VirtualEvent] = []
         self._thread: ExecutionThread | None = None
         self.blocked_waits = 0
