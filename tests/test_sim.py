@@ -17,7 +17,18 @@ from examples.sim._model import SimParams, public_case, tiny
 from orchestrator import TransferBudget, WouldBlock
 from orchestrator._clock import REAL_CLOCK, RealClock, as_clock
 
-quiet_logs()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs():
+    """The engine logs every receive at debug level; quiet here, and the logging set-up restored after
+    (other test files read info-level events with ``structlog.testing.capture_logs``)."""
+    import structlog
+
+    saved = structlog.get_config()
+    quiet_logs()
+    yield
+    structlog.configure(**saved)
 
 
 def _run(fn):
