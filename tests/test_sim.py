@@ -264,3 +264,22 @@ def test_check_fits_the_ctx_on_ideal_only() -> None:
     fitted = fit_ctx(p, target)
     assert 45.0 < fitted
     assert replay(dataclasses.replace(p, ctx_prefill_ms_per_ktok=fitted), "ideal").output_tok_s == pytest.approx(target, rel=0.03)
+
+
+# -- the real run's shaped link (examples/shaped_link.py, used by `bench --netns --link-mbit`) ----------
+def test_shaped_link_caps_both_ends_and_leaves_nothing_behind() -> None:
+    import subprocess
+
+    from examples.shaped_link import shaped_netns
+    from examples.two_node.launch import Netns
+
+    if why := Netns.unavailable():
+        pytest.skip(why)
+    with shaped_netns(24.0) as (ns, devs):
+        for name, dev in devs.items():
+            out = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "show", "dev", dev],
+                                 capture_output=True, text=True, check=True).stdout
+            assert "tbf" in out and "24Mbit" in out
+        names = (ns.a, ns.b)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names)
