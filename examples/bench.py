@@ -56,6 +56,7 @@ from examples import _report
 from examples.two_node import control
 from examples.two_node.client import LoadResult, make_prompts, run_load, summarize
 from examples.tiny_model import ModelConfig
+from examples.shaped_link import node_netns_env, shaped_netns
 from examples.two_node.launch import env_secret
 from transports import KVLayout
 
@@ -94,14 +95,15 @@ class Node:
     """One ``python -m examples.two_node ROLE ...`` child, in its own process group."""
 
     def __init__(self, role: str, args: list[str], env: dict[str, str], log_dir: Path, timeout: float = 90.0,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", netns: str | None = None):
         self.role = role
         self.secret = env_secret(env)
         """The shared secret the node holds: every control call authenticates with it."""
         self.log_path = log_dir / f"{role}-{secrets.token_hex(3)}.log"
         with open(self.log_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "examples.two_node", "--log-level", log_level, role, *args],
+                [*(["ip", "netns", "exec", netns] if netns else []),
+                 sys.executable, "-m", "examples.two_node", "--log-level", log_level, role, *args],
                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
             )
         try:
@@ -161,22 +163,28 @@ def node_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: list[int] | None = None) -> Iterator[tuple[Node, Node]]:
-    """A CTX and a GEN node for ``mode``; both stopped on exit, whatever happens."""
+def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: list[int] | None = None,
+              net: tuple[Any, dict[str, str]] | None = None) -> Iterator[tuple[Node, Node]]:
+    """A CTX and a GEN node for ``mode``; both stopped on exit, whatever happens. ``net``: the
+    ``shaped_link.shaped_netns`` pair (CTX in its namespace ``a``, GEN in ``b``), else loopback."""
     env = node_env()
+    ns, devs = net if net else (None, {})
+    ctx_host, gen_host = (ns.addr_a, ns.addr_b) if ns else ("127.0.0.1", "127.0.0.1")
+    ctx_env = node_netns_env(env, devs, ns.a) if ns else env
+    gen_env = node_netns_env(env, devs, ns.b) if ns else env
     gen_tp, ctx_tp, kv_heads = cfg.get("gen_tp", 1), cfg.get("ctx_tp", 1), cfg.get("kv_heads", KV_HEADS)
     model = ["--kv-heads", str(kv_heads)] if kv_heads != KV_HEADS else []
     with contextlib.ExitStack() as stack:
-        ctx = Node("ctx", ["--host", "127.0.0.1", "--port", "0", "--ucx-port", "0",
+        ctx = Node("ctx", ["--host", ctx_host, "--port", "0", "--ucx-port", "0",
                            "--num-blocks", str(cfg["ctx_num_blocks"]), "--lease-s", str(cfg["ctx_lease_s"]),
                            "--max-seq-len", str(cfg["max_seq_len"]), *model,
                            *(["--tp", str(ctx_tp)] if ctx_tp > 1 else []),
-                           "--kv-checksums" if cfg["kv_checksums"] else "--no-kv-checksums"], env, log_dir,
-                   timeout=90.0 + 30.0 * ctx_tp)
+                           "--kv-checksums" if cfg["kv_checksums"] else "--no-kv-checksums"], ctx_env, log_dir,
+                   timeout=90.0 + 30.0 * ctx_tp, netns=ns.a if ns else None)
         stack.callback(ctx.stop)
         if pids is not None:
             pids.append(ctx.pid)
-        gen_args = ["--ctx", ctx.info["ctrl"], "--host", "127.0.0.1", "--port", "0", "--mode", mode, "--step", step,
+        gen_args = ["--ctx", ctx.info["ctrl"], "--host", gen_host, "--port", "0", "--mode", mode, "--step", step,
                     "--device-step-ms", str(cfg["device_step_ms"]),
                     "--device-step-us-per-seq", str(cfg["device_step_us_per_seq"]),
                     "--num-blocks", str(cfg["gen_num_blocks"]), *model,
@@ -191,7 +199,7 @@ def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: li
                 gen_args += [flag, str(cfg[key])]
         if gen_tp > 1:
             gen_args += ["--tp", str(gen_tp)]
-        gen = Node("gen", gen_args, env, log_dir, timeout=90.0 + 30.0 * gen_tp)
+        gen = Node("gen", gen_args, gen_env, log_dir, timeout=90.0 + 30.0 * gen_tp, netns=ns.b if ns else None)
         stack.callback(gen.stop)
         if pids is not None:
             pids.append(gen.pid)
@@ -375,7 +383,8 @@ def run_bench(cfg: dict[str, Any], step: str, *, modes: tuple[str, ...] = MODES,
     walls: dict[str, float] = {m: 0.0 for m in modes}
     loads: dict[str, list[float]] = {m: [] for m in modes}
     with contextlib.ExitStack() as stack:
-        pairs = {m: stack.enter_context(node_pair(m, cfg, step, log_dir, pids)) for m in modes}
+        net = stack.enter_context(shaped_netns(cfg.get("link_mbit"))) if cfg.get("netns") else None
+        pairs = {m: stack.enter_context(node_pair(m, cfg, step, log_dir, pids, net)) for m in modes}
 
         def guarded(mode: str, fn: Any) -> Any:
             try:
@@ -562,6 +571,8 @@ def build_config(a: argparse.Namespace) -> dict[str, Any]:
         "kv_checksums": a.kv_checksums,
         "log_dir": a.log_dir,
         "quick": bool(a.quick),
+        "netns": bool(a.netns or a.link_mbit),
+        "link_mbit": a.link_mbit,
     }
     cfg["loadavg_start"] = os.getloadavg()
     cfg["git"] = _git_state()
@@ -604,6 +615,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", help="where node logs go (default: a temporary directory, removed unless a request failed)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--netns", action="store_true", help="CTX and GEN in two network namespaces joined by a veth pair "
+                   "(root; UCX over TCP on it); the client lives with GEN")
+    p.add_argument("--link-mbit", type=float, help="cap the veth link at this many Mbit/s each way (tc tbf; implies --netns)")
     return p
 
 

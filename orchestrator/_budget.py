@@ -7,7 +7,8 @@ tokens exactly once, whichever thread calls it and however often::
     acquire_nowait(cost) ──granted──> Grant ──release()──> tokens back, next waiters woken
           │ WouldBlock (not enough free, or someone is already waiting: strict FIFO)
     acquire(cost)          async; waits in FIFO order; cancel-safe
-    acquire_blocking(cost, timeout)   sync wait on a thread (only the ``inline`` baseline uses it)
+    acquire_blocking(cost, timeout)   sync wait on a thread (only the ``inline`` baseline uses it), in
+                                      the time of the budget's clock (``_clock``: real by default)
 
 Oversized rule: a cost above the whole capacity is charged as the whole capacity, so it is granted
 only when nothing is held, and it holds the window alone until released.
@@ -25,6 +26,7 @@ from collections.abc import Callable
 
 import anyio
 
+from ._clock import Clock, as_clock
 from ._errors import WouldBlock
 from ._threads import loop_caller
 
@@ -84,10 +86,12 @@ class _Waiter:
 
 
 class TransferBudget:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, clock: Clock | Callable[[], float] | None = None) -> None:
         if capacity <= 0:
             raise ValueError(f"budget capacity must be positive, got {capacity}")
         self._capacity = capacity
+        self.clock = as_clock(clock)
+        """Whose time ``acquire_blocking`` waits in (``RealClock`` unless a replay injects virtual time)."""
         self._lock = threading.Lock()
         self._in_use = 0
         self._holders = 0
@@ -142,9 +146,10 @@ class TransferBudget:
         return waiter.grant
 
     def acquire_blocking(self, cost: int, timeout: float) -> Grant:
-        """Block this (non-event-loop) thread up to ``timeout`` s; raises ``WouldBlock`` on timeout."""
+        """Block this (non-event-loop) thread up to ``timeout`` s of the budget's clock; raises
+        ``WouldBlock`` on timeout."""
         charged = self.charge_for(cost)
-        event = threading.Event()
+        event = self.clock.event()
         with self._lock:
             if not self._waiters and self._in_use + charged <= self._capacity:
                 return self._grant_locked(cost, charged)

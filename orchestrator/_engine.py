@@ -58,6 +58,7 @@ import torch
 from transports import KVSlice, Transport, scatter
 
 from ._budget import TransferBudget
+from ._clock import Clock, as_clock
 from ._config import Mode, OrchestratorConfig
 from ._errors import InvalidRequest, Unavailable, WouldBlock
 from ._kvpool import KVBlockPool
@@ -145,8 +146,9 @@ class GenEngine:
         on_output: Callable[[RequestOutput], None] | None = None,
         on_received: Callable[[str, torch.Tensor], None] | None = None,
         on_command: Callable[[Any], None] | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Clock | Callable[[], float] = time.perf_counter,
     ) -> None:
+        clock = as_clock(clock)  # deadlines, step timings and the inline path's blocking waits
         if transport is None and config.mode is not Mode.IDEAL:
             raise ValueError(f"mode {config.mode.value} needs a transport")
         self.config = config
@@ -158,7 +160,7 @@ class GenEngine:
         self._pull_releases = self.world_size == 1
         """A lone rank's last pull lets the CTX free its copy; a group's rank 0 tells the CTX once
         every rank has its slice."""
-        self.budget = TransferBudget(config.transfer_budget_bytes)
+        self.budget = TransferBudget(config.transfer_budget_bytes, clock=clock)
         self.pool = KVBlockPool(config.layout, config.num_blocks, config.device, poison_freed=config.debug_poison_freed_blocks)
         self.scheduler = Scheduler(config, self.budget, self.pool)
         self._step_fn = step_fn
@@ -636,7 +638,8 @@ class GenEngine:
                     device=self.pool.kv.device,
                 )
         for part in parts:
-            self.receiver.connect_blocking(part.peer, self._blocking_wait_s(self.config.kv_transfer_timeout_ms / 1e3))
+            self.receiver.connect_blocking(part.peer, self._blocking_wait_s(self.config.kv_transfer_timeout_ms / 1e3),
+                                          clock=self._clock)
         self.receiver.submit(dataclasses.replace(job, staging=staging, chunks=parts[0].chunks,
                                                  parts=parts if job.parts else ()))
         return self._clock() - t0

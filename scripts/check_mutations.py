@@ -121,6 +121,14 @@ M = [
  ("8 CTX first-token disagreement fails that prefill only", "examples/two_node/ctx_tp.py", "        if not all(p[\"ok\"] for p in parts) or len(set(firsts)) != 1:", "        if not all(p[\"ok\"] for p in parts):", "tests/test_tp_heal.py -k disagreeing"),
  ("9 KV checksums off the event loop", "examples/two_node/gen_tp.py", "        self._pool.submit(work)\n", "        work()\n", "tests/test_tp_heal_units.py -k worker_thread"),
  ("16 a model collective's break keeps the group's cause", "orchestrator/_loop.py", "exc.cause if isinstance(exc, GroupBroken)", "str(exc) if False", "tests/test_hardening.py -k one_cause"),
+ # issue 18: the replay in virtual time runs the library's own waits and admission
+ ("18 budget waits through its clock", "orchestrator/_budget.py", "        event = self.clock.event()", "        event = threading.Event()", "tests/test_sim.py -k virtual_time"),
+ ("18 connect waits through the clock", "orchestrator/_receiver.py", "        done = clock.event()", "        done = REAL_CLOCK.event()", "tests/test_sim.py -k connect_blocking"),
+ ("18 engine gives the budget its clock", "orchestrator/_engine.py", "self.budget = TransferBudget(config.transfer_budget_bytes, clock=clock)", "self.budget = TransferBudget(config.transfer_budget_bytes)", "tests/test_sim.py -k 'slow_link or clock_it_is_given'"),
+ ("18 replay sees FCFS broken", "orchestrator/_scheduler.py",
+  "                        len(self._waiting) - len(admitted) - deferred[DeferReason.KV_EXHAUSTED])\n                    break\n",
+  "                        len(self._waiting) - len(admitted) - deferred[DeferReason.KV_EXHAUSTED])\n                    continue\n",
+  "tests/test_sim.py -k 'invariants and orchestrated'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

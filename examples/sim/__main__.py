@@ -1,0 +1,156 @@
+"""``python -m examples.sim``: the public case's table, the sweep, the pipelined what-if, the check.
+
+    python -m examples.sim [--preset public-case|tiny] [--modes ideal,inline,orchestrated] [--set k=v ...]
+    python -m examples.sim --sweep      [--json results/sim_sweep.json --png results/sim_sweep.png]
+    python -m examples.sim --pipelined  (the layer-wise pipelined transfer what-if, beside the baseline)
+    python -m examples.sim --check      (this machine's measurements -> replay vs the real benchmark)
+
+Every parameter is printed with its value and source before the results (``docs/sim.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from . import quiet_logs
+from ._model import PRESETS, SEED, SOURCES, SimParams
+from ._replay import ModeResult, replay
+
+MODES = ("ideal", "inline", "orchestrated")
+
+
+def _parse_set(params: SimParams, items: list[str]) -> SimParams:
+    fields = {f.name: f for f in dataclasses.fields(SimParams)}
+    changes: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.replace("-", "_")
+        if not sep or key not in fields:
+            raise SystemExit(f"--set {item!r}: expected name=value with a name of {sorted(fields)}")
+        current = getattr(params, key)
+        if isinstance(current, bool):
+            changes[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(current, tuple):
+            changes[key] = tuple(int(v) for v in value.split(",") if v)
+        elif key == "max_prefetch_seqs" or key == "kv_pool_requests":
+            changes[key] = None if value.lower() == "none" else int(value)
+        else:
+            changes[key] = type(current)(value) if current is not None else int(value)
+    return dataclasses.replace(params, **changes)
+
+
+def print_params(p: SimParams, out: Any = sys.stdout) -> None:
+    print("parameters (value; source):", file=out)
+    for f in dataclasses.fields(SimParams):
+        v = getattr(p, f.name)
+        src = SOURCES.get(f.name, "")
+        print(f"  {f.name:26s} {v!s:>12s}  {src}", file=out)
+    for k, v in p.describe()["derived"].items():  # type: ignore[union-attr]
+        print(f"  {k:26s} {v!s:>12s}  (derived)", file=out)
+
+
+def run_modes(p: SimParams, modes: tuple[str, ...], *, progress: bool = True) -> dict[str, ModeResult]:
+    out = {}
+    for m in modes:
+        t = time.perf_counter()
+        out[m] = replay(p, m)
+        if progress:
+            print(f"  {m}: {time.perf_counter() - t:.1f} s real for {out[m].virtual_s:.1f} s virtual, "
+                  f"{out[m].engine_steps} engine steps", file=sys.stderr)
+    return out
+
+
+def table(results: dict[str, ModeResult]) -> str:
+    ideal = results.get("ideal")
+    lines = ["| mode | output tok/s | vs ideal | mean TPOT ms | p99 TPOT ms | mean batch | exec blocked (sum s, max ms) "
+             "| fallbacks | deferrals (backpressure) | KV wait ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, r in results.items():
+        ratio = f"{r.output_tok_s / ideal.output_tok_s:.3f}" if ideal and ideal.output_tok_s else "-"
+        lines.append(f"| {m} | {r.output_tok_s:,.0f} | {ratio} | {r.tpot_ms_mean:.3f} | {r.tpot_ms_p99:.3f} | "
+                     f"{r.mean_batch:.1f} | {r.exec_blocked_ms['sum_s']:.2f}, {r.exec_blocked_ms['max']:.1f} | "
+                     f"{r.inline_fallbacks} | {r.deferral_episodes.get('backpressure', 0)} | {r.kv_wait_ms_mean:.1f} | "
+                     f"{r.failed} |")
+    return "\n".join(lines)
+
+
+def seed_table() -> str:
+    s = SEED
+    return "\n".join([
+        "| public case (seed) | output tok/s | vs V1 | mean TPOT ms |",
+        "|---|---|---|---|",
+        f"| V1 (baseline, original build) | {s['v1_output_tok_s']:,.2f} | - | {s['v1_tpot_ms']} |",
+        f"| V2 original (inline receive setup) | {s['orig_v2_output_tok_s']:,.2f} | {s['orig_v2_vs_v1']:+.2%} | {s['orig_v2_tpot_ms']} |",
+        f"| V2 patched (early budget) | {s['patched_v2_output_tok_s']:,.2f} | {s['patched_v2_vs_v1']:+.2%} | {s['patched_v2_tpot_ms']} |",
+    ])
+
+
+def _write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m examples.sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="public-case")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a parameter")
+    ap.add_argument("--sweep", action="store_true", help="budget x link bandwidth x GEN TP -> JSON + PNG")
+    ap.add_argument("--pipelined", action="store_true", help="the layer-wise pipelined transfer what-if")
+    ap.add_argument("--check", action="store_true", help="replay vs the real quick benchmark on this machine")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None)
+    args, rest = ap.parse_known_args(argv)
+    quiet_logs()
+    params = _parse_set(PRESETS[args.preset](), args.set)
+    if args.check:
+        from ._check import main as check_main
+
+        return check_main(rest)
+    if rest:
+        ap.error(f"unknown arguments {rest}")
+    if args.sweep:
+        from ._sweep import sweep
+
+        return sweep(params, json_path=args.json or "results/sim_sweep.json", png_path=args.png or "results/sim_sweep.png")
+    print_params(params)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    results = run_modes(params, modes)
+    payload: dict[str, Any] = {"preset": args.preset, "params": params.describe(), "sources": SOURCES,
+                               "modes": {m: r.summary() for m, r in results.items()}, "seed": SEED}
+    print()
+    print(table(results))
+    if args.preset == "public-case":
+        print()
+        print(seed_table())
+    if args.pipelined:
+        piped = run_modes(dataclasses.replace(params, pipelined=True), tuple(m for m in modes if m != "ideal"))
+        print("\nlayer-wise pipelined transfer (GEN pulls layer i while CTX prefills layer i+1):")
+        print(table({**({"ideal": results["ideal"]} if "ideal" in results else {}), **piped}))
+        for m, r in piped.items():
+            if m in results:
+                print(f"  {m}: KV wait {results[m].kv_wait_ms_mean:.2f} -> {r.kv_wait_ms_mean:.2f} ms, "
+                      f"CTX-token-to-first-GEN-token; throughput {results[m].output_tok_s:,.0f} -> {r.output_tok_s:,.0f}")
+        payload["pipelined"] = {m: r.summary() for m, r in piped.items()}
+    bad = [f"{m}: {r.rest_problems or ''} failed={r.failed} fcfs_violations={r.fcfs_violations}"
+           for m, r in results.items() if r.rest_problems or r.failed or r.fcfs_violations
+           or r.peak_budget_in_use > r.budget_capacity]
+    _write_json(args.json, payload)
+    if bad:
+        print("INVARIANTS BROKEN:\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""What the replay models, with every parameter, its default and where the default comes from.
+
+    decode step      step_s(batch) = step_base_ms + step_per_seq_us x batch   (a virtual sleep per
+                     engine step, after the step's own decisions, which take no virtual time)
+    CTX prefill      ctx_prefill_slots servers in FIFO, each prefill = ctx_prefill_base_ms +
+                     ctx_prefill_ms_per_ktok x ISL / 1000
+    link             one per (CTX, GEN rank): latency + bytes / bandwidth, the bandwidth shared
+                     equally by the transfers on it, at most link_concurrency at once (FIFO beyond)
+    KV geometry      layers x KV heads x head dim x dtype, paged in blocks of block_size tokens;
+                     each GEN rank holds and pulls num_kv_heads / gen_tp heads
+    budget           max_tokens_in_buffer tokens of KV per rank (OrchestratorConfig.transfer_budget_for_tokens)
+    client           closed loop at ``concurrency``: warmup requests, then ``requests`` measured
+
+``ModelledTransport`` is the link as a ``transports.Transport``: it plugs in where ``transports.ucx``
+or ``transports.inproc`` plug in, and moves no data (the KV pool lives on torch's ``meta`` device:
+shapes and byte counts, no memory), so a replay at the public case's geometry fits in this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import trio
+
+from transports import KVLayout, KVSlice, Landing, PeerUnreachable
+from transports._layout import dtype_from_name
+
+CTX_PEER = "ctx0:5000"
+
+# -- the public case (../shared/seeds/): figures every preset is judged against ----------------------
+SEED = {
+    "v1_output_tok_s": 16084.10, "v1_tpot_ms": 4.464,
+    "orig_v2_output_tok_s": 12559.23, "orig_v2_vs_v1": -0.2192, "orig_v2_tpot_ms": 18.312,
+    "patched_v1_output_tok_s": 16066.51, "patched_v2_output_tok_s": 15880.01, "patched_v2_vs_v1": -0.0116,
+    "patched_v2_tpot_ms": 4.932,
+}
+
+_STEP_SLOPE_US = (4.581 - 4.337) / (80 - 72) * 1e3  # 30.5 us per sequence
+_STEP_BASE_MS = 4.337 - 72 * _STEP_SLOPE_US / 1e3  # 2.141 ms
+
+
+@dataclasses.dataclass(frozen=True)
+class SimParams:
+    # KV geometry (GPT-OSS 120B model card / config.json)
+    num_layers: int = 36
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    kv_dtype: str = "bfloat16"
+    block_size: int = 32
+    # load (the seed)
+    isl: int = 8192
+    osl: int = 1024
+    isl_choices: tuple[int, ...] = ()
+    """Prompt lengths drawn per request (seeded); empty: every prompt is ``isl`` tokens."""
+    concurrency: int = 1024
+    warmup: int = 10240
+    requests: int = 10240
+    gen_tp: int = 4
+    # timing models
+    step_base_ms: float = round(_STEP_BASE_MS, 4)
+    step_per_seq_us: float = round(_STEP_SLOPE_US, 3)
+    ctx_prefill_base_ms: float = 0.0
+    ctx_prefill_ms_per_ktok: float = round(1024 / SEED["v1_output_tok_s"] * 1e3 / 8.192, 4)
+    ctx_prefill_slots: int = 1
+    link_gbyte_s: float = 50.0
+    link_latency_us: float = 10.0
+    link_concurrency: int = 4
+    connect_ms: float = 1.0
+    # the orchestrator's knobs
+    max_tokens_in_buffer: int = 8192
+    max_num_seqs: int = 256
+    max_prefetch_seqs: int | None = None
+    inline_reserve_timeout_s: float = 0.2
+    kv_transfer_timeout_ms: int = 60_000
+    kv_pool_requests: int | None = None
+    """GEN KV pool per rank, in requests of the longest prompt + OSL; None: max_num_seqs + prefetch."""
+    # what-if
+    pipelined: bool = False
+    """Layer-wise pipelined transfer: GEN may pull layer i once CTX has prefilled it (see ``ModelledTransport``)."""
+    iterations_per_step: int = 1
+    """Device iterations one engine step stands for (its model time is that many step times; a
+    request then needs ceil((osl - 1) / k) engine steps). 1 is exact; larger trades admission
+    granularity for speed and is sound only while one engine step stays shorter than the CTX's
+    time between two first tokens (the output reports the most admissions seen in one step)."""
+    idle_poll_ms: float = 0.5
+    seed: int = 0
+
+    # -- derived ---------------------------------------------------------------------------------
+    def step_s(self, batch: int) -> float:
+        return (self.step_base_ms + self.step_per_seq_us * batch / 1e3) / 1e3
+
+    def engine_max_tokens(self) -> int:
+        """``max_tokens`` given to the engine: the CTX's token plus ceil((osl - 1) / k) decode steps."""
+        k = self.iterations_per_step
+        return 1 + -(-(self.osl - 1) // k)
+
+    def prefill_s(self, isl: int) -> float:
+        return (self.ctx_prefill_base_ms + self.ctx_prefill_ms_per_ktok * isl / 1e3) / 1e3
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.gen_tp
+
+    def rank_layout(self) -> KVLayout:
+        return KVLayout(self.num_layers, self.heads_per_rank, self.head_dim, self.block_size, dtype_from_name(self.kv_dtype))
+
+    def kv_bytes_per_token(self) -> int:
+        """Whole model (all KV heads), K and V."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype_from_name(self.kv_dtype)).element_size()
+
+    def prompt_lengths(self) -> list[int]:
+        import random
+
+        n = self.warmup + self.requests
+        if not self.isl_choices:
+            return [self.isl] * n
+        rng = random.Random(self.seed)
+        return [rng.choice(self.isl_choices) for _ in range(n)]
+
+    def check(self) -> None:
+        if self.num_kv_heads % self.gen_tp:
+            raise ValueError(f"{self.num_kv_heads} KV heads do not split over GEN TP {self.gen_tp}")
+        if min(self.concurrency, self.requests, self.osl, self.iterations_per_step) < 1 or self.warmup < 0:
+            raise ValueError("concurrency, requests and osl must be >= 1, warmup >= 0")
+
+    def describe(self) -> dict[str, object]:
+        d = dataclasses.asdict(self)
+        d["derived"] = {
+            "kv_bytes_per_token_model": self.kv_bytes_per_token(),
+            "kv_bytes_per_request_per_rank": self.kv_bytes_per_token() * max(self.isl_choices or (self.isl,)) // self.gen_tp,
+            "transfer_s_per_request_per_rank": self.kv_bytes_per_token() * (max(self.isl_choices or (self.isl,)))
+            / self.gen_tp / (self.link_gbyte_s * 1e9),
+            "step_ms_at_72": round(self.step_s(72) * 1e3, 4),
+            "step_ms_at_80": round(self.step_s(80) * 1e3, 4),
+            "prefill_ms_at_isl": round(self.prefill_s(self.isl) * 1e3, 3),
+        }
+        return d
+
+
+SOURCES = {
+    "num_layers": "GPT-OSS 120B model card / config.json: num_hidden_layers 36",
+    "num_kv_heads": "config.json: num_key_value_heads 8 (GQA, 64 query heads)",
+    "head_dim": "config.json: head_dim 64",
+    "kv_dtype": "ASSUMED bf16 KV cache (the seed gives FP4 weights, not the KV dtype; FP8 KV halves every transfer)",
+    "block_size": "ASSUMED 32 tokens per block (TensorRT-LLM's default tokens_per_block)",
+    "isl": "seed: ISL 8192", "osl": "seed: OSL 1024", "concurrency": "seed: concurrency 1024",
+    "warmup": "seed: 10,240 warm-up requests", "requests": "seed: 10,240 measured requests",
+    "gen_tp": "seed: CTX TP1 -> GEN TP4",
+    "step_base_ms": "seed: line through 4.337 ms @ batch 72 and 4.581 ms @ batch 80 (two kernel configs, per the seed)",
+    "step_per_seq_us": "seed: slope of the same line",
+    "ctx_prefill_ms_per_ktok": "FITTED: one CTX prefill of 8192 tokens = OSL / V1 throughput = 1024 / 16,084 s "
+                               "(V1 was CTX-bound: GEN batch ~72 = 16,084 tok/s x 4.464 ms)",
+    "ctx_prefill_slots": "ASSUMED: one prefill at a time on CTX TP1",
+    "link_gbyte_s": "ASSUMED 50 GB/s per GEN rank (one 400 Gb/s NIC per GB200 GPU); the sweep varies it",
+    "link_latency_us": "ASSUMED", "link_concurrency": "ASSUMED", "connect_ms": "ASSUMED (first connect per peer only)",
+    "max_tokens_in_buffer": "ASSUMED = ISL (one request in flight per rank; this project's GEN default 8192)",
+    "max_num_seqs": "ASSUMED 256: the original V2's mean batch was ~230 (12,559 tok/s x 18.3 ms), so the cap is above it",
+    "iterations_per_step": "SPEED: 8 device iterations per engine step (35 ms < the 63.7 ms between two CTX first "
+                           "tokens); docs/sim.md compares it with 1 (exact)",
+    "inline_reserve_timeout_s": "the inline path's blocking reservation timeout (0.2 s), then a slow fallback",
+}
+
+
+def public_case() -> SimParams:
+    return SimParams(iterations_per_step=8)
+
+
+def tiny(**overrides: object) -> SimParams:
+    """Seconds in CI: two-layer toy geometry, a mix of prompt lengths, one of them above the budget."""
+    base = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=8, isl=48, osl=16, isl_choices=(24, 48, 160),
+                concurrency=16, warmup=16, requests=48, gen_tp=1, max_tokens_in_buffer=64, max_num_seqs=8,
+                ctx_prefill_ms_per_ktok=20.0, step_base_ms=4.0, step_per_seq_us=50.0,
+                link_gbyte_s=0.0005, link_latency_us=100.0, link_concurrency=2, connect_ms=0.5)
+    base.update(overrides)
+    return SimParams(**base)  # type: ignore[arg-type]
+
+
+PRESETS = {"public-case": public_case, "tiny": tiny}
+
+
+class ModelledLink:
+    """Transfers on one link: each waits for one of ``concurrency`` slots (FIFO), then ``latency``,
+    then its bytes flow at ``bandwidth / n`` while ``n`` transfers share the link (processor sharing)."""
+
+    def __init__(self, bandwidth_bytes_s: float, latency_s: float, concurrency: int) -> None:
+        self.bandwidth = bandwidth_bytes_s
+        self.latency = latency_s
+        self._slots = trio.Semaphore(concurrency)
+        self._active: list[list[float | trio.CancelScope | None]] = []  # [remaining bytes, scope]
+        self._last = 0.0
+        self.peak_active = 0
+        self.bytes_in_flight = 0
+        self.peak_bytes_in_flight = 0
+
+    def _advance(self, now: float) -> None:
+        if self._active:
+            drained = (now - self._last) * self.bandwidth / len(self._active)
+            for flow in self._active:
+                flow[0] = float(flow[0]) - drained  # type: ignore[arg-type]
+        self._last = now
+
+    def _reschedule(self, now: float) -> None:
+        n = len(self._active)
+        for flow in self._active:
+            scope = flow[1]
+            if scope is not None:
+                scope.deadline = now + max(0.0, float(flow[0])) * n / self.bandwidth  # type: ignore[union-attr,arg-type]
+
+    async def transfer(self, nbytes: int) -> None:
+        async with self._slots:
+            self.bytes_in_flight += nbytes
+            self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self.bytes_in_flight)
+            try:
+                await trio.sleep(self.latency)
+                flow: list[float | trio.CancelScope | None] = [float(nbytes), None]
+                now = trio.current_time()
+                self._advance(now)
+                self._active.append(flow)
+                self.peak_active = max(self.peak_active, len(self._active))
+                try:
+                    while float(flow[0]) > 1e-6 * nbytes + 1e-9:  # type: ignore[arg-type]
+                        with trio.CancelScope() as scope:
+                            flow[1] = scope
+                            self._reschedule(trio.current_time())
+                            await trio.sleep_forever()
+                        flow[1] = None
+                        self._advance(trio.current_time())
+                finally:
+                    now = trio.current_time()
+                    self._advance(now)
+                    self._active.remove(flow)
+                    self._reschedule(now)
+            finally:
+                self.bytes_in_flight -= nbytes
+
+
+class ModelledTransport:
+    """A ``transports.Transport`` whose pulls take the modelled link's time and move no data.
+
+    Pipelined what-if (``ready_at``): a request's pull cannot end before its CTX has prefilled the
+    last layer and that layer has crossed the link: ``max(flow end, prefill end + latency + bytes /
+    layers / bandwidth)``."""
+
+    name = "modelled"
+
+    def __init__(self, params: SimParams, ready_at: dict[str, float] | None = None) -> None:
+        self._p = params
+        bw = params.link_gbyte_s * 1e9
+        self._links = {CTX_PEER: ModelledLink(bw, params.link_latency_us / 1e6, params.link_concurrency)}
+        self._connected: set[str] = set()
+        self._ready_at = ready_at
+        self.pulls = 0
+        self.bytes_moved = 0
+
+    @property
+    def link(self) -> ModelledLink:
+        return self._links[CTX_PEER]
+
+    async def connect(self, peer: str) -> None:
+        if peer not in self._links:
+            raise PeerUnreachable(f"cannot reach {peer}", peer=peer)
+        if peer not in self._connected:
+            self._connected.add(peer)
+            await trio.sleep(self._p.connect_ms / 1e3)
+        await trio.lowlevel.checkpoint()
+
+    async def pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *,
+                   handle: str | None = None, release: bool = True, landing: Landing | None = None) -> int:
+        link = self._links.get(peer)
+        if link is None:
+            raise PeerUnreachable(f"cannot reach {peer}", peer=peer)
+        nbytes = into.numel() * into.element_size()
+        await link.transfer(nbytes)
+        if self._ready_at is not None and request_id in self._ready_at:
+            last_layer = nbytes / max(1, kv_slice.num_layers) / link.bandwidth
+            end = self._ready_at[request_id] + link.latency + last_layer
+            if end > trio.current_time():
+                await trio.sleep_until(end)
+        self.pulls += 1
+        self.bytes_moved += nbytes
+        return nbytes
+
+    async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def hold(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        self._connected.clear()

@@ -1,0 +1,326 @@
+"""One replay: a closed-loop client, a modelled CTX, and a GEN node of ``gen_tp`` ranks made of the
+project's own engines, in virtual time.
+
+    client x concurrency ──> CTX (FIFO prefill slots) ──first token──> GEN rank 0 .submit()
+    GEN: GenEngine (TP1) or TPGenEngine x gen_tp stepped by LocalGroup.step_all, each rank with its
+         ModelledTransport (link) and a meta-device KV pool; their receive groups on the trio loop
+    execution loop (a trio task): step the engine(s) [on ExecutionThread in inline mode, whose
+         blocking waits the loop serves in virtual time] -> sleep step_s(batch) -> finished requests
+         wake their clients
+
+Nothing here decides admission: the engine's ``Scheduler``, ``TransferBudget`` and ``KVBlockPool``
+do, inside ``step()``. The replay only supplies time (``VirtualClock``), the link, the CTX, the
+model's step time and the load, and reads what the engine reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import trio
+import trio.testing
+
+from orchestrator import GenEngine, GenRequest, LocalGroup, Mode, OrchestratorConfig, RequestState, TPGenEngine
+
+from ._model import CTX_PEER, ModelledTransport, SimParams
+from ._virtual import ExecutionThread, VirtualClock, seed_scheduler
+
+
+@dataclasses.dataclass
+class ModeResult:
+    mode: str
+    gen_tp: int
+    output_tok_s: float
+    tpot_ms_mean: float
+    tpot_ms_p99: float
+    ttft_ms_mean: float
+    """Client start to the CTX's first token (queue + prefill)."""
+    kv_wait_ms_mean: float
+    """CTX's first token to GEN's first decoded token (transfer, admission waits, decode slot)."""
+    mean_batch: float
+    decode_steps: int
+    exec_blocked_ms: dict[str, float]
+    """Per step, virtual time the execution thread spent in explicit blocking waits (p50, p99, max, sum_s)."""
+    blocked_steps: int
+    inline_fallbacks: int
+    deferral_episodes: dict[str, int]
+    budget_capacity: int
+    peak_budget_in_use: int
+    peak_link_bytes_in_flight: int
+    finished: int
+    failed: int
+    measured: int
+    virtual_s: float
+    wall_s: float
+    engine_steps: int
+    max_admitted_per_step: int
+    fcfs_violations: int
+    rest_problems: list[str]
+    requests: list[tuple[float, float, float, float, int]] = dataclasses.field(default_factory=list, repr=False)
+    """Per request (arrival at CTX, first token, first GEN token, end, measured 0/1); only with keep_requests."""
+
+    def summary(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("requests")
+        return d
+
+
+def _config(p: SimParams, mode: Mode, rank: int) -> OrchestratorConfig:
+    layout = p.rank_layout()
+    longest = max(p.isl_choices or (p.isl,))
+    per_request = layout.blocks_for(longest + p.osl)
+    pool_requests = p.kv_pool_requests or (p.max_num_seqs + (p.max_prefetch_seqs or p.max_num_seqs))
+    return OrchestratorConfig(
+        layout=layout,
+        num_blocks=per_request * pool_requests,
+        transfer_budget_bytes=OrchestratorConfig.transfer_budget_for_tokens(layout, p.max_tokens_in_buffer),
+        mode=mode,
+        kv_transfer_timeout_ms=p.kv_transfer_timeout_ms,
+        max_num_seqs=p.max_num_seqs,
+        max_prefetch_seqs=p.max_prefetch_seqs,
+        max_model_len=longest + p.osl,
+        inline_reserve_timeout_s=p.inline_reserve_timeout_s,
+        kv_head_offset=rank * p.heads_per_rank,
+        device="meta",  # shapes and bytes only: the public case's pool would not fit in this machine
+    )
+
+
+def _tokens(batch: Any) -> list[int]:
+    return [1] * len(batch.request_ids)
+
+
+class _Replay:
+    def __init__(self, p: SimParams, mode: Mode, clock: VirtualClock, keep_requests: bool) -> None:
+        self.p, self.mode, self.clock = p, mode, clock
+        self.keep_requests = keep_requests
+        self.ready_at: dict[str, float] | None = {} if p.pipelined else None
+        self.ends: list[Any] = []  # RequestOutputs that end a request (FINISHED/FAILED), from rank 0
+        on_output = self._on_output
+        self.transports: list[ModelledTransport] = []
+        if p.gen_tp == 1:
+            transport = None if mode is Mode.IDEAL else ModelledTransport(p, self.ready_at)
+            self.transports = [transport] if transport else []
+            self.engines: list[GenEngine] = [GenEngine(_config(p, mode, 0), transport, _tokens, on_output=on_output, clock=clock)]
+            self._step = self._step_one
+        else:
+            group = LocalGroup(p.gen_tp)
+            self.engines = []
+            for rank in range(p.gen_tp):
+                transport = None if mode is Mode.IDEAL else ModelledTransport(p, self.ready_at)
+                if transport:
+                    self.transports.append(transport)
+                self.engines.append(TPGenEngine(_config(p, mode, rank), transport, _tokens, on_output=on_output,
+                                                clock=clock, sync=group.sync(rank)))
+            self._step = self._step_group
+        self.lead = self.engines[0]
+        self.isls = p.prompt_lengths()
+        self.total = p.warmup + p.requests
+        self._next = iter(range(0))
+        self.phase_start = 0.0
+        self.waiters: dict[str, trio.Event] = {}
+        self.records = np.zeros((self.total, 5))  # arrival, first token, first GEN token, end, ok
+        self.gen_arrival: list[int] = []  # request indices in the order GEN received them
+        self.first_gen_token: dict[str, float] = {}
+        self.activity = trio.Event()
+        self.batches: list[int] = []
+        self.blocked: list[float] = []
+        self.steps = 0
+        self.clients_done = False
+        self._submitted = False
+        self.max_admitted = 0
+        self.admission_order: list[str] = []
+        self._unstamped: list[str] = []
+
+    def _on_output(self, out: Any, _running: RequestState = RequestState.RUNNING) -> None:
+        # on the execution thread, inside step(), once per token: kept small
+        if out.state is not _running:
+            self.ends.append(out)
+        elif out.request_id not in self.first_gen_token:
+            self.first_gen_token[out.request_id] = -1.0  # stamped after the step's model time
+            self._unstamped.append(out.request_id)
+
+    def _may_block(self) -> bool:
+        """Inline: only admitting a request waits (staging reservation, connect): a step may wait
+        only when a request is queued at an engine or was submitted since the last step."""
+        return self._submitted or any(e.scheduler.num_waiting for e in self.engines)
+
+    def _step_one(self) -> list[Any]:
+        return [self.lead.step()]
+
+    def _step_group(self) -> list[Any]:
+        return LocalGroup.step_all(self.engines)  # type: ignore[arg-type]
+
+    # -- the execution loop ----------------------------------------------------------------------
+    async def execution_loop(self) -> None:
+        thread = ExecutionThread(self.clock) if self.mode is Mode.INLINE else None
+        p = self.p
+        idle = p.idle_poll_ms / 1e3
+        try:
+            while not (self.clients_done and not self.lead.live_requests):
+                may_block = thread is not None and self._may_block()
+                self._submitted = False  # submits from here on (also while this step waits) count for the next
+                if may_block:
+                    reports = await thread.call(self._step)  # type: ignore[union-attr]
+                else:  # a step that cannot wait needs no thread: run it here (a wait here would raise)
+                    reports = self._step()
+                self.steps += 1
+                batch = reports[0].batch_size
+                blocked = max(r.blocked_s for r in reports)
+                if batch or blocked:
+                    self.batches.append(batch)
+                    self.blocked.append(blocked)
+                admitted = reports[0].admitted
+                if admitted:  # this step's admissions, in the engine's order (its log keeps the newest)
+                    self.admission_order.extend(self.lead.admission_log[-admitted:])
+                    if admitted > self.max_admitted:
+                        self.max_admitted = admitted
+                if batch:
+                    await trio.sleep(p.step_s(batch) * p.iterations_per_step)
+                else:
+                    with trio.move_on_after(idle):
+                        await self.activity.wait()
+                    self.activity = trio.Event()
+                self._settle()
+        finally:
+            if thread is not None:
+                thread.close()
+
+    def _settle(self) -> None:
+        now = trio.current_time()
+        if self._unstamped:
+            for rid in self._unstamped:
+                self.first_gen_token[rid] = now
+            self._unstamped = []
+        ends, self.ends = self.ends, []
+        for out in ends:
+            i = int(out.request_id[1:])
+            self.records[i, 3] = now
+            self.records[i, 4] = 1.0 if out.state is RequestState.FINISHED else 0.0
+            ft = self.first_gen_token.pop(out.request_id, now)
+            self.records[i, 2] = ft if ft >= 0 else now
+            self.waiters.pop(out.request_id).set()
+
+    # -- the client and the CTX ------------------------------------------------------------------
+    async def client(self, ctx_slots: trio.Semaphore) -> None:
+        p = self.p
+        for i in self._next:
+            rid = f"r{i}"
+            isl = self.isls[i]
+            self.records[i, 0] = trio.current_time()
+            done = self.waiters[rid] = trio.Event()
+            async with ctx_slots:
+                prefill = p.prefill_s(isl)
+                if self.ready_at is not None:  # pipelined: GEN may start once the first layer is prefilled
+                    self.ready_at[rid] = trio.current_time() + prefill
+                    await trio.sleep(prefill / p.num_layers)
+                    self._submit(i, rid, isl)
+                    await trio.sleep(prefill - prefill / p.num_layers)
+                else:
+                    await trio.sleep(prefill)
+            self.records[i, 1] = trio.current_time()
+            if self.ready_at is None:
+                self._submit(i, rid, isl)
+            await done.wait()
+        # the last client to finish lets the execution loop end once nothing is live
+
+    def _submit(self, i: int, rid: str, isl: int) -> None:
+        self.gen_arrival.append(i)
+        self.lead.submit(GenRequest(rid, prompt_len=isl, first_token=1, max_tokens=self.p.engine_max_tokens(), peer=CTX_PEER))
+        self._submitted = True
+        self.activity.set()
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for engine in self.engines:
+                await engine.start(nursery)
+            async with trio.open_nursery() as inner:
+                inner.start_soon(self.execution_loop)
+                ctx_slots = trio.Semaphore(self.p.ctx_prefill_slots)
+                # two phases, as the public case ran them: warm-up to completion, then the measured one
+                for start, end in ((0, self.p.warmup), (self.p.warmup, self.total)):
+                    self._next = iter(range(start, end))
+                    self.phase_start = trio.current_time()
+                    async with trio.open_nursery() as clients:
+                        for _ in range(min(self.p.concurrency, end - start)):
+                            clients.start_soon(self.client, ctx_slots)
+                self.clients_done = True
+                self.activity.set()
+            # the execution loop has ended with nothing live: stop the receive groups
+            for engine in self.engines:
+                engine.close()
+
+    # -- what it showed --------------------------------------------------------------------------
+    def fcfs_violations(self) -> int:
+        """Requests admitted before one that reached GEN earlier (every request here fits the KV
+        pool, so FCFS must hold strictly), from the engine's own admission log, read every step."""
+        rank = {int(rid[1:]): k for k, rid in enumerate(self.admission_order)}
+        seq = [rank.get(i, len(rank)) for i in self.gen_arrival]
+        return sum(1 for a, b in zip(seq, seq[1:]) if b < a)
+
+
+def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False) -> ModeResult:
+    """Run one mode of ``p`` in virtual time; returns what a benchmark would report."""
+    p.check()
+    mode = Mode(mode)
+    seed_scheduler(p.seed)
+    mock = trio.testing.MockClock(autojump_threshold=0)
+    holder: dict[str, _Replay] = {}
+
+    async def main() -> None:
+        clock = VirtualClock(mock)
+        r = holder["r"] = _Replay(p, mode, clock, keep_requests)
+        await r.run()
+        r._step()  # results published while stopping free their blocks here
+
+    wall = time.perf_counter()
+    trio.run(main, clock=mock)
+    wall = time.perf_counter() - wall
+    r = holder["r"]
+    return _result(r, mock.current_time(), wall)
+
+
+def _result(r: _Replay, virtual_s: float, wall_s: float) -> ModeResult:
+    p = r.p
+    rec = r.records
+    measured = rec[p.warmup:]
+    ok = measured[:, 4] > 0
+    window = float(measured[:, 3].max() - r.phase_start) if len(measured) else 0.0  # the measured phase
+    tokens = p.osl * int(ok.sum())
+    tpot = (measured[ok, 3] - measured[ok, 1]) / max(1, p.osl - 1) * 1e3
+    batches = np.array(r.batches or [0])
+    decode = batches > 0
+    blocked = np.array(r.blocked or [0.0]) * 1e3
+    stats = [e.statistics() for e in r.engines]
+    problems = [f"rank {k}: {msg}" for k, e in enumerate(r.engines) for msg in e.rest_problems()]
+    return ModeResult(
+        mode=r.mode.value,
+        gen_tp=p.gen_tp,
+        output_tok_s=tokens / window if window > 0 else 0.0,
+        tpot_ms_mean=float(tpot.mean()) if tpot.size else 0.0,
+        tpot_ms_p99=float(np.percentile(tpot, 99)) if tpot.size else 0.0,
+        ttft_ms_mean=float((measured[:, 1] - measured[:, 0]).mean() * 1e3),
+        kv_wait_ms_mean=float((measured[ok, 2] - measured[ok, 1]).mean() * 1e3) if ok.any() else 0.0,
+        mean_batch=float(batches[decode].mean()) if decode.any() else 0.0,
+        decode_steps=int(decode.sum()),
+        exec_blocked_ms={"p50": float(np.percentile(blocked, 50)), "p99": float(np.percentile(blocked, 99)),
+                         "max": float(blocked.max()), "sum_s": float(blocked.sum() / 1e3)},
+        blocked_steps=int((blocked > 0).sum()),
+        inline_fallbacks=sum(s.inline_fallbacks for s in stats),
+        deferral_episodes={k.value: v for k, v in stats[0].deferral_episodes.items()},
+        budget_capacity=stats[0].budget.capacity,
+        peak_budget_in_use=max(s.budget.peak_in_use for s in stats),
+        peak_link_bytes_in_flight=max((t.link.peak_bytes_in_flight for t in r.transports), default=0),
+        finished=int(rec[:, 4].sum()),
+        failed=int(r.total - rec[:, 4].sum()),
+        measured=int(ok.sum()),
+        virtual_s=virtual_s,
+        wall_s=wall_s,
+        engine_steps=r.steps,
+        max_admitted_per_step=r.max_admitted,
+        fcfs_violations=r.fcfs_violations(),
+        rest_problems=problems,
+        requests=[tuple(row) for row in rec.tolist()] if r.keep_requests else [],  # type: ignore[misc]
+    )

@@ -1,0 +1,130 @@
+"""``--sweep``: where the design wins and where it stops winning.
+
+Grid: arrivals (``ctx_prefill_slots``: 1 = the public case's CTX-bound load, one first token every
+63.7 ms; 4 = four times that, so GEN is the bottleneck and a queue waits at it) x transfer budget
+(``max_tokens_in_buffer``) x link bandwidth per GEN rank x GEN TP, for inline and orchestrated, each
+against ideal at the same arrivals and TP (ideal moves no KV).
+Plus the layer-wise pipelined what-if (orchestrated, the public case's budget, GEN TP4) at each
+bandwidth. Writes the JSON and a PNG of throughput / ideal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from ._model import SimParams
+from ._replay import replay
+
+BUDGETS = (8192, 32768)  # tokens: one request (the public case), four
+BANDWIDTHS = (50.0, 12.5, 3.125)  # GB/s per GEN rank
+TPS = (1, 4, 8)
+CTX_SLOTS = (1, 4)
+
+
+def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int, ...] = BUDGETS,
+          bandwidths: tuple[float, ...] = BANDWIDTHS, tps: tuple[int, ...] = TPS, warmup: int = 32,
+          requests: int = 192, ctx_slots: tuple[int, ...] = CTX_SLOTS) -> int:
+    # exact steps (iterations_per_step 1): with long transfers, a coarser step changes inline's outcome
+    # (results/sim_iterations_per_step.json); fewer requests instead, so the grid runs in minutes
+    base = dataclasses.replace(base, warmup=min(base.warmup, warmup), requests=min(base.requests, requests),
+                               iterations_per_step=1)
+    t0 = time.perf_counter()
+    points: list[dict[str, Any]] = []
+    ideal: dict[str, float] = {}
+    for slots in ctx_slots:
+        for tp in tps:
+            p = dataclasses.replace(base, gen_tp=tp, ctx_prefill_slots=slots)
+            ideal[f"{slots}/{tp}"] = ref = replay(p, "ideal").output_tok_s
+            for budget in (budgets if tp == 4 or len(tps) == 1 else budgets[:1]):  # the budget axis at TP4 only
+                for bw in bandwidths:
+                    q = dataclasses.replace(p, max_tokens_in_buffer=budget, link_gbyte_s=bw)
+                    for mode in ("inline", "orchestrated"):
+                        r = replay(q, mode)
+                        points.append({"ctx_slots": slots, "gen_tp": tp, "budget_tokens": budget, "link_gbyte_s": bw,
+                                       "mode": mode, "vs_ideal": r.output_tok_s / ref, **r.summary()})
+                        print(f"  ctx={slots} tp={tp} budget={budget} bw={bw} {mode}: {r.output_tok_s / ref:.3f} x ideal "
+                              f"({r.wall_s:.1f} s)", file=sys.stderr)
+    pipelined = []
+    tp = 4 if 4 in tps else tps[0]
+    if f"{base.ctx_prefill_slots}/{tp}" not in ideal:
+        ideal[f"{base.ctx_prefill_slots}/{tp}"] = replay(dataclasses.replace(base, gen_tp=tp), "ideal").output_tok_s
+    for bw in bandwidths:
+        q = dataclasses.replace(base, gen_tp=tp, link_gbyte_s=bw)
+        plain, piped = replay(q, "orchestrated"), replay(dataclasses.replace(q, pipelined=True), "orchestrated")
+        pipelined.append({"gen_tp": tp, "link_gbyte_s": bw, "budget_tokens": q.max_tokens_in_buffer,
+                          "kv_wait_ms": [plain.kv_wait_ms_mean, piped.kv_wait_ms_mean],
+                          "tpot_ms": [plain.tpot_ms_mean, piped.tpot_ms_mean],
+                          "ttft_ms": [plain.ttft_ms_mean, piped.ttft_ms_mean],
+                          "vs_ideal": [plain.output_tok_s / ideal[f"{base.ctx_prefill_slots}/{tp}"],
+                                       piped.output_tok_s / ideal[f"{base.ctx_prefill_slots}/{tp}"]]})
+    payload = {"base": base.describe(), "ideal_output_tok_s": ideal, "points": points, "pipelined": pipelined,
+               "wall_s": time.perf_counter() - t0}
+    os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(payload, f, indent=1)
+    plot(payload, png_path)
+    print(summary(payload))
+    print(f"wrote {json_path} and {png_path} in {payload['wall_s']:.0f} s", file=sys.stderr)
+    return 0
+
+
+def summary(payload: dict[str, Any]) -> str:
+    lines = ["| CTX slots | GEN TP | budget (tokens) | link GB/s | inline / ideal | orchestrated / ideal | "
+             "inline blocked s | orchestrated blocked s |", "|---|---|---|---|---|---|---|---|"]
+    by = {(p["ctx_slots"], p["gen_tp"], p["budget_tokens"], p["link_gbyte_s"], p["mode"]): p for p in payload["points"]}
+    for (slots, tp, budget, bw, mode), p in by.items():
+        if mode != "inline":
+            continue
+        o = by[(slots, tp, budget, bw, "orchestrated")]
+        lines.append(f"| {slots} | {tp} | {budget} | {bw} | {p['vs_ideal']:.3f} | {o['vs_ideal']:.3f} | "
+                     f"{p['exec_blocked_ms']['sum_s']:.1f} | {o['exec_blocked_ms']['sum_s']:.1f} |")
+    lines += ["", "| pipelined what-if (orchestrated, GEN TP%s): link GB/s | CTX token -> first GEN token ms | TPOT ms | vs ideal |"
+              % (payload["pipelined"][0]["gen_tp"] if payload["pipelined"] else "-"), "|---|---|---|---|"]
+    for w in payload["pipelined"]:
+        lines.append(f"| {w['link_gbyte_s']} | {w['kv_wait_ms'][0]:.1f} -> {w['kv_wait_ms'][1]:.1f} | "
+                     f"{w['tpot_ms'][0]:.3f} -> {w['tpot_ms'][1]:.3f} | {w['vs_ideal'][0]:.3f} -> {w['vs_ideal'][1]:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(payload: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tps = sorted({p["gen_tp"] for p in payload["points"]})
+    budgets = sorted({p["budget_tokens"] for p in payload["points"]})
+    slots_all = sorted({p["ctx_slots"] for p in payload["points"]})
+    fig, axes = plt.subplots(len(slots_all), len(tps), figsize=(4.5 * len(tps), 3.6 * len(slots_all)), sharey=True,
+                             squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for row, slots in zip(axes, slots_all):
+        for ax, tp in zip(row, tps):
+            for k, budget in enumerate(budgets):
+                for mode, style in (("inline", "--"), ("orchestrated", "-")):
+                    pts = sorted((p["link_gbyte_s"], p["vs_ideal"]) for p in payload["points"]
+                                 if p["ctx_slots"] == slots and p["gen_tp"] == tp and p["budget_tokens"] == budget
+                                 and p["mode"] == mode)
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", color=colors[k % len(colors)],
+                            label=f"{mode}, budget {budget} tok")
+            ax.set_xscale("log")
+            bws = sorted({p["link_gbyte_s"] for p in payload["points"]})
+            ax.set_xticks(bws, [f"{b:g}" for b in bws])
+            ax.minorticks_off()
+            ax.set_title(f"GEN TP{tp}, {'CTX-bound (public case)' if slots == 1 else f'{slots}x arrivals (GEN-bound)'}",
+                         fontsize=9)
+            ax.set_xlabel("link bandwidth per GEN rank (GB/s)")
+            ax.axhline(1.0, color="grey", lw=0.5)
+            ax.grid(alpha=0.3)
+        row[0].set_ylabel("output throughput / ideal")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle("Replay at the public case's geometry (GPT-OSS 120B, ISL 8192 / OSL 1024, concurrency 1024)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,285 @@
+"""The replay in virtual time (examples/sim): its clock, its execution thread, its link model, and
+that each mode's replay keeps a real run's invariants, deterministically, in seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+import pytest
+import trio
+import trio.testing
+
+from examples.sim import ExecutionThread, ModelledLink, VirtualClock, quiet_logs, replay
+from examples.sim._model import SimParams, public_case, tiny
+from orchestrator import TransferBudget, WouldBlock
+from orchestrator._clock import REAL_CLOCK, RealClock, as_clock
+
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs():
+    """The engine logs every receive at debug level; quiet here, and the logging set-up restored after
+    (other test files read info-level events with ``structlog.testing.capture_logs``)."""
+    import structlog
+
+    saved = structlog.get_config()
+    quiet_logs()
+    yield
+    structlog.configure(**saved)
+
+
+def _run(fn):
+    """Run ``async fn(clock, thread)`` under a MockClock; returns (its result, virtual seconds, real seconds)."""
+    mock = trio.testing.MockClock(autojump_threshold=0)
+    out = {}
+
+    async def main():
+        clock = VirtualClock(mock)
+        thread = ExecutionThread(clock)
+        try:
+            out["r"] = await fn(clock, thread)
+        finally:
+            thread.close()
+
+    t = time.perf_counter()
+    trio.run(main, clock=mock)
+    return out["r"], mock.current_time(), time.perf_counter() - t
+
+
+# -- the clock seam ------------------------------------------------------------------------------
+def test_real_clock_is_the_default_and_wraps_callables() -> None:
+    assert TransferBudget(10).clock is REAL_CLOCK
+    c = as_clock(lambda: 5.0)
+    assert isinstance(c, RealClock) and c() == 5.0 and c.now() == 5.0
+    assert isinstance(c.event(), threading.Event)
+    b = TransferBudget(10)
+    g = b.acquire_nowait(10)
+    t = time.perf_counter()
+    with pytest.raises(WouldBlock):
+        b.acquire_blocking(5, 0.05)  # real time: waits about that long
+    assert time.perf_counter() - t >= 0.04
+    g.release()
+
+
+def test_blocking_budget_wait_is_served_in_virtual_time() -> None:
+    async def scenario(clock, thread):
+        budget = TransferBudget(100, clock=clock)
+        held = budget.acquire_nowait(100)
+
+        async def release_later():
+            await trio.sleep(0.125)
+            held.release()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(release_later)
+            grant = await thread.call(lambda: budget.acquire_blocking(60, 0.2))
+        t_granted = trio.current_time()
+        # nobody releases now: the wait times out after exactly 0.2 virtual seconds
+        with pytest.raises(WouldBlock):
+            await thread.call(lambda: budget.acquire_blocking(60, 0.2))
+        grant.release()
+        assert budget.statistics().waiters == 0
+        return t_granted, clock.blocked_waits
+
+    (t_granted, waits), virtual, real = _run(scenario)
+    assert t_granted == pytest.approx(0.125)
+    assert virtual == pytest.approx(0.325)
+    assert waits == 2
+    assert real < 2.0  # 0.325 virtual seconds, not a real wait that long... with room for a loaded machine
+
+
+def test_a_blocking_wait_on_the_loop_thread_is_refused() -> None:
+    async def scenario(clock, thread):
+        budget = TransferBudget(10, clock=clock)
+        budget.acquire_nowait(10)
+        with pytest.raises(RuntimeError, match="execution thread"):
+            budget.acquire_blocking(5, 0.1)
+        return True
+
+    assert _run(scenario)[0]
+
+
+def test_connect_blocking_waits_in_virtual_time() -> None:
+    import torch
+
+    from examples.sim._model import CTX_PEER, ModelledTransport
+    from orchestrator import ReceiveGroup
+
+    p = tiny(connect_ms=40.0)
+
+    async def scenario(clock, thread):
+        transport = ModelledTransport(p)
+        group = ReceiveGroup(transport, torch.zeros(1), p.rank_layout(), timeout_s=5.0, on_result=lambda r: None)
+        async with trio.open_nursery() as n:
+            await n.start(group.run)
+            t0 = trio.current_time()
+            await thread.call(lambda: group.connect_blocking(CTX_PEER, 1.0, clock=clock))
+            first = trio.current_time() - t0
+            await thread.call(lambda: group.connect_blocking(CTX_PEER, 1.0, clock=clock))  # reused endpoint
+            second = trio.current_time() - t0 - first
+            group.close()
+        return first, second
+
+    (first, second), _, _ = _run(scenario)
+    assert first == pytest.approx(0.040)
+    assert second == pytest.approx(0.0)
+
+
+def test_the_engine_waits_through_the_clock_it_is_given() -> None:
+    from orchestrator import GenEngine, Mode, OrchestratorConfig
+
+    p = tiny()
+    clock = VirtualClock(trio.testing.MockClock())
+    config = OrchestratorConfig(layout=p.rank_layout(), num_blocks=8, transfer_budget_bytes=1 << 16, mode=Mode.INLINE,
+                                device="meta")
+    from examples.sim import ModelledTransport
+
+    engine = GenEngine(config, ModelledTransport(p), lambda b: [], clock=clock)
+    assert engine.budget.clock is clock
+    assert isinstance(GenEngine(dataclasses.replace(config, mode=Mode.IDEAL), None, lambda b: []).budget.clock, RealClock)
+
+
+# -- the link model ------------------------------------------------------------------------------
+@pytest.mark.parametrize("concurrency, ends", [(2, [0.201, 0.201]), (1, [0.101, 0.201])])
+def test_link_shares_bandwidth_among_its_transfers(concurrency: int, ends: list[float]) -> None:
+    async def scenario(clock, thread):
+        link = ModelledLink(1000.0, 0.001, concurrency)  # 1000 B/s, 1 ms latency
+        done = []
+
+        async def one():
+            await link.transfer(100)
+            done.append(trio.current_time())
+
+        async with trio.open_nursery() as n:
+            n.start_soon(one)
+            n.start_soon(one)
+        return sorted(done)
+
+    done, _, _ = _run(scenario)
+    if concurrency == 1:  # the second one waits for the slot, then its own latency
+        ends = [0.101, 0.202]
+    assert done == pytest.approx(ends, abs=1e-6)
+
+
+def test_public_case_parameters_come_from_the_seed_and_model_card() -> None:
+    p = public_case()
+    assert p.step_s(72) * 1e3 == pytest.approx(4.337, abs=1e-3)
+    assert p.step_s(80) * 1e3 == pytest.approx(4.581, abs=1e-3)
+    assert p.kv_bytes_per_token() == 36 * 2 * 8 * 64 * 2
+    assert (p.isl, p.osl, p.concurrency, p.warmup, p.requests, p.gen_tp) == (8192, 1024, 1024, 10240, 10240, 4)
+    assert p.prefill_s(8192) == pytest.approx(1024 / 16084.10, rel=1e-4)  # the fitted CTX rate
+    assert dataclasses.replace(p, iterations_per_step=8).engine_max_tokens() == 1 + 128
+
+
+# -- replays -------------------------------------------------------------------------------------
+def _key(r):
+    s = r.summary()
+    s.pop("wall_s")
+    return s
+
+
+def test_replay_is_deterministic_for_a_seed() -> None:
+    for mode in ("inline", "orchestrated"):
+        a, b = replay(tiny(), mode), replay(tiny(), mode)
+        assert _key(a) == _key(b)
+    c = replay(tiny(seed=1), "orchestrated")
+    assert _key(c) != _key(replay(tiny(), "orchestrated"))  # the seed draws other prompt lengths
+
+
+@pytest.mark.parametrize("gen_tp", [1, 2])
+@pytest.mark.parametrize("mode", ["ideal", "inline", "orchestrated"])
+def test_each_mode_keeps_a_real_runs_invariants(mode: str, gen_tp: int) -> None:
+    p = tiny(gen_tp=gen_tp)
+    assert max(p.isl_choices) > p.max_tokens_in_buffer  # oversized requests are in the mix
+    r = replay(p, mode, keep_requests=True)
+    assert r.failed == 0 and r.finished == p.warmup + p.requests  # oversized ones progressed too
+    assert r.rest_problems == []
+    assert r.fcfs_violations == 0
+    assert r.peak_budget_in_use <= r.budget_capacity
+    assert r.wall_s < 30
+    if mode == "orchestrated":
+        assert r.exec_blocked_ms["max"] == 0.0  # the execution thread never waited
+        assert r.deferral_episodes["backpressure"] > 0  # the budget did bind
+        assert r.peak_link_bytes_in_flight <= r.budget_capacity
+    if mode == "inline":
+        assert r.exec_blocked_ms["sum_s"] > 0  # it waited for staging, on the execution thread
+    if mode == "ideal":
+        assert r.peak_budget_in_use == 0 and r.kv_wait_ms_mean >= 0
+
+
+def test_the_replay_runs_the_projects_admission() -> None:
+    """A smaller budget is a different admission decision: more backpressure, lower throughput."""
+    wide = replay(tiny(max_tokens_in_buffer=512), "orchestrated")
+    narrow = replay(tiny(max_tokens_in_buffer=48), "orchestrated")
+    assert narrow.deferral_episodes["backpressure"] > wide.deferral_episodes["backpressure"]
+    assert narrow.output_tok_s < wide.output_tok_s
+
+
+def test_a_slow_link_makes_inline_regress_and_not_orchestrated() -> None:
+    """Transfers spanning many decode steps: the inline path blocks the step, orchestrated does not."""
+    # one transfer ~ 10 decode steps (12 KiB at 256 KB/s = 48 ms; a step ~4.8 ms), one admission per
+    # ~16 steps (batch 16, OSL 257): the link keeps up, but the budget holds one request at a time
+    p = tiny(link_gbyte_s=0.000256, isl_choices=(), isl=48, osl=257, max_tokens_in_buffer=48, max_num_seqs=16,
+             concurrency=32, warmup=32, requests=64, step_base_ms=4.0)
+    ideal, inline, orch = (replay(p, m) for m in ("ideal", "inline", "orchestrated"))
+    assert inline.output_tok_s < 0.9 * ideal.output_tok_s
+    assert orch.output_tok_s > 1.2 * inline.output_tok_s
+    assert orch.exec_blocked_ms["max"] == 0.0
+    assert inline.exec_blocked_ms["max"] > 20.0  # ms of virtual time: waits for a transfer, not just a connect
+
+
+def test_cli_tiny_writes_json(tmp_path) -> None:
+    from examples.sim.__main__ import main
+
+    out = tmp_path / "sim.json"
+    assert main(["--preset", "tiny", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["modes"]) == {"ideal", "inline", "orchestrated"}
+    assert data["params"]["derived"]["kv_bytes_per_token_model"] == SimParams(**{
+        k: v for k, v in data["params"].items() if k != "derived" and k != "isl_choices"}).kv_bytes_per_token()
+
+
+def test_sweep_writes_json_and_png(tmp_path) -> None:
+    from examples.sim._sweep import sweep
+
+    js, png = tmp_path / "s.json", tmp_path / "s.png"
+    assert sweep(tiny(), json_path=str(js), png_path=str(png), budgets=(48, 512), bandwidths=(0.001,), tps=(1, 2),
+                 warmup=8, requests=16, ctx_slots=(1, 2)) == 0
+    data = json.loads(js.read_text())
+    assert len(data["points"]) == 2 * 2 * 1 * 2  # ctx slots x tp x bandwidth x mode (the budget axis at TP4 only)
+    assert {p["mode"] for p in data["points"]} == {"inline", "orchestrated"}
+    assert all(p["rest_problems"] == [] and p["failed"] == 0 for p in data["points"])
+    assert data["pipelined"] and png.stat().st_size > 1000
+
+
+def test_check_fits_the_ctx_on_ideal_only() -> None:
+    """--check fits the CTX's prefill cost so that the replay's ideal matches a measured ideal run."""
+    from examples.sim._check import fit_ctx
+
+    p = tiny(isl_choices=(), ctx_prefill_ms_per_ktok=45.0)
+    target = replay(dataclasses.replace(p, ctx_prefill_ms_per_ktok=900.0), "ideal").output_tok_s
+    fitted = fit_ctx(p, target)
+    assert 45.0 < fitted
+    assert replay(dataclasses.replace(p, ctx_prefill_ms_per_ktok=fitted), "ideal").output_tok_s == pytest.approx(target, rel=0.03)
+
+
+# -- the real run's shaped link (examples/shaped_link.py, used by `bench --netns --link-mbit`) ----------
+def test_shaped_link_caps_both_ends_and_leaves_nothing_behind() -> None:
+    import subprocess
+
+    from examples.shaped_link import shaped_netns
+    from examples.two_node.launch import Netns
+
+    if why := Netns.unavailable():
+        pytest.skip(why)
+    with shaped_netns(24.0) as (ns, devs):
+        for name, dev in devs.items():
+            out = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "show", "dev", dev],
+                                 capture_output=True, text=True, check=True).stdout
+            assert "tbf" in out and "24Mbit" in out
+        names = (ns.a, ns.b)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names)
