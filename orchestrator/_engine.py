@@ -623,10 +623,15 @@ class GenEngine:
             self.receiver.submit(job)
             return 0.0
         # INLINE: the original path, on this thread, kept as the benchmark's baseline.
+        # Its grant goes with the receive, which gives it back the moment it ends (on the event
+        # loop), as the original path did: a reserve waiting here is woken by a receive ending,
+        # not by a step of this very thread. (INLINE admission does not read the budget, so this
+        # cannot make ranks admit differently.)
         t0 = self._clock()
         staging = None
+        grant = None
         try:
-            seq.grant = self.budget.acquire_blocking(seq.cost, self.config.inline_reserve_timeout_s)
+            grant = self.budget.acquire_blocking(seq.cost, self._blocking_wait_s(self.config.inline_reserve_timeout_s))
         except WouldBlock:
             # Slow fallback: a dedicated, unpooled buffer, allocated and touched on this thread.
             # (one chunk per source; with several sources, each part's buffer is made as it starts)
@@ -640,7 +645,7 @@ class GenEngine:
         for part in parts:
             self.receiver.connect_blocking(part.peer, self._blocking_wait_s(self.config.kv_transfer_timeout_ms / 1e3),
                                           clock=self._clock)
-        self.receiver.submit(dataclasses.replace(job, staging=staging, chunks=parts[0].chunks,
+        self.receiver.submit(dataclasses.replace(job, grant=grant, staging=staging, chunks=parts[0].chunks,
                                                  parts=parts if job.parts else ()))
         return self._clock() - t0
 

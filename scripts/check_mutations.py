@@ -129,6 +129,7 @@ M = [
   "                        len(self._waiting) - len(admitted) - deferred[DeferReason.KV_EXHAUSTED])\n                    break\n",
   "                        len(self._waiting) - len(admitted) - deferred[DeferReason.KV_EXHAUSTED])\n                    continue\n",
   "tests/test_sim.py -k 'invariants and orchestrated'"),
+ ("16 inline grant ends with its receive", "orchestrator/_engine.py", "dataclasses.replace(job, grant=grant, staging=staging,", "dataclasses.replace(job, grant=None, staging=staging,", "tests/test_engine.py -k woken_by_a_receive"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -232,6 +232,24 @@ async def test_inline_mode_blocks_the_execution_thread_then_falls_back(harness_f
     assert h.final("hog").state is RequestState.ABORTED
 
 
+async def test_inline_reserve_is_woken_by_a_receive_ending_not_by_a_step(harness_factory) -> None:
+    """The original path: a reservation waiting on the execution thread gets the staging the
+    moment another receive ends (on the event loop). Grants held until a later step of the very
+    thread that waits would turn every contended reservation into a timeout and a fallback."""
+    cfg = make_config(mode=Mode.INLINE, transfer_budget_bytes=2 * BLOCK, inline_reserve_timeout_s=1.0)
+    h = await harness_factory(cfg, latency_s=0.1)
+    h.submit("first", prompt_len=8)  # the whole staging region, for 0.1 s
+    h.submit("second", prompt_len=8)
+    report = await anyio.to_thread.run_sync(h.engine.step)  # admits both; the second waits for the first
+    assert report.admitted == 2 and 0.05 <= report.blocked_s < 0.9
+    assert h.engine.statistics().inline_fallbacks == 0
+    with anyio.fail_after(10):  # a hang guard: the second pull takes its 0.1 s too
+        while h.engine.live_requests:
+            await h.step_off_loop()
+            await anyio.sleep(0.01)
+    assert h.final("first").state is h.final("second").state is RequestState.FINISHED
+
+
 async def test_ideal_mode_runs_at_once_without_transport(harness_factory) -> None:
     h = await harness_factory(make_config(mode=Mode.IDEAL))
     h.engine.submit(h.request("i", peer="", prefill=False, max_tokens=3))
