@@ -179,6 +179,7 @@ def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: li
                            "--num-blocks", str(cfg["ctx_num_blocks"]), "--lease-s", str(cfg["ctx_lease_s"]),
                            "--max-seq-len", str(cfg["max_seq_len"]), *model,
                            *(["--tp", str(ctx_tp)] if ctx_tp > 1 else []),
+                           "--kv-transport", cfg.get("kv_transport", "ucx"),
                            "--kv-checksums" if cfg["kv_checksums"] else "--no-kv-checksums"], ctx_env, log_dir,
                    timeout=90.0 + 30.0 * ctx_tp, netns=ns.a if ns else None)
         stack.callback(ctx.stop)
@@ -192,7 +193,8 @@ def node_pair(mode: str, cfg: dict[str, Any], step: str, log_dir: Path, pids: li
                     "--transfer-budget-bytes", str(int(cfg["transfer_budget_bytes"] * rank_share(kv_heads, gen_tp))),
                     "--max-num-seqs", str(cfg["max_num_seqs"]),
                     "--kv-transfer-timeout-ms", str(cfg["kv_transfer_timeout_ms"]),
-                    "--block-size", str(BLOCK_SIZE), "--max-seq-len", str(cfg["max_seq_len"])]
+                    "--block-size", str(BLOCK_SIZE), "--max-seq-len", str(cfg["max_seq_len"]),
+                    "--kv-transport", cfg.get("kv_transport", "ucx")]
         gen_args.append("--kv-checksums" if cfg["kv_checksums"] else "--no-kv-checksums")  # off unless asked
         for key, flag in (("max_prefetch_seqs", "--max-prefetch-seqs"), ("switch_interval_ms", "--switch-interval-ms")):
             if cfg.get(key) is not None:  # only when asked: older GEN nodes lack these flags
@@ -569,6 +571,7 @@ def build_config(a: argparse.Namespace) -> dict[str, Any]:
         "request_timeout_s": a.request_timeout,
         "max_seq_len": max(2048, base["isl"] + base["osl"]),
         "kv_checksums": a.kv_checksums,
+        "kv_transport": a.kv_transport,
         "log_dir": a.log_dir,
         "quick": bool(a.quick),
         "netns": bool(a.netns or a.link_mbit),
@@ -611,6 +614,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-step-us-per-seq", type=float)
     p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
     p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--kv-transport", choices=("ucx", "nixl"), default="ucx", help="the KV data plane of both nodes")
     p.add_argument("--kv-checksums", action="store_true", help="GEN checksums received KV (costs event-loop CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", help="where node logs go (default: a temporary directory, removed unless a request failed)")
@@ -647,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in steps:
         res = run_bench(cfg, step, modes=modes, progress=not a.no_progress)
         results[step] = res
-        print_report(res, f"{step} step, CTX TP{cfg['ctx_tp']} -> GEN TP{cfg['gen_tp']}: ISL {cfg['isl']} / OSL {cfg['osl']} / concurrency {cfg['concurrency']} / "
+        print_report(res, f"{step} step, {cfg['kv_transport']}, CTX TP{cfg['ctx_tp']} -> GEN TP{cfg['gen_tp']}: ISL {cfg['isl']} / OSL {cfg['osl']} / concurrency {cfg['concurrency']} / "
                           f"{cfg['requests']} requests")
     if a.json:
         _report.write_json(a.json, results if a.step == "both" else results[steps[0]])
