@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         from examples.serve._app import Front
 
         cluster = Cluster(ctx, gen, secret=secret, interval_s=cfg.routing.stats_interval_s,
-                          timeout_s=cfg.routing.connect_timeout_s)
+                          timeout_s=cfg.routing.connect_timeout_s,
+                          policies={"ctx": cfg.router.ctx, "gen": cfg.router.gen})
         bound = f"{host}:{sock.getsockname()[1]}"
 
         def ready() -> None:

@@ -46,6 +46,27 @@ _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "inva
                 413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
 
 
+REFUSED = {
+    "tools": "no tool calling: the tiny model has no tool-call format",
+    "tool_choice": "no tool calling",
+    "functions": "no function calling",
+    "function_call": "no function calling",
+    "parallel_tool_calls": "no tool calling",
+    "response_format": "no structured output (json_object / json_schema)",
+    "guided_json": "no guided decoding",
+    "guided_regex": "no guided decoding",
+    "guided_choice": "no guided decoding",
+    "guided_grammar": "no guided decoding",
+    "structured_outputs": "no guided decoding",
+    "logit_bias": "no logit bias",
+    "audio": "text only",
+    "modalities": "text only",
+    "prediction": "no predicted outputs",
+}
+"""Fields refused with a 400 naming them whenever they are given (not null): accepting them silently
+would return something other than what the client asked for."""
+
+
 def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
@@ -66,6 +87,8 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    sampling: dict[str, Any] | None = None
+    """Sampling parameters for the nodes (None: greedy)."""
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -133,20 +156,23 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
         raise invalid("model is required (a string)", "model", "missing_required_parameter")
     if name != model:
         raise invalid(f"the model {name!r} does not exist; this server serves {model!r}", "model", "model_not_found")
-    max_tokens = limits.default_max_tokens
+    for f in REFUSED:
+        if body.get(f) is not None:
+            raise invalid(f"{f} is not supported by this server ({REFUSED[f]})", f, "unsupported_parameter")
+    max_tokens, max_field = limits.default_max_tokens, "max_tokens"
     for f in max_tokens_fields:
         if body.get(f) is not None:
-            max_tokens = _int(body, f, lo=1)
+            max_tokens, max_field = _int(body, f, lo=1), f  # errors name the field the client sent
             break
     if max_tokens > limits.max_tokens:
-        raise invalid(f"max_tokens={max_tokens} exceeds this server's limit of {limits.max_tokens}", "max_tokens")
+        raise invalid(f"{max_field}={max_tokens} exceeds this server's limit of {limits.max_tokens}", max_field)
     if len(prompt_ids) > limits.max_prompt_tokens:
         raise invalid(f"the prompt has {len(prompt_ids)} tokens, more than this server's limit of "
                       f"{limits.max_prompt_tokens}", "prompt" if kind == "completion" else "messages",
                       "context_length_exceeded")
     if len(prompt_ids) + max_tokens > max_model_len:
         raise invalid(f"this model's maximum context length is {max_model_len} tokens; the request asks for "
-                      f"{len(prompt_ids)} prompt + {max_tokens} completion tokens", "max_tokens", "context_length_exceeded")
+                      f"{len(prompt_ids)} prompt + {max_tokens} completion tokens", max_field, "context_length_exceeded")
     _only(body, "temperature", (0,), "only greedy decoding is served: temperature must be 0 (or omitted)")
     _only(body, "top_p", (1,), "top_p must be 1 (or omitted): decoding is greedy")
     _only(body, "n", (1,), "n must be 1")

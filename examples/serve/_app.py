@@ -15,6 +15,7 @@ One request (``Front._start`` then ``Flight``)::
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -44,11 +45,17 @@ from starlette.types import Receive, Scope, Send
 from examples import metrics as node_metrics
 from examples.serve import _api
 from examples.serve._api import ApiError, Generation, TextStream
-from examples.serve.cluster import CONTROL_ERRORS, Cluster, Node
+from examples.serve._admission import Admission
+from examples.serve.cluster import CONTROL_ERRORS, Cluster, Node, describe
 from examples.serve.config import ClusterConfig
 from examples.two_node import control
 
 log = structlog.get_logger("examples.serve")
+
+try:
+    VERSION = importlib.metadata.version("kv-orchestrator")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "0.1.0"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
@@ -73,6 +80,10 @@ class FrontMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvo_front_prompt_tokens", "prompt tokens of requests sent to CTX", registry=r)
         self.generation_tokens = Counter("kvo_front_generation_tokens", "output tokens returned", registry=r)
+        self.retries = Counter("kvo_front_retries", "prefills (ctx) and GEN hand-offs (gen) tried again on another "
+                               "node after a failure before any token", ["role"], registry=r)
+        self.queued = Gauge("kvo_front_requests_queued", "requests waiting for a slot (max_concurrent_requests)",
+                            registry=r)
         r.register(_ClusterCollector(cluster))
 
     def exposition(self) -> bytes:
@@ -90,13 +101,16 @@ class _ClusterCollector(Collector):
         age = GaugeMetricFamily("kvo_front_node_stats_age_seconds", "age of the node figures re-exported here",
                                 labels=["node", "role"])
         now = time.monotonic()
-        for n in self.cluster.nodes:
+        for n in list(self.cluster.nodes):
             up.add_metric([n.addr, n.role], float(n.up))
             if n.stats is not None:
                 age.add_metric([n.addr, n.role], now - n.stats_at)
         yield up
         yield age
-        yield from node_metrics.node_families((n.role, {"node": n.addr}, n.stats) for n in self.cluster.nodes)
+        # a node that is down exports nothing but its up (0) and age series: its last figures would read
+        # as current (kvo_gen_healthy 1 of a dead GEN), and an alert on them would never fire
+        yield from node_metrics.node_families((n.role, {"node": n.addr}, n.stats if n.up else None)
+                                              for n in list(self.cluster.nodes))
 
 
 class Front:
@@ -108,7 +122,10 @@ class Front:
         self.secret = cluster.secret
         self.max_model_len = cfg.limits.max_model_len
         self.metrics = FrontMetrics(cluster)
-        self.active = 0
+        limits = cfg.limits
+        self.admission = Admission(limits.max_concurrent_requests, cfg.queue.size, cfg.queue.timeout_s,
+                                   retry_after_s=cfg.routing.retry_after_s)
+        self.metrics.queued.set_function(lambda: self.admission.statistics().waiting)
         self.created = int(time.time())
         self._tg: anyio.abc.TaskGroup | None = None
         self.app = Starlette(
@@ -116,6 +133,8 @@ class Front:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             ],
@@ -141,11 +160,24 @@ class Front:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "/v1/chat/completions", _api.parse_chat)
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.cfg.model, "object": "model", "created": self.created, "owned_by": "kv-orchestrator",
+                "root": self.cfg.model, "parent": None, "max_model_len": self.max_model_len}
+
     async def models(self, request: Request) -> Response:
         self.metrics.requests.labels("/v1/models", "200").inc()
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.cfg.model, "object": "model", "created": self.created, "owned_by": "kv-orchestrator",
-            "max_model_len": self.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model_id"]
+        if name != self.cfg.model:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.cfg.model!r}",
+                           param="model", code="model_not_found")
+        self.metrics.requests.labels("/v1/models", "200").inc()
+        return JSONResponse(self._model_card())
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
 
     async def health(self, request: Request) -> Response:
         body = self.cluster.health()
@@ -176,23 +208,41 @@ class Front:
         body = await self._read_json(request)
         limits = self.cfg.limits
         g: Generation = parse(body, model=self.cfg.model, limits=limits, max_model_len=self.max_model_len)
-        if self.active >= limits.max_concurrent_requests:
-            raise ApiError(429, f"the front has {self.active} requests in flight (limit "
-                           f"{limits.max_concurrent_requests}); retry later", code="too_many_requests",
-                           retry_after=self.cfg.routing.retry_after_s)
+        await self.admission.enter()
         flight = Flight(self, g, endpoint, t0)
-        try:
-            await flight.start()
-        except BaseException:
-            await flight.aclose()
-            raise
         if g.stream:
+            try:
+                await flight.start()
+            except BaseException:
+                await flight.aclose()
+                raise
             return _FlightResponse(flight)
+        # not streamed: a client that goes away is seen at once (its ``http.disconnect``), not when the
+        # answer is written: the flight is cancelled, so GEN and CTX abort the request within ms
+        gone = False
         try:
-            async for _ in flight.pieces():
-                pass
+            async with anyio.create_task_group() as tg:
+                async def watch() -> None:
+                    nonlocal gone
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+                    gone = True
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                try:  # an error raised in a task group would come out wrapped in an ExceptionGroup
+                    await flight.start()
+                    async for _ in flight.pieces():
+                        pass
+                except ApiError as exc:
+                    flight.error = exc
+                tg.cancel_scope.cancel()
         finally:
             await flight.aclose()
+        if gone:
+            log.info("client_gone", request_id=g.request_id, tokens=len(flight.text.token_ids))
+            self.metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
         if flight.error is not None:
             raise flight.error
         self.metrics.requests.labels(endpoint, "200").inc()
@@ -229,7 +279,7 @@ class Front:
             log.info("release_failed", node=node.addr, request_id=request_id, error=str(exc))
 
 
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version")
 
 
 class Flight:
@@ -251,32 +301,63 @@ class Flight:
         """``generate`` reached GEN: from then on GEN pulls the KV, or tells CTX to free it."""
         self.error: ApiError | None = None
         self.deadline = time.monotonic() + front.cfg.routing.request_timeout_s
+        self.retries = 0
+        """Prefills and hand-offs tried again on another node."""
+        self._last_error = ApiError(503, "no CTX node is up", code="no_node_available",
+                                    retry_after=front.cfg.routing.retry_after_s)
+        self._held: list[Node] = []
+        """The nodes whose ``inflight`` this flight raised (given back by ``aclose``, and only those)."""
         self._closed = False
-        front.active += 1
         front.metrics.running.inc()
 
+    def _hold(self, node: Node) -> Node:
+        node.inflight += 1
+        self._held.append(node)
+        return node
+
+    def _let_go(self, node: Node) -> None:
+        if node in self._held:
+            self._held.remove(node)
+            node.inflight -= 1
+
     async def start(self) -> None:
-        """Prefill on CTX and send ``generate`` to GEN: every failure here is still an HTTP status."""
+        """Prefill on a CTX and send ``generate`` to a GEN: every failure here is still an HTTP status.
+        A prefill or a hand-off that fails (the node refused or is unreachable) is tried again on
+        another node of that role, up to ``max_retries`` times in all: no token has reached the
+        client yet."""
         front, g = self.front, self.g
-        retry = front.cfg.routing.retry_after_s
-        self.ctx, self.gen = front.cluster.pick("ctx"), front.cluster.pick("gen")
-        if self.ctx is None or self.gen is None:
-            down = [f"{n.role} {n.addr}: {n.down}" for n in front.cluster.nodes if not n.up]
-            raise ApiError(503, "no CTX or no GEN node is up (" + "; ".join(down) + ")", code="no_node_available",
-                           retry_after=retry)
-        self.ctx.inflight += 1
-        self.gen.inflight += 1
-        timeout = front.cfg.routing.request_timeout_s
-        try:
-            self.prefill = await control.call(self.ctx.addr, {
-                "op": "prefill", "request_id": g.request_id, "prompt_ids": g.prompt_ids, "max_tokens": g.max_tokens,
-            }, secret=front.secret, timeout=timeout)
-        except control.ControlError as exc:  # the node refused (no free KV blocks in time, ...)
-            raise ApiError(503, f"CTX {self.ctx.addr} refused the prefill: {exc}", code="ctx_refused",
-                           retry_after=retry) from None
-        except CONTROL_ERRORS as exc:
-            front.cluster.mark_down(self.ctx, f"prefill: {type(exc).__name__}: {exc}")
-            raise ApiError(503, f"CTX {self.ctx.addr} is unreachable", code="ctx_unavailable", retry_after=retry) from None
+        cluster, retry = front.cluster, front.cfg.routing.retry_after_s
+        if not cluster.ready():
+            down = [f"{n.role} {n.addr}: {n.down or 'draining'}" for n in cluster.nodes if not n.routable]
+            raise ApiError(503, "no CTX or no GEN node is up (" + ("; ".join(down) or "no node registered") + ")",
+                           code="no_node_available", retry_after=retry)
+        retries = front.cfg.max_retries
+        tried: list[Node] = []
+        while True:
+            ctx = cluster.pick("ctx", exclude=tuple(tried))
+            if ctx is None:
+                raise self._last_error
+            self.ctx = self._hold(ctx)
+            try:
+                self.prefill = await control.call(ctx.addr, {
+                    "op": "prefill", "request_id": g.request_id, "prompt_ids": g.prompt_ids, "max_tokens": g.max_tokens,
+                    **({"sampling": g.sampling} if g.sampling else {}),
+                }, secret=front.secret, timeout=front.cfg.routing.request_timeout_s)
+                break
+            except control.ControlError as exc:  # the node refused (no free KV blocks in time, ...)
+                self._last_error = ApiError(503, f"CTX {ctx.addr} refused the prefill: {exc}", code="ctx_refused",
+                                            retry_after=retry)
+            except CONTROL_ERRORS as exc:
+                cluster.mark_down(ctx, f"prefill: {describe(exc)}")
+                self._last_error = ApiError(503, f"CTX {ctx.addr} is unreachable: {describe(exc)}",
+                                            code="ctx_unavailable", retry_after=retry)
+            self._let_go(ctx)
+            self.ctx = None
+            tried.append(ctx)
+            if self.retries >= retries:
+                raise self._last_error
+            self.retries += 1
+            front.metrics.retries.labels("ctx").inc()
         self.handle = self.prefill["kv_handle"]
         front.metrics.ttft.observe(time.perf_counter() - self.t0)
         front.metrics.prompt_tokens.inc(len(g.prompt_ids))
@@ -284,19 +365,40 @@ class Flight:
         self._first_piece = self.text.text
         if self.text.finish_reason is not None:
             return  # the first token ended it: no GEN needed (aclose releases the KV on CTX)
-        try:
-            with anyio.fail_after(front.cfg.routing.connect_timeout_s):
-                self.stream = await control.connect(self.gen.addr, secret=front.secret)
-            await self.stream.send({
-                "op": "generate", "request_id": g.request_id, "prompt_len": int(self.prefill["prompt_len"]),
-                "first_token": int(self.prefill["first_token"]), "max_tokens": g.max_tokens,
-                "kv_peer": self.prefill["kv_peer"], "kv_handle": self.handle,
-                **({"kv_sources": self.prefill["kv_sources"]} if self.prefill.get("kv_sources") else {}),
-            })
-            self.sent = True
-        except CONTROL_ERRORS as exc:
-            front.cluster.mark_down(self.gen, f"generate: {type(exc).__name__}: {exc}")
-            raise ApiError(503, f"GEN {self.gen.addr} is unreachable", code="gen_unavailable", retry_after=retry) from None
+        tried = []
+        while True:
+            gen = cluster.pick("gen", exclude=tuple(tried))
+            if gen is None:
+                raise getattr(self, "_last_error", None) or ApiError(
+                    503, "no GEN node is up", code="no_node_available", retry_after=retry)
+            self.gen = self._hold(gen)
+            try:
+                with anyio.fail_after(front.cfg.routing.connect_timeout_s):
+                    self.stream = await control.connect(gen.addr, secret=front.secret)
+                await self.stream.send({
+                    "op": "generate", "request_id": g.request_id, "prompt_len": int(self.prefill["prompt_len"]),
+                    "first_token": int(self.prefill["first_token"]), "max_tokens": g.max_tokens,
+                    "kv_peer": self.prefill["kv_peer"], "kv_handle": self.handle,
+                    **({"kv_sources": self.prefill["kv_sources"]} if self.prefill.get("kv_sources") else {}),
+                    **({"sampling": g.sampling} if g.sampling else {}),
+                })
+                self.sent = True
+                return
+            except CONTROL_ERRORS as exc:
+                cluster.mark_down(gen, f"generate: {describe(exc)}")
+                self._last_error = ApiError(503, f"GEN {gen.addr} is unreachable: {describe(exc)}",
+                                            code="gen_unavailable", retry_after=retry)
+                if self.stream is not None:
+                    with contextlib.suppress(*CONTROL_ERRORS):
+                        await self.stream.aclose()
+                    self.stream = None
+            self._let_go(gen)
+            self.gen = None
+            tried.append(gen)
+            if self.retries >= retries:
+                raise self._last_error
+            self.retries += 1
+            front.metrics.retries.labels("gen").inc()
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
         """(text, token ids) as they come, the first token's first; ends with ``text.finish_reason`` set
@@ -314,7 +416,10 @@ class Flight:
                 self.error = ApiError(504, "the request timed out", code="timeout", type="server_error")
                 return
             except CONTROL_ERRORS as exc:
-                self.error = ApiError(503, f"GEN {self.gen.addr if self.gen else '?'} went away: {exc}",
+                assert self.gen is not None
+                # the failure itself marks the GEN down: /health and routing see it now, not at the next poll
+                self.front.cluster.mark_down(self.gen, f"generate stream: {describe(exc)}")
+                self.error = ApiError(503, f"GEN {self.gen.addr} went away mid-request: {describe(exc)}",
                                       code="gen_unavailable", retry_after=self.front.cfg.routing.retry_after_s)
                 return
             if msg.get("ok") is False:
@@ -352,10 +457,9 @@ class Flight:
             pulled = self.sent and self.gen is not None and self.gen.mode != "ideal"  # an ideal GEN pulls nothing
             if self.handle is not None and self.ctx is not None and (not pulled or self.gen_state not in (None, "finished")):
                 front.spawn_release(self.ctx, self.g.request_id, self.handle)
-        for node in (self.ctx, self.gen):
-            if node is not None:
-                node.inflight -= 1
-        front.active -= 1
+        for node in list(self._held):
+            self._let_go(node)
+        front.admission.leave()
         m = front.metrics
         m.running.dec()
         reason = self.text.finish_reason or ("error" if self.error else "abort")
