@@ -56,12 +56,12 @@ def model() -> TinyModel:
 
 
 @contextlib.contextmanager
-def running_front(folder: Path, cluster_yaml: str) -> Any:
+def running_front(folder: Path, cluster_yaml: str, *, secret: str | None = None) -> Any:
     """``python -m examples.serve`` on this file; yields its READY fields plus ``secret`` and ``url``;
     stops it (SIGTERM) and checks that it stopped the nodes it started."""
     cfg = folder / "cluster.yaml"
     cfg.write_text(cluster_yaml)
-    secret = secrets.token_hex(32)
+    secret = secret or secrets.token_hex(32)
     env = {**os.environ, "KVO_SHARED_SECRET": secret, "PYTHONUNBUFFERED": "1"}
     log = open(folder / "front.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "examples.serve", "-c", str(cfg), "--log-level", "warning"],

@@ -64,13 +64,16 @@ def main(argv: list[str] | None = None) -> int:
 
         from examples.serve._app import Front
 
+        if cfg.etcd is not None:  # the nodes it started register in etcd: the watch brings them in
+            ctx, gen = [s.addr for s in cfg.ctx if s.addr], [s.addr for s in cfg.gen if s.addr]
         cluster = Cluster(ctx, gen, secret=secret, interval_s=cfg.routing.stats_interval_s,
                           timeout_s=cfg.routing.connect_timeout_s,
                           policies={"ctx": cfg.router.ctx, "gen": cfg.router.gen})
         bound = f"{host}:{sock.getsockname()[1]}"
 
         def ready() -> None:
-            sys.stdout.write("READY " + json.dumps({"http": bound, "ctx": ctx, "gen": gen,
+            sys.stdout.write("READY " + json.dumps({"http": bound, "ctx": [n.addr for n in cluster.of("ctx")],
+                                                    "gen": [n.addr for n in cluster.of("gen")],
                                                     "started": [{"pid": pr.proc.pid, **pr.info} for pr in procs]}) + "\n")
             sys.stdout.flush()
             log.info("front_ready", http=bound, cluster=repr(cluster))

@@ -15,6 +15,7 @@ One request (``Front._start`` then ``Flight``)::
 from __future__ import annotations
 
 import contextlib
+import hmac
 import importlib.metadata
 import json
 import time
@@ -48,7 +49,7 @@ from examples.serve._api import ApiError, Generation, TextStream
 from examples.serve._admission import Admission
 from examples.serve.cluster import CONTROL_ERRORS, Cluster, Node, describe
 from examples.serve.config import ClusterConfig
-from examples.two_node import control
+from examples.two_node import control, membership
 
 log = structlog.get_logger("examples.serve")
 
@@ -137,6 +138,7 @@ class Front:
                 Route("/version", self.version, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+                Route("/admin/drain", self.admin_drain, methods=["POST"]),
             ],
             exception_handlers={HTTPException: self._http_error, ApiError: self._api_error,
                                 Exception: self._internal_error},
@@ -147,6 +149,8 @@ class Front:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            if self.cfg.etcd is not None:  # the nodes registered in etcd, then as they come and go
+                await tg.start(self._watch_members)
             await tg.start(self.cluster.run)
             if self.on_ready is not None:
                 self.on_ready()
@@ -184,6 +188,50 @@ class Front:
         ok = body["status"] == "ok"
         headers = {} if ok else {"Retry-After": str(self.cfg.routing.retry_after_s)}
         return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
+
+    async def _watch_members(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        assert self.cfg.etcd is not None and self._tg is not None
+        tg, listed = self._tg, False
+
+        async def on_put(role: str, meta: dict[str, Any]) -> None:
+            known = self.cluster.find(meta["ctrl"]) is not None
+            node = self.cluster.add(role, meta["ctrl"], meta)
+            if not known:  # polled now: it takes traffic as soon as it answers, not at the next round
+                if listed:
+                    tg.start_soon(self.cluster.poll, node)
+                else:
+                    await self.cluster.poll(node)
+
+        def on_listed() -> None:
+            nonlocal listed
+            listed = True
+            task_status.started()
+
+        await membership.watch_members(self.cfg.etcd.url, self.cfg.etcd.prefix, on_put=on_put,
+                                       on_delete=lambda role, ctrl: self.cluster.remove(ctrl, "left etcd"),
+                                       on_listed=on_listed)
+
+    async def admin_drain(self, request: Request) -> Response:
+        """``POST /admin/drain {"node": "host:port"}``: the node takes nothing new from any front, finishes
+        what it has, deregisters from etcd and stops (as on SIGTERM). With a shared secret, the request
+        must carry ``Authorization: Bearer <secret>``."""
+        if self.secret is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), b"Bearer " + self.secret):
+            raise ApiError(401, "POST /admin/drain needs Authorization: Bearer <the cluster's shared secret>",
+                           code="unauthorized", type="authentication_error")
+        body = await self._read_json(request)
+        node = self.cluster.find(str(body.get("node")))
+        if node is None:
+            raise ApiError(404, f"no node {body.get('node')!r} in this cluster", param="node", code="node_not_found")
+        node.draining = True  # this front at once; every front once the node says so in etcd
+        try:
+            answer = await control.call(node.addr, {"op": "drain"}, secret=self.secret,
+                                        timeout=self.cfg.routing.connect_timeout_s)
+        except CONTROL_ERRORS as exc:
+            raise ApiError(503, f"{node.role} {node.addr} did not take the drain: {describe(exc)}",
+                           code="node_unavailable") from None
+        log.info("node_drain_requested", node=node.addr, answer=answer)
+        return JSONResponse({"node": node.addr, "role": node.role, **answer})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

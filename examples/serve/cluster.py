@@ -235,6 +235,8 @@ def node_args(spec: NodeSpec, cfg: ClusterConfig) -> list[str]:
         args += ["--metrics-port", str(spec.metrics_port)]
     if cfg.insecure:
         args.append("--insecure")
+    if cfg.etcd is not None:  # it registers itself; every front watching the prefix routes to it
+        args += ["--etcd", cfg.etcd.url, "--etcd-prefix", cfg.etcd.prefix]
     return [*args, *spec.args]
 
 

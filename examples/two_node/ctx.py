@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any
@@ -26,8 +27,8 @@ import structlog
 import torch
 
 from examples.metrics import ctx_node_stats, serve_node_metrics
-from examples.two_node import control, ctx_tp, gen_tp
-from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, kv_server
+from examples.two_node import control, ctx_tp, gen_tp, membership
+from examples.two_node.common import announce_ready, backend, block_checksums, build_model, control_server, kv_server
 from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
 from transports import KVStore, new_handle
@@ -49,6 +50,7 @@ class CtxNode:
         self._freed = anyio.Event()
         self._exec = anyio.CapacityLimiter(1)  # the CTX execution thread: one prefill at a time
         self._prefills = 0
+        self.registration: membership.Registration | None = None  # --etcd: this node's entry
         self.group: ctx_tp.CtxGroup | None = None
         if args.tp > 1:
             self.group = ctx_tp.CtxGroup(self, args.tp_group, self.rank, args.tp)
@@ -95,6 +97,9 @@ class CtxNode:
                 except KVExhausted:
                     await freed.wait()
 
+    def _set_registration(self, reg: membership.Registration) -> None:
+        self.registration = reg
+
     async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
         op = msg.get("op")
         if op == "prefill":
@@ -106,6 +111,10 @@ class CtxNode:
             await stream.send({"ok": True, "released": released})
         elif op == "stats":
             await stream.send(await self.stats())
+        elif op == "drain":  # a front's POST /admin/drain (etcd membership): as on SIGTERM
+            reg = self.registration
+            await stream.send(reg.request_drain() if reg is not None else
+                              {"ok": False, "error": "this node is not registered in etcd (--etcd)"})
         elif op == "ping":
             await stream.send({"ok": True, "role": "ctx", **self._health()})
         else:
@@ -206,6 +215,15 @@ class CtxNode:
             announce_ready(role="ctx", ctrl=f"{self.args.host}:{port}", ucx=self.ucx_addr, metrics=metrics,
                            tp=self.args.tp)
             log.info("ctx_ready", ctrl_port=port, ucx=self.ucx_addr, tp=self.args.tp)
+            if self.args.etcd:  # register; SIGTERM / control drain: until no KV is held, deregister, stop
+                await tg.start(functools.partial(
+                    membership.serve_registration, self.args.etcd, prefix=self.args.etcd_prefix, role="ctx",
+                    ctrl=f"{self.args.host}:{port}", ttl_s=self.args.etcd_ttl_s, stop=tg.cancel_scope.cancel,
+                    busy=lambda: (self.store.statistics().held_requests + self._exec.statistics().borrowed_tokens
+                                  + self._exec.statistics().tasks_waiting),
+                    meta={"tp": self.args.tp, "ucx": self.ucx_addr, "backend": backend(self.args), "model": "tiny",
+                          "capacity_blocks": self.args.num_blocks},
+                    on_registration=self._set_registration))
 
     async def _run_group(self) -> None:
         """``--tp``: this rank's execution thread runs the group's operations (rank 0 leads)."""
@@ -226,6 +244,7 @@ class CtxNode:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    membership.add_args(p)
     p.add_argument("--host", default="127.0.0.1", help="control-plane bind address")
     p.add_argument("--port", type=int, default=0, help="control-plane port (0: pick one)")
     p.add_argument("--ucx-port", type=int, default=0, help="UCX listener port (0: pick one)")

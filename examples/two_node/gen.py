@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ import structlog
 import torch
 
 from examples.metrics import serve_node_metrics
-from examples.two_node import control, gen_tp
+from examples.two_node import control, gen_tp, membership
 from examples.two_node.common import announce_ready, backend, block_checksums, build_model, control_server, kv_transport
 from orchestrator import (
     DecodeBatch,
@@ -71,6 +72,7 @@ class GenNode:
         self.head_sums = gen_tp.HeadChecksums()
         self.rank_loops: dict[int, Any] = {}  # rank 0: the other ranks' execution-thread statistics
         self._report_seq = 0  # rank 0: the last statistics request sent; other ranks: the last answered
+        self.registration: membership.Registration | None = None  # --etcd: this node's entry
         self.config = OrchestratorConfig(
             layout=layout,
             num_blocks=args.num_blocks,
@@ -168,6 +170,10 @@ class GenNode:
             else:
                 self.loop.reset_statistics()
             await stream.send({"ok": True})
+        elif op == "drain":  # a front's POST /admin/drain (etcd membership): as on SIGTERM
+            reg = self.registration
+            await stream.send(reg.request_drain() if reg is not None else
+                              {"ok": False, "error": "this node is not registered in etcd (--etcd)"})
         elif op == "ping":
             await stream.send({"ok": True, "role": "gen", "mode": self.config.mode.value, **self._health()})
         else:
@@ -298,6 +304,9 @@ class GenNode:
                 "rank_admitted": [list(a) for a in engine.rank_admitted],
                 "rank_loop": {"0": self._loop_stats(), **{str(r): v for r, v in sorted(self.rank_loops.items())}}}
 
+    def _set_registration(self, reg: membership.Registration) -> None:
+        self.registration = reg
+
     # -- life cycle ------------------------------------------------------------------------------
     async def run(self) -> None:
         args = self.args
@@ -339,7 +348,15 @@ class GenNode:
                     announce_ready(role="gen", ctrl=f"{args.host}:{port}", mode=self.config.mode.value, metrics=metrics)
                     log.info("gen_ready", ctrl_port=port, mode=self.config.mode.value,
                              transfer_budget_bytes=self.config.transfer_budget_bytes, num_blocks=self.config.num_blocks)
-                    await anyio.sleep_forever()
+                    drained = anyio.Event()
+                    if args.etcd:  # register; SIGTERM / control drain: finish what is live, deregister, stop
+                        await tg.start(functools.partial(
+                            membership.serve_registration, args.etcd, prefix=args.etcd_prefix, role="gen",
+                            ctrl=f"{args.host}:{port}", ttl_s=args.etcd_ttl_s, busy=lambda: self.engine.live_requests,
+                            meta={"tp": args.tp, "backend": self.config.kv_transport, "mode": self.config.mode.value,
+                                  "model": "tiny", "capacity_blocks": self.config.num_blocks},
+                            stop=drained.set, on_registration=self._set_registration))
+                    await drained.wait()
                 finally:
                     if isinstance(self.engine, TPGenEngine):  # tell the other ranks, then stop stepping
                         self.engine.request_stop()
@@ -350,6 +367,7 @@ class GenNode:
                     self.engine.wakeup.set()
                     await anyio.to_thread.run_sync(exec_thread.join)
                     self.engine.close()
+                tg.cancel_scope.cancel()  # drained: the control server and the engine's tasks stop too
         finally:
             if transport is not None:
                 with anyio.CancelScope(shield=True):
@@ -357,6 +375,7 @@ class GenNode:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    membership.add_args(p)
     p.add_argument("--host", default="127.0.0.1", help="control-plane bind address")
     p.add_argument("--port", type=int, default=0, help="control-plane port (0: pick one)")
     p.add_argument("--ctx", action="append", default=[], help="a CTX node's control address HOST:PORT (repeatable; informational: each request names its KV peer)")
