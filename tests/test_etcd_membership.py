@@ -120,7 +120,7 @@ class Load:
     async def _one(self, http: httpx.AsyncClient, i: int) -> None:
         front = self.fronts[i % len(self.fronts)]
         body = {"model": "tiny", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": N_TOKENS, "ignore_eos": True,
-                "return_token_ids": True}
+                "return_token_ids": True, "temperature": 0}
         try:
             r = await http.post(front["url"] + "/v1/completions", json=body)
         except httpx.HTTPError as exc:

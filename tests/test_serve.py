@@ -205,10 +205,11 @@ def test_stop_string_ends_the_output(client: openai.OpenAI, model: TinyModel) ->
 def test_bad_requests_get_openai_errors(front: Any, client: openai.OpenAI) -> None:
     cases = [
         (dict(model="nope", prompt="x"), "model", "model_not_found"),
-        (dict(model="tiny", prompt="x", temperature=0.7), "temperature", "unsupported_value"),
+        (dict(model="tiny", prompt="x", temperature=2.5), "temperature", "invalid_value"),
         (dict(model="tiny", prompt="x", max_tokens=601), "max_tokens", "invalid_value"),
         (dict(model="tiny", prompt="x" * 600), "prompt", "context_length_exceeded"),
-        (dict(model="tiny", prompt="x", n=2), "n", "unsupported_value"),
+        (dict(model="tiny", prompt="x", n=9), "n", "invalid_value"),
+        (dict(model="tiny", prompt="x", presence_penalty=0.5), "presence_penalty", "unsupported_value"),
     ]
     for kwargs, param, code in cases:
         with pytest.raises(openai.BadRequestError) as err:
@@ -333,7 +334,7 @@ def test_concurrent_streams_each_get_their_own_tokens(front: Any, model: TinyMod
     refs = [model.generate_reference(TOK.encode(p), 8) for p in prompts]
 
     async def one(http: httpx.AsyncClient, prompt: str) -> list[int]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True, "ignore_eos": True,
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True, "ignore_eos": True, "temperature": 0,
                 "return_token_ids": True}
         ids: list[int] = []
         async with http.stream("POST", "/v1/completions", json=body) as r:

@@ -10,14 +10,18 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import json
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import structlog
+
 from examples.serve.config import Limits
 from examples.tiny_model import ByteTokenizer
 
+log = structlog.get_logger("examples.serve")
 TOKENIZER = ByteTokenizer()
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -88,7 +92,19 @@ class Generation:
     include_usage: bool = False
     return_token_ids: bool = False
     sampling: dict[str, Any] | None = None
-    """Sampling parameters for the nodes (None: greedy)."""
+    """Sampling parameters for the nodes (``orchestrator._sampling.SamplingParams`` on the wire; None: greedy)."""
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str: bool = False
+    min_tokens: int = 0
+
+    def choice(self, i: int) -> Generation:
+        """The ``i``-th of ``n`` choices: its own request id on the nodes, its own seed."""
+        if self.n == 1:
+            return self
+        sampling = None if self.sampling is None else {**self.sampling,
+                                                       "seed": (self.sampling["seed"] + i) & ((1 << 63) - 1)}
+        return dataclasses.replace(self, request_id=f"{self.request_id}-{i}", sampling=sampling)
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -173,25 +189,101 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     if len(prompt_ids) + max_tokens > max_model_len:
         raise invalid(f"this model's maximum context length is {max_model_len} tokens; the request asks for "
                       f"{len(prompt_ids)} prompt + {max_tokens} completion tokens", max_field, "context_length_exceeded")
-    _only(body, "temperature", (0,), "only greedy decoding is served: temperature must be 0 (or omitted)")
-    _only(body, "top_p", (1,), "top_p must be 1 (or omitted): decoding is greedy")
-    _only(body, "n", (1,), "n must be 1")
-    _only(body, "best_of", (1,), "best_of must be 1")
-    _only(body, "presence_penalty", (0,), "presence_penalty is not supported")
-    _only(body, "frequency_penalty", (0,), "frequency_penalty is not supported")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise invalid("logprobs are not supported", "logprobs", "unsupported_parameter")
+    temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)  # OpenAI's and vLLM's default: 1
+    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
+    if top_p == 0:
+        raise invalid("top_p must be in (0, 1]", "top_p")
+    top_k = body.get("top_k")
+    if top_k is None or top_k == -1:
+        top_k = 0
+    elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise invalid("top_k must be an integer >= 0 (-1 or 0: every token)", "top_k")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise invalid("seed must be an integer", "seed")
+    min_tokens = _int(body, "min_tokens", lo=0) if body.get("min_tokens") is not None else 0
+    if min_tokens > max_tokens:
+        raise invalid(f"min_tokens={min_tokens} exceeds {max_field}={max_tokens}", "min_tokens")
+    stop_ids = body.get("stop_token_ids") or []
+    if (not isinstance(stop_ids, list) or len(stop_ids) > 16
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKENIZER.vocab_size for t in stop_ids)):
+        raise invalid(f"stop_token_ids must be a list of at most 16 token ids in [0, {TOKENIZER.vocab_size})",
+                      "stop_token_ids")
+    n = _int(body, "n", lo=1) if body.get("n") is not None else 1
+    if n > limits.max_n:
+        raise invalid(f"n={n} exceeds this server's limit of {limits.max_n}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise invalid("best_of must equal n (or be omitted)", "best_of", "unsupported_value")
+    _only(body, "presence_penalty", (0,), "presence_penalty is not supported (0 only)")
+    _only(body, "frequency_penalty", (0,), "frequency_penalty is not supported (0 only)")
+    _only(body, "repetition_penalty", (1,), "repetition_penalty is not supported (1 only)")
+    _only(body, "min_p", (0,), "min_p is not supported (0 only)")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") is not None:
+        raise invalid("logprobs are not supported yet", "logprobs" if body.get("logprobs") not in (None, False, 0)
+                      else "top_logprobs", "unsupported_parameter")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise invalid("stream_options needs stream: true and must be an object", "stream_options")
+    if options and options.get("continuous_usage_stats"):
+        raise invalid("stream_options.continuous_usage_stats is not supported", "stream_options.continuous_usage_stats",
+                      "unsupported_parameter")
+    if options:
+        _known_or_refuse(options, {"include_usage", "continuous_usage_stats"}, "stream_options.")
     include_usage = bool(options) and _bool(options, "include_usage")
+    if stream and n > 1:
+        raise invalid("n > 1 is served without stream only", "n", "unsupported_value")
+    _log_ignored(body, kind)
+    ignore_eos = _bool(body, "ignore_eos")
+    sampling = None
+    if temperature > 0 or min_tokens:  # else plain greedy: the nodes' argmax path (and any TP node)
+        suppress = [*stop_ids, *([] if ignore_eos else [TOKENIZER.eos_id])]
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                    "seed": secrets.randbits(63) if seed is None else seed & ((1 << 63) - 1),
+                    "min_tokens": min_tokens, "suppress": suppress}
     return Generation(
         kind=kind, request_id=f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
         created=int(time.time()), model=model, prompt_ids=prompt_ids, max_tokens=max_tokens,
-        stop=_stop(body.get("stop"), limits), ignore_eos=_bool(body, "ignore_eos"), stream=stream,
-        include_usage=include_usage, return_token_ids=_bool(body, "return_token_ids"),
+        stop=_stop(body.get("stop"), limits), ignore_eos=ignore_eos, stream=stream,
+        include_usage=include_usage, return_token_ids=_bool(body, "return_token_ids"), sampling=sampling,
+        n=n, stop_token_ids=tuple(stop_ids), include_stop_str=_bool(body, "include_stop_str_in_output"),
+        min_tokens=min_tokens,
     )
+
+
+KNOWN = {
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop",
+    "temperature", "top_p", "top_k", "min_p", "n", "best_of", "seed", "min_tokens", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "return_token_ids", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logprobs", "top_logprobs", "echo", "suffix", "user", *REFUSED,
+}
+"""Fields this server reads (implemented, or refused with a 400 naming them when they ask for
+something it cannot do). ``user`` is OpenAI's end-user tag: accepted, used for nothing."""
+_IGNORED_LOGGED: set[str] = set()
+
+
+def _log_ignored(body: dict[str, Any], kind: str) -> None:
+    """Unknown fields are ignored, as vLLM does, and each is logged once (``ignored_request_field``)."""
+    for name in sorted(set(body) - KNOWN - _IGNORED_LOGGED):
+        _IGNORED_LOGGED.add(name)
+        log.warning("ignored_request_field", field=name, endpoint=kind,
+                    note="not a field this server knows: ignored (logged once per field)")
+
+
+def _known_or_refuse(obj: dict[str, Any], known: set[str], where: str) -> None:
+    for name in obj:
+        if name not in known:
+            raise invalid(f"{where}{name} is not supported", f"{where}{name}", "unsupported_parameter")
+
+
+def _number(body: dict[str, Any], name: str, default: float, *, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise invalid(f"{name} must be a number in [{lo:g}, {hi:g}]", name)
+    return float(v)
 
 
 def _int(body: dict[str, Any], name: str, *, lo: int) -> int:
@@ -238,10 +330,14 @@ class TextStream:
     string ends the output and is not part of it (nor is EOS). ``finish_reason`` is None until the
     output ended (``stop`` or ``length``); tokens fed after that are ignored."""
 
-    def __init__(self, *, max_tokens: int, stop: tuple[str, ...] = (), ignore_eos: bool = False) -> None:
+    def __init__(self, *, max_tokens: int, stop: tuple[str, ...] = (), ignore_eos: bool = False,
+                 stop_token_ids: tuple[int, ...] = (), include_stop_str: bool = False) -> None:
         self.max_tokens = max_tokens
         self.stop = stop
         self.ignore_eos = ignore_eos
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.include_stop_str = include_stop_str
+        """vLLM's ``include_stop_str_in_output``: the stop string (or stop token) ends the output and is part of it."""
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -264,6 +360,11 @@ class TextStream:
                 self._finish("stop")
                 break
             start = max(0, len(self._text) - self._hold)
+            if t in self.stop_token_ids:
+                if self.include_stop_str and 0 <= t < 256:
+                    self._text += self._decoder.decode(bytes((t,)))
+                self._finish("stop")
+                break
             if 0 <= t < 256:
                 self._text += self._decoder.decode(bytes((t,)))
             if self._find_stop(start):
@@ -289,10 +390,11 @@ class TextStream:
             self._find_stop(start)
 
     def _find_stop(self, start: int) -> bool:
-        hits = [i for s in self.stop if (i := self._text.find(s, start)) >= 0]
+        hits = [(i, len(s)) for s in self.stop if (i := self._text.find(s, start)) >= 0]
         if not hits:
             return False
-        self._text = self._text[: min(hits)]
+        at, length = min(hits)
+        self._text = self._text[: at + length] if self.include_stop_str else self._text[:at]
         self.finish_reason = "stop"
         return True
 
@@ -304,20 +406,23 @@ def usage(g: Generation, completion_tokens: int) -> dict[str, int]:
             "total_tokens": len(g.prompt_ids) + completion_tokens}
 
 
-def response(g: Generation, text: TextStream) -> dict[str, Any]:
-    """The non-streaming answer."""
-    if g.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text.text, "logprobs": None, "finish_reason": text.finish_reason}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text.text}, "logprobs": None,
-                  "finish_reason": text.finish_reason}
-        obj = "chat.completion"
-    if g.return_token_ids:
-        choice["prompt_token_ids"] = g.prompt_ids
-        choice["token_ids"] = text.token_ids
-    return {"id": g.request_id, "object": obj, "created": g.created, "model": g.model, "choices": [choice],
-            "usage": usage(g, len(text.token_ids))}
+def response(g: Generation, texts: TextStream | Sequence[TextStream]) -> dict[str, Any]:
+    """The non-streaming answer (one choice per TextStream: ``n``)."""
+    texts = [texts] if isinstance(texts, TextStream) else list(texts)
+    choices = []
+    for i, text in enumerate(texts):
+        if g.kind == "completion":
+            choice: dict[str, Any] = {"index": i, "text": text.text, "logprobs": None, "finish_reason": text.finish_reason}
+        else:
+            choice = {"index": i, "message": {"role": "assistant", "content": text.text}, "logprobs": None,
+                      "finish_reason": text.finish_reason}
+        if g.return_token_ids:
+            choice["prompt_token_ids"] = g.prompt_ids
+            choice["token_ids"] = text.token_ids
+        choices.append(choice)
+    obj = "text_completion" if g.kind == "completion" else "chat.completion"
+    return {"id": g.request_id, "object": obj, "created": g.created, "model": g.model, "choices": choices,
+            "usage": usage(g, sum(len(t.token_ids) for t in texts))}
 
 
 def chunk(g: Generation, piece: str, *, finish_reason: str | None = None, role: bool = False,

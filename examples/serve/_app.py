@@ -256,19 +256,23 @@ class Front:
         body = await self._read_json(request)
         limits = self.cfg.limits
         g: Generation = parse(body, model=self.cfg.model, limits=limits, max_model_len=self.max_model_len)
-        await self.admission.enter()
-        flight = Flight(self, g, endpoint, t0)
         if g.stream:
+            await self.admission.enter()
+            flight = Flight(self, g, endpoint, t0)
             try:
                 await flight.start()
             except BaseException:
                 await flight.aclose()
                 raise
             return _FlightResponse(flight)
-        # not streamed: a client that goes away is seen at once (its ``http.disconnect``), not when the
-        # answer is written: the flight is cancelled, so GEN and CTX abort the request within ms
-        gone = False
+        flights: list[Flight] = []  # n choices: n flights, each its own request on the nodes
         try:
+            for i in range(g.n):
+                await self.admission.enter()
+                flights.append(Flight(self, g.choice(i), endpoint, t0))
+            # not streamed: a client that goes away is seen at once (its ``http.disconnect``), not when
+            # the answer is written: the flights are cancelled, so GEN and CTX abort within ms
+            gone = False
             async with anyio.create_task_group() as tg:
                 async def watch() -> None:
                     nonlocal gone
@@ -278,23 +282,22 @@ class Front:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch)
-                try:  # an error raised in a task group would come out wrapped in an ExceptionGroup
-                    await flight.start()
-                    async for _ in flight.pieces():
-                        pass
-                except ApiError as exc:
-                    flight.error = exc
+                async with anyio.create_task_group() as runs:
+                    for f in flights:
+                        runs.start_soon(_run_to_end, f)
                 tg.cancel_scope.cancel()
         finally:
-            await flight.aclose()
+            for f in flights:
+                await f.aclose()
         if gone:
-            log.info("client_gone", request_id=g.request_id, tokens=len(flight.text.token_ids))
+            log.info("client_gone", request_id=g.request_id, tokens=sum(len(f.text.token_ids) for f in flights))
             self.metrics.requests.labels(endpoint, "499").inc()
             return Response(status_code=499)
-        if flight.error is not None:
-            raise flight.error
+        for f in flights:
+            if f.error is not None:
+                raise f.error
         self.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(_api.response(g, flight.text))
+        return JSONResponse(_api.response(g, [f.text for f in flights]))
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.cfg.limits.max_body_bytes
@@ -327,6 +330,17 @@ class Front:
             log.info("release_failed", node=node.addr, request_id=request_id, error=str(exc))
 
 
+async def _run_to_end(flight: Flight) -> None:
+    """A non-streamed flight, start to last token; a failure is kept in ``flight.error`` (raised in a
+    task group it would come out wrapped in an ExceptionGroup)."""
+    try:
+        await flight.start()
+        async for _ in flight.pieces():
+            pass
+    except ApiError as exc:
+        flight.error = exc
+
+
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version")
 
 
@@ -338,7 +352,8 @@ class Flight:
         self.g = g
         self.endpoint = endpoint
         self.t0 = t0
-        self.text = TextStream(max_tokens=g.max_tokens, stop=g.stop, ignore_eos=g.ignore_eos)
+        self.text = TextStream(max_tokens=g.max_tokens, stop=g.stop, ignore_eos=g.ignore_eos,
+                               stop_token_ids=g.stop_token_ids, include_stop_str=g.include_stop_str)
         self.ctx: Node | None = None
         self.gen: Node | None = None
         self.handle: str | None = None

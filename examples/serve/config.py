@@ -90,6 +90,8 @@ class Limits:
     max_concurrent_requests: int = 256
     max_stop_strings: int = 4
     max_stop_chars: int = 64
+    max_n: int = 8
+    """Most choices one request may ask for (``n``)."""
     max_model_len: int = 2048
     """Prompt + completion tokens: the nodes' ``--max-seq-len`` (the tiny model's 2048 by default)."""
 

@@ -31,6 +31,7 @@ from examples.two_node import control, ctx_tp, gen_tp, membership
 from examples.two_node.common import announce_ready, backend, block_checksums, build_model, control_server, kv_server
 from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
+from orchestrator._sampling import SamplingParams, sample
 from transports import KVStore, new_handle
 
 log = structlog.get_logger("examples.ctx")
@@ -141,6 +142,12 @@ class CtxNode:
         rid = control.request_id(msg)  # before anything is allocated for it
         max_tokens = control.field(msg, "max_tokens", int, lo=1, hi=cfg.max_seq_len)
         prompt = control.int_list(msg, "prompt_ids", max_len=cfg.max_seq_len - max_tokens, lo=0, hi=cfg.vocab_size - 1)
+        try:  # sampled (the front's temperature, top_p, top_k, seed...): else greedy
+            sampling = SamplingParams.from_wire(msg["sampling"]) if msg.get("sampling") is not None else None
+        except ValueError as exc:
+            raise control.ControlError(str(exc)) from None
+        if sampling is not None and self.group is not None:
+            raise control.ControlError("sampling needs a CTX without --tp (its group prefills greedily)")
         n = self.layout.blocks_for(len(prompt))
         if n > self.pool.num_blocks:
             raise control.ControlError(f"prompt needs {n} KV blocks, the CTX pool has {self.pool.num_blocks}")
@@ -154,7 +161,9 @@ class CtxNode:
             return await self._prefill_in_group(rid, prompt, block_ids)
         try:
             t0 = time.perf_counter()
-            first = await anyio.to_thread.run_sync(self.model.prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
+            prefill = (self.model.prefill if sampling is None else
+                       lambda *a: sample(self.model.prefill_logits(*a), sampling, position=len(prompt), index=0))
+            first = await anyio.to_thread.run_sync(prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
             checksums = block_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
             per_head = head_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
             handle = self.store.put(rid, block_ids, num_tokens=len(prompt), lease_s=self.args.lease_s,

@@ -42,6 +42,7 @@ from orchestrator import (
     Unavailable,
     loop_caller,
 )
+from orchestrator._sampling import SamplingParams, sample_rows
 
 log = structlog.get_logger("examples.gen")
 
@@ -88,9 +89,9 @@ class GenNode:
         if args.step == "device":
             self.step_fn: Any = DeviceStep(args.device_step_ms, args.device_step_us_per_seq, self.model.config.vocab_size)
         else:
-            m = self.model
-            self.step_fn = lambda b: m.decode(b.tokens, b.positions, b.block_tables, b.kv)
+            self.step_fn = self._model_step
         self.checksums: dict[str, list[int]] = {}
+        self.sampling: dict[str, tuple[SamplingParams, int]] = {}  # sampled requests: (params, prompt_len)
         self._streams: dict[str, Any] = {}
         self._pending: collections.deque[RequestOutput] = collections.deque()
         self._pump_flag = threading.Event()
@@ -193,12 +194,21 @@ class GenNode:
             kv_handle=control.kv_handle(msg) if pulls else None,
             kv_sources=tuple(KVSource(peer, h0, h1) for peer, h0, h1 in control.kv_sources(msg)) if pulls else (),
         )
+        try:
+            sampling = SamplingParams.from_wire(msg["sampling"]) if msg.get("sampling") is not None else None
+        except ValueError as exc:
+            raise control.ControlError(str(exc)) from None
         # submit first (it refuses a live id), then own the stream: no await in between, so no
         # output of this request can reach the pump before its stream is there, and a refused
         # duplicate never touches the live request's stream
+        mine = sampling is not None and rid not in self.sampling  # before submit: the step may come at once
+        if mine:
+            self.sampling[rid] = (sampling, request.prompt_len)
         try:
             self.engine.submit(request)
         except (InvalidRequest, Unavailable) as exc:
+            if mine:
+                self.sampling.pop(rid, None)
             raise control.ControlError(str(exc)) from None
         send, receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
         self._streams[rid] = send
@@ -227,6 +237,7 @@ class GenNode:
             if self._streams.get(rid) is send:  # not a later request that reuses the finished id
                 del self._streams[rid]
                 self.checksums.pop(rid, None)
+                self.sampling.pop(rid, None)
                 self.head_sums.discard(rid)
             send.close()
 
@@ -303,6 +314,19 @@ class GenNode:
                 "kv_head_offset": self.config.kv_head_offset,
                 "rank_admitted": [list(a) for a in engine.rank_admitted],
                 "rank_loop": {"0": self._loop_stats(), **{str(r): v for r, v in sorted(self.rank_loops.items())}}}
+
+    def _model_step(self, b: DecodeBatch) -> torch.Tensor:
+        """The model's decode step: greedy, or drawn per request with the front's sampling parameters
+        (the token at position p from (seed, p) alone: ``orchestrator._sampling``). On a TP group
+        rank 0 holds the parameters and its tokens are the group's."""
+        m, sampling = self.model, self.sampling
+        if not sampling or not any(rid in sampling for rid in b.request_ids):
+            return m.decode(b.tokens, b.positions, b.block_tables, b.kv)
+        logits = m.decode_logits(b.tokens, b.positions, b.block_tables, b.kv)
+        rows = [sampling.get(rid) for rid in b.request_ids]
+        out_pos = [int(p) + 1 for p in b.positions]
+        return sample_rows(logits, [r[0] if r else None for r in rows], out_pos,
+                           [p - r[1] if r else 0 for p, r in zip(out_pos, rows)])
 
     def _set_registration(self, reg: membership.Registration) -> None:
         self.registration = reg
