@@ -165,7 +165,7 @@ def test_stop_token_ids_and_include_stop_str(client: openai.OpenAI, model: TinyM
 
 @pytest.mark.integration
 def test_refused_and_ignored_fields(front: Any, client: openai.OpenAI) -> None:
-    for kwargs, param in [(dict(logprobs=2), "logprobs"), (dict(extra_body={"repetition_penalty": 1.3}), "repetition_penalty"),
+    for kwargs, param in [(dict(logprobs=6), "logprobs"), (dict(extra_body={"repetition_penalty": 1.3}), "repetition_penalty"),
                           (dict(extra_body={"min_p": 0.1}), "min_p"), (dict(logit_bias={"65": 5}), "logit_bias"),
                           (dict(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
                            "stream_options.continuous_usage_stats")]:
@@ -178,3 +178,30 @@ def test_refused_and_ignored_fields(front: Any, client: openai.OpenAI) -> None:
         assert r.choices[0].finish_reason in ("length", "stop")
     log = Path(front["folder"], "front.log").read_text()
     assert log.count('"field": "frobnicate"') == 1, log[-2000:]
+
+
+@pytest.mark.integration
+def test_logprobs(client: openai.OpenAI, model: TinyModel) -> None:
+    """The chosen token's log-probability (and the top ones) under the model, from CTX (the first
+    token) and GEN (the rest): equal to log_softmax of the single-process logits."""
+    prompt, n = "log probabilities", 6
+    params = SamplingParams(temperature=0.7, seed=11)
+    ids, logits = model.reference_logits(TOK.encode(prompt), n, params)
+    want = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0.7, seed=11, logprobs=3,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == ids
+    assert c.logprobs.token_logprobs == pytest.approx([float(want[i, t]) for i, t in enumerate(ids)], abs=1e-9)
+    assert all(len(top) == 3 for top in c.logprobs.top_logprobs)
+    assert c.logprobs.tokens == [chr(t) if t < 128 else f"bytes:\\x{t:02x}" if t < 256 else "<eos>" for t in ids]
+    messages = [{"role": "user", "content": "lp"}]
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=n, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    content = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert len(content) == n and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in content)  # greedy: the top one
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=messages, top_logprobs=2)
+    assert err.value.body["param"] == "top_logprobs"

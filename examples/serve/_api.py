@@ -97,6 +97,8 @@ class Generation:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str: bool = False
     min_tokens: int = 0
+    logprobs: int | None = None
+    """Top log-probabilities per output token (0: the chosen token's only); None: none."""
 
     def choice(self, i: int) -> Generation:
         """The ``i``-th of ``n`` choices: its own request id on the nodes, its own seed."""
@@ -219,9 +221,7 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     _only(body, "frequency_penalty", (0,), "frequency_penalty is not supported (0 only)")
     _only(body, "repetition_penalty", (1,), "repetition_penalty is not supported (1 only)")
     _only(body, "min_p", (0,), "min_p is not supported (0 only)")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") is not None:
-        raise invalid("logprobs are not supported yet", "logprobs" if body.get("logprobs") not in (None, False, 0)
-                      else "top_logprobs", "unsupported_parameter")
+    top_logprobs = _logprobs(body, kind)
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
@@ -237,7 +237,7 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     _log_ignored(body, kind)
     ignore_eos = _bool(body, "ignore_eos")
     sampling = None
-    if temperature > 0 or min_tokens:  # else plain greedy: the nodes' argmax path (and any TP node)
+    if temperature > 0 or min_tokens or top_logprobs is not None:  # else greedy: the nodes' argmax path (and TP)
         suppress = [*stop_ids, *([] if ignore_eos else [TOKENIZER.eos_id])]
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
                     "seed": secrets.randbits(63) if seed is None else seed & ((1 << 63) - 1),
@@ -248,8 +248,29 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
         stop=_stop(body.get("stop"), limits), ignore_eos=ignore_eos, stream=stream,
         include_usage=include_usage, return_token_ids=_bool(body, "return_token_ids"), sampling=sampling,
         n=n, stop_token_ids=tuple(stop_ids), include_stop_str=_bool(body, "include_stop_str_in_output"),
-        min_tokens=min_tokens,
+        min_tokens=min_tokens, logprobs=top_logprobs,
     )
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """How many top log-probabilities per token (None: no logprobs). Completions: ``logprobs`` an
+    integer 0..5; chat: ``logprobs`` true and ``top_logprobs`` 0..20."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == "completion":
+        if top is not None:
+            raise invalid("top_logprobs belongs to chat completions; use logprobs: N", "top_logprobs")
+        if lp is None:
+            return None
+        if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 5:
+            raise invalid("logprobs must be an integer in [0, 5]", "logprobs")
+        return lp
+    if lp is not None and not isinstance(lp, bool):
+        raise invalid("logprobs must be a boolean", "logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise invalid("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+    if top is not None and not lp:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if lp else None
 
 
 KNOWN = {
@@ -406,15 +427,46 @@ def usage(g: Generation, completion_tokens: int) -> dict[str, int]:
             "total_tokens": len(g.prompt_ids) + completion_tokens}
 
 
-def response(g: Generation, texts: TextStream | Sequence[TextStream]) -> dict[str, Any]:
+def token_str(t: int) -> str:
+    """A token as text in logprobs: its character for ASCII bytes; ``bytes:\\xNN`` for a byte that is only
+    part of a character (vLLM's notation), so that top_logprobs keys stay distinct; ``<eos>``."""
+    if 0 <= t < 128:
+        return chr(t)
+    if t < 256:
+        return f"bytes:\\x{t:02x}"
+    return "<eos>" if t == TOKENIZER.eos_id else f"<{t}>"
+
+
+def logprobs_obj(g: Generation, ids: Sequence[int], lps: Sequence[Any], offset: int = 0) -> dict[str, Any] | None:
+    """The ``logprobs`` of a choice (or of a chunk: its tokens), OpenAI's shape for each endpoint.
+    ``lps[i]``: ``[logprob, [[id, logprob], ...]]`` as the nodes send it."""
+    if g.logprobs is None:
+        return None
+    pairs = [(t, lp) for t, lp in zip(ids, lps) if lp is not None]
+    if g.kind == "completion":
+        offsets, at = [], offset
+        for t, _ in pairs:
+            offsets.append(at)
+            at += len(token_str(t))
+        return {"tokens": [token_str(t) for t, _ in pairs], "token_logprobs": [lp[0] for _, lp in pairs],
+                "top_logprobs": [{token_str(i): v for i, v in lp[1]} for _, lp in pairs] if g.logprobs else None,
+                "text_offset": offsets}
+    return {"content": [{"token": token_str(t), "logprob": lp[0], "bytes": [t] if t < 256 else [],
+                         "top_logprobs": [{"token": token_str(i), "logprob": v, "bytes": [i] if i < 256 else []}
+                                          for i, v in lp[1]]} for t, lp in pairs]}
+
+
+def response(g: Generation, texts: TextStream | Sequence[TextStream],
+             lps: Sequence[Sequence[Any]] | None = None) -> dict[str, Any]:
     """The non-streaming answer (one choice per TextStream: ``n``)."""
     texts = [texts] if isinstance(texts, TextStream) else list(texts)
     choices = []
     for i, text in enumerate(texts):
+        lp = logprobs_obj(g, text.token_ids, lps[i]) if lps is not None else None
         if g.kind == "completion":
-            choice: dict[str, Any] = {"index": i, "text": text.text, "logprobs": None, "finish_reason": text.finish_reason}
+            choice: dict[str, Any] = {"index": i, "text": text.text, "logprobs": lp, "finish_reason": text.finish_reason}
         else:
-            choice = {"index": i, "message": {"role": "assistant", "content": text.text}, "logprobs": None,
+            choice = {"index": i, "message": {"role": "assistant", "content": text.text}, "logprobs": lp,
                       "finish_reason": text.finish_reason}
         if g.return_token_ids:
             choice["prompt_token_ids"] = g.prompt_ids
@@ -426,14 +478,14 @@ def response(g: Generation, texts: TextStream | Sequence[TextStream]) -> dict[st
 
 
 def chunk(g: Generation, piece: str, *, finish_reason: str | None = None, role: bool = False,
-          token_ids: list[int] | None = None) -> bytes:
+          token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None) -> bytes:
     """One SSE event of a stream: a piece of text (``role``: the chat stream's first delta)."""
     if g.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     if g.return_token_ids and token_ids is not None:
         choice["token_ids"] = token_ids

@@ -297,7 +297,7 @@ class Front:
             if f.error is not None:
                 raise f.error
         self.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(_api.response(g, [f.text for f in flights]))
+        return JSONResponse(_api.response(g, [f.text for f in flights], [f.logprobs for f in flights]))
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.cfg.limits.max_body_bytes
@@ -366,6 +366,8 @@ class Flight:
         self.deadline = time.monotonic() + front.cfg.routing.request_timeout_s
         self.retries = 0
         """Prefills and hand-offs tried again on another node."""
+        self.logprobs: list[Any] = []
+        """Per token received (aligned with ``text.token_ids``): ``[logprob, top]`` or None."""
         self._last_error = ApiError(503, "no CTX node is up", code="no_node_available",
                                     retry_after=front.cfg.routing.retry_after_s)
         self._held: list[Node] = []
@@ -405,6 +407,7 @@ class Flight:
                 self.prefill = await control.call(ctx.addr, {
                     "op": "prefill", "request_id": g.request_id, "prompt_ids": g.prompt_ids, "max_tokens": g.max_tokens,
                     **({"sampling": g.sampling} if g.sampling else {}),
+                    **({"logprobs": g.logprobs} if g.logprobs is not None else {}),
                 }, secret=front.secret, timeout=front.cfg.routing.request_timeout_s)
                 break
             except control.ControlError as exc:  # the node refused (no free KV blocks in time, ...)
@@ -425,6 +428,7 @@ class Flight:
         front.metrics.ttft.observe(time.perf_counter() - self.t0)
         front.metrics.prompt_tokens.inc(len(g.prompt_ids))
         self.text.feed([int(self.prefill["first_token"])])
+        self.logprobs.append(self.prefill.get("first_logprobs"))
         self._first_piece = self.text.text
         if self.text.finish_reason is not None:
             return  # the first token ended it: no GEN needed (aclose releases the KV on CTX)
@@ -444,6 +448,7 @@ class Flight:
                     "kv_peer": self.prefill["kv_peer"], "kv_handle": self.handle,
                     **({"kv_sources": self.prefill["kv_sources"]} if self.prefill.get("kv_sources") else {}),
                     **({"sampling": g.sampling} if g.sampling else {}),
+                    **({"logprobs": g.logprobs} if g.logprobs is not None else {}),
                 })
                 self.sent = True
                 return
@@ -496,6 +501,8 @@ class Flight:
                     itl.observe(now - last)
                 last = now
                 before = len(self.text.token_ids)
+                lps = msg.get("logprobs") or []
+                self.logprobs += [lps[i] if i < len(lps) else None for i in range(len(tokens))]
                 piece = self.text.feed([int(t) for t in tokens])
                 yield piece, self.text.token_ids[before:]
             if msg.get("done"):
@@ -545,10 +552,13 @@ class _FlightResponse(StreamingResponse):
     async def _events(self) -> AsyncIterator[bytes]:
         f, g = self.flight, self.flight.g
         first = True
+        done, offset = 0, 0  # tokens (and text) already sent: their logprobs went with them
         try:
             async for piece, ids in f.pieces():
-                if piece or first or (g.return_token_ids and ids):
-                    yield _api.chunk(g, piece, role=first, token_ids=ids)
+                if piece or first or (g.return_token_ids and ids) or (g.logprobs is not None and ids):
+                    lp = _api.logprobs_obj(g, ids, f.logprobs[done:done + len(ids)], offset)
+                    yield _api.chunk(g, piece, role=first, token_ids=ids, logprobs=lp)
+                done, offset = done + len(ids), offset + len(piece)
                 first = False
             if f.error is not None:
                 yield _api.sse(f.error.body())

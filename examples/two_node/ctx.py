@@ -32,6 +32,7 @@ from examples.two_node.common import announce_ready, backend, block_checksums, b
 from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
 from orchestrator._sampling import SamplingParams, sample
+from orchestrator._sampling import logprobs as token_logprobs
 from transports import KVStore, new_handle
 
 log = structlog.get_logger("examples.ctx")
@@ -161,8 +162,18 @@ class CtxNode:
             return await self._prefill_in_group(rid, prompt, block_ids)
         try:
             t0 = time.perf_counter()
-            prefill = (self.model.prefill if sampling is None else
-                       lambda *a: sample(self.model.prefill_logits(*a), sampling, position=len(prompt), index=0))
+            top = msg.get("logprobs")  # the front asks for the first token's log-probability (and top ones)
+            first_lp: list[Any] = []
+
+            def prefill(*a: Any) -> int:
+                if sampling is None:
+                    return self.model.prefill(*a)
+                logits = self.model.prefill_logits(*a)
+                token = sample(logits, sampling, position=len(prompt), index=0)
+                if isinstance(top, int) and 0 <= top <= 20:
+                    first_lp.append(token_logprobs(logits, token, top))
+                return token
+
             first = await anyio.to_thread.run_sync(prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
             checksums = block_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
             per_head = head_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
@@ -177,6 +188,7 @@ class CtxNode:
         self._prefills += 1
         log.debug("prefill_done", request_id=rid, tokens=len(prompt), ms=round((time.perf_counter() - t0) * 1e3, 2))
         return {"ok": True, "request_id": rid, "first_token": first, "prompt_len": len(prompt),
+                **({"first_logprobs": first_lp[0]} if first_lp else {}),
                 "kv_peer": self.ucx_addr, "kv_handle": handle, "block_checksums": checksums,
                 "head_checksums": per_head,
                 "kv_sources": [{"peer": self.ucx_addr, "head_start": 0, "head_end": self.head_range[1]}]}

@@ -43,6 +43,7 @@ from orchestrator import (
     loop_caller,
 )
 from orchestrator._sampling import SamplingParams, sample_rows
+from orchestrator._sampling import logprobs as token_logprobs
 
 log = structlog.get_logger("examples.gen")
 
@@ -91,7 +92,8 @@ class GenNode:
         else:
             self.step_fn = self._model_step
         self.checksums: dict[str, list[int]] = {}
-        self.sampling: dict[str, tuple[SamplingParams, int]] = {}  # sampled requests: (params, prompt_len)
+        self.sampling: dict[str, tuple[SamplingParams, int, int | None]] = {}  # (params, prompt_len, top logprobs)
+        self.logprobs: dict[str, collections.deque[Any]] = {}  # per token drawn, until the pump sends it
         self._streams: dict[str, Any] = {}
         self._pending: collections.deque[RequestOutput] = collections.deque()
         self._pump_flag = threading.Event()
@@ -203,7 +205,8 @@ class GenNode:
         # duplicate never touches the live request's stream
         mine = sampling is not None and rid not in self.sampling  # before submit: the step may come at once
         if mine:
-            self.sampling[rid] = (sampling, request.prompt_len)
+            top = msg.get("logprobs")
+            self.sampling[rid] = (sampling, request.prompt_len, top if isinstance(top, int) and 0 <= top <= 20 else None)
         try:
             self.engine.submit(request)
         except (InvalidRequest, Unavailable) as exc:
@@ -238,6 +241,7 @@ class GenNode:
                 del self._streams[rid]
                 self.checksums.pop(rid, None)
                 self.sampling.pop(rid, None)
+                self.logprobs.pop(rid, None)
                 self.head_sums.discard(rid)
             send.close()
 
@@ -253,15 +257,17 @@ class GenNode:
                         break
                     tokens.extend(more.new_tokens)
                     out = more
+                lps = self.logprobs.get(rid)
+                extra = {"logprobs": [lps.popleft() if lps else None for _ in tokens]} if lps is not None else {}
                 if out.finished:
                     if tokens:
-                        await stream.send({"tokens": tokens})
+                        await stream.send({"tokens": tokens, **extra})
                     await stream.send({"done": True, "state": out.state.value,
                                        "failure": out.failure.value if out.failure else None,
                                        "message": out.message, "kv_checksums": self.checksums.get(rid, []),
                                        "kv_head_checksums": self.head_sums.pop(rid)})
                     return True
-                await stream.send({"tokens": tokens})
+                await stream.send({"tokens": tokens, **extra})
         return False
 
     def _health(self) -> dict[str, Any]:
@@ -325,8 +331,12 @@ class GenNode:
         logits = m.decode_logits(b.tokens, b.positions, b.block_tables, b.kv)
         rows = [sampling.get(rid) for rid in b.request_ids]
         out_pos = [int(p) + 1 for p in b.positions]
-        return sample_rows(logits, [r[0] if r else None for r in rows], out_pos,
-                           [p - r[1] if r else 0 for p, r in zip(out_pos, rows)])
+        out = sample_rows(logits, [r[0] if r else None for r in rows], out_pos,
+                          [p - r[1] if r else 0 for p, r in zip(out_pos, rows)])
+        for i, (rid, r) in enumerate(zip(b.request_ids, rows)):
+            if r is not None and r[2] is not None:  # asked for logprobs: sent with the token (the pump)
+                self.logprobs.setdefault(rid, collections.deque()).append(token_logprobs(logits[i], int(out[i]), r[2]))
+        return out
 
     def _set_registration(self, reg: membership.Registration) -> None:
         self.registration = reg
