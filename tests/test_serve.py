@@ -56,13 +56,15 @@ def model() -> TinyModel:
 
 
 @contextlib.contextmanager
-def running_front(folder: Path, cluster_yaml: str, *, secret: str | None = None) -> Any:
+def running_front(folder: Path, cluster_yaml: str, *, secret: str | None = None, own_secret: bool = False) -> Any:
     """``python -m examples.serve`` on this file; yields its READY fields plus ``secret`` and ``url``;
     stops it (SIGTERM) and checks that it stopped the nodes it started."""
     cfg = folder / "cluster.yaml"
     cfg.write_text(cluster_yaml)
     secret = secret or secrets.token_hex(32)
     env = {**os.environ, "KVO_SHARED_SECRET": secret, "PYTHONUNBUFFERED": "1"}
+    if own_secret:  # the front makes one (it starts every node) and says where it wrote it
+        del env["KVO_SHARED_SECRET"]
     log = open(folder / "front.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "examples.serve", "-c", str(cfg), "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
@@ -72,7 +74,7 @@ def running_front(folder: Path, cluster_yaml: str, *, secret: str | None = None)
         line = proc.stdout.readline()  # blocks until READY (or the front exits)
         assert line.startswith("READY "), (folder / "front.log").read_text()[-3000:]
         info = json.loads(line[6:])
-        info["secret"] = secret.encode()
+        info["secret"] = Path(info["secret_file"]).read_bytes() if own_secret else secret.encode()
         info["url"] = f"http://{info['http']}"
         yield info
     finally:

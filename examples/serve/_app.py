@@ -47,7 +47,7 @@ from examples import metrics as node_metrics
 from examples.serve import _api
 from examples.serve._api import ApiError, Generation, TextStream
 from examples.serve._admission import Admission
-from examples.serve.cluster import CONTROL_ERRORS, Cluster, Node, describe
+from examples.serve.cluster import CONTROL_ERRORS, Cluster, Node, Supervisor, describe
 from examples.serve.config import ClusterConfig
 from examples.two_node import control, membership
 
@@ -115,11 +115,14 @@ class _ClusterCollector(Collector):
 
 
 class Front:
-    def __init__(self, cfg: ClusterConfig, cluster: Cluster, *, on_ready: Callable[[], None] | None = None) -> None:
+    def __init__(self, cfg: ClusterConfig, cluster: Cluster, *, on_ready: Callable[[], None] | None = None,
+                 supervisor: Supervisor | None = None) -> None:
         self.cfg = cfg
         self.on_ready = on_ready
         """Called once the first round of node statistics is in (the front prints READY then)."""
         self.cluster = cluster
+        self.supervisor = supervisor
+        """Restarts the nodes this front launched (None: it launched none)."""
         self.secret = cluster.secret
         self.max_model_len = cfg.limits.max_model_len
         self.metrics = FrontMetrics(cluster)
@@ -152,6 +155,8 @@ class Front:
             if self.cfg.etcd is not None:  # the nodes registered in etcd, then as they come and go
                 await tg.start(self._watch_members)
             await tg.start(self.cluster.run)
+            if self.supervisor is not None:
+                tg.start_soon(self.supervisor.run)
             if self.on_ready is not None:
                 self.on_ready()
             yield

@@ -243,7 +243,7 @@ def node_args(spec: NodeSpec, cfg: ClusterConfig) -> list[str]:
 @contextlib.contextmanager
 def launch_nodes(cfg: ClusterConfig, secret: bytes | None):
     """Start every ``launch`` node at once (each waits for its READY line); yields
-    ``(ctx addresses, gen addresses, processes)`` in the file's order; stops them all on exit."""
+    ``(ctx addresses, gen addresses, [(spec, process)])`` in the file's order; stops them all on exit."""
     env = node_env(secret.decode() if secret else None)
     if secret is None:
         env.pop("KVO_SHARED_SECRET", None)  # insecure: the nodes get --insecure
@@ -263,5 +263,67 @@ def launch_nodes(cfg: ClusterConfig, secret: bytes | None):
         addrs = {role: [s.addr or procs[id(s)].info["ctrl"] for s in cfg.nodes if s.role == role] for role in ("ctx", "gen")}
         for s in specs:
             log.info("node_started", role=s.role, node=procs[id(s)].info["ctrl"], pid=procs[id(s)].proc.pid)
-        yield addrs["ctx"], addrs["gen"], list(procs.values())
+        yield addrs["ctx"], addrs["gen"], [(s, procs[id(s)]) for s in specs]
 
+
+class Supervisor:
+    """Restarts the nodes the front launched when they die (killed, crashed: any exit but a clean
+    drain's 0), with backoff: 1 s, then doubling up to 30 s while a node keeps dying within a minute
+    of its start. A node restarted on a new control address replaces the old one in a fixed
+    cluster; with etcd it registers itself. ``stop_all`` stops the current processes."""
+
+    def __init__(self, cfg: ClusterConfig, secret: bytes | None, procs: list[tuple[NodeSpec, NodeProcess]],
+                 cluster: Cluster, *, first_backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 check_every_s: float = 0.5) -> None:
+        self.cfg = cfg
+        self.env = node_env(secret.decode() if secret else None)
+        if secret is None:
+            self.env.pop("KVO_SHARED_SECRET", None)
+        self.entries = list(procs)
+        self.cluster = cluster
+        self.first_backoff_s, self.max_backoff_s, self.check_every_s = first_backoff_s, max_backoff_s, check_every_s
+        now = time.monotonic()
+        self._started = [now] * len(self.entries)
+        self._backoff = [first_backoff_s] * len(self.entries)
+        self._next_try = [0.0] * len(self.entries)
+        self.restarts = 0
+
+    async def run(self) -> None:
+        while True:
+            await anyio.sleep(self.check_every_s)
+            for i, (spec, proc) in enumerate(self.entries):
+                if proc.alive() or proc.proc.returncode == 0:  # up, or drained on purpose (scale-down)
+                    continue
+                now = time.monotonic()
+                if now < self._next_try[i]:
+                    continue
+                if now - self._started[i] >= 60:  # it ran a while: start again from the first backoff
+                    self._backoff[i] = self.first_backoff_s
+                log.warning("node_exited_restarting", role=spec.role, node=proc.info.get("ctrl"),
+                            code=proc.proc.returncode, tail=proc.log_tail(5))
+                args = node_args(spec, self.cfg)
+                try:
+                    new = await anyio.to_thread.run_sync(lambda: NodeProcess.start(args, env=self.env),
+                                                         abandon_on_cancel=False)
+                except Exception as exc:
+                    self._next_try[i] = time.monotonic() + self._backoff[i]
+                    log.error("node_restart_failed", role=spec.role, error=str(exc)[:500], retry_in_s=self._backoff[i])
+                    self._backoff[i] = min(self.max_backoff_s, self._backoff[i] * 2)
+                    continue
+                old = proc.info.get("ctrl")
+                proc.stop()  # reap the dead one (and its log folder)
+                self.entries[i] = (spec, new)
+                self._started[i] = time.monotonic()
+                self._next_try[i] = time.monotonic() + self._backoff[i]
+                self._backoff[i] = min(self.max_backoff_s, self._backoff[i] * 2)
+                self.restarts += 1
+                log.info("node_restarted", role=spec.role, old=old, node=new.info["ctrl"], pid=new.proc.pid)
+                if self.cfg.etcd is None:  # a fixed cluster: the new address replaces the old one
+                    if old:
+                        self.cluster.remove(old, "restarted")
+                    node = self.cluster.add(spec.role, new.info["ctrl"])
+                    await self.cluster.poll(node)
+
+    def stop_all(self) -> None:
+        for _, proc in self.entries:
+            proc.stop()
