@@ -7,6 +7,7 @@ include_stop_str_in_output, n) do what they say."""
 from __future__ import annotations
 
 import collections
+import time
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +206,46 @@ def test_logprobs(client: openai.OpenAI, model: TinyModel) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=messages, top_logprobs=2)
     assert err.value.body["param"] == "top_logprobs"
+
+
+@pytest.mark.integration
+def test_n_choices_streamed(client: openai.OpenAI, model: TinyModel) -> None:
+    prompt = "streamed choices"
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.8, seed=70, n=2,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True, "return_token_ids": True}))
+    got: dict[int, list[int]] = {0: [], 1: []}
+    finished = {}
+    for ch in chunks:
+        for c in ch.choices:
+            got[c.index] += c.model_extra.get("token_ids") or []
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    for i in (0, 1):
+        assert got[i] == ref(model, prompt, 8, temperature=0.8, seed=70 + i)
+    assert finished == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
+@pytest.mark.integration
+def test_n_choices_stream_left_early_aborts_both(front: Any) -> None:
+    import httpx
+
+    from tests.test_serve import node_stats
+
+    body = {"model": "tiny", "prompt": "leave early", "max_tokens": 500, "n": 2, "stream": True, "ignore_eos": True,
+            "temperature": 1.0}
+    aborted = node_stats(front, "gen")["engine"]["aborted"]
+    with httpx.stream("POST", front["url"] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert [next(lines) for _ in range(6)]
+    deadline = time.monotonic() + 20
+    while True:
+        gen, ctx = node_stats(front, "gen"), node_stats(front, "ctx")
+        if gen["engine"]["aborted"] >= aborted + 2 and not gen["rest_problems"] and ctx["store"]["held_requests"] == 0:
+            break
+        assert time.monotonic() < deadline, (gen["engine"], ctx["store"])
+        time.sleep(0.1)
+    health = httpx.get(front["url"] + "/health").json()  # closing the choices is not a GEN failure
+    assert health["status"] == "ok" and all(n["up"] for n in health["nodes"])

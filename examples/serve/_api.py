@@ -232,8 +232,6 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     if options:
         _known_or_refuse(options, {"include_usage", "continuous_usage_stats"}, "stream_options.")
     include_usage = bool(options) and _bool(options, "include_usage")
-    if stream and n > 1:
-        raise invalid("n > 1 is served without stream only", "n", "unsupported_value")
     _log_ignored(body, kind)
     ignore_eos = _bool(body, "ignore_eos")
     sampling = None
@@ -478,14 +476,14 @@ def response(g: Generation, texts: TextStream | Sequence[TextStream],
 
 
 def chunk(g: Generation, piece: str, *, finish_reason: str | None = None, role: bool = False,
-          token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None) -> bytes:
-    """One SSE event of a stream: a piece of text (``role``: the chat stream's first delta)."""
+          token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
+    """One SSE event of a stream: a piece of text (``role``: the chat stream's first delta) of choice ``index``."""
     if g.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     if g.return_token_ids and token_ids is not None:
         choice["token_ids"] = token_ids

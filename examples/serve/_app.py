@@ -261,7 +261,7 @@ class Front:
         body = await self._read_json(request)
         limits = self.cfg.limits
         g: Generation = parse(body, model=self.cfg.model, limits=limits, max_model_len=self.max_model_len)
-        if g.stream:
+        if g.stream and g.n == 1:
             await self.admission.enter()
             flight = Flight(self, g, endpoint, t0)
             try:
@@ -270,6 +270,18 @@ class Front:
                 await flight.aclose()
                 raise
             return _FlightResponse(flight)
+        if g.stream:  # n choices in one stream, each chunk naming its choice's index
+            started: list[Flight] = []
+            try:
+                for i in range(g.n):
+                    await self.admission.enter()
+                    started.append(Flight(self, g.choice(i), endpoint, t0))
+                    await started[-1].start()
+            except BaseException:
+                for f in started:
+                    await f.aclose()
+                raise
+            return _ChoicesResponse(self, g, started, endpoint)
         flights: list[Flight] = []  # n choices: n flights, each its own request on the nodes
         try:
             for i in range(g.n):
@@ -490,6 +502,8 @@ class Flight:
                 return
             except CONTROL_ERRORS as exc:
                 assert self.gen is not None
+                if self._closed:  # closed from another task (its client went away): not a GEN failure
+                    return
                 # the failure itself marks the GEN down: /health and routing see it now, not at the next poll
                 self.front.cluster.mark_down(self.gen, f"generate stream: {describe(exc)}")
                 self.error = ApiError(503, f"GEN {self.gen.addr} went away mid-request: {describe(exc)}",
@@ -587,3 +601,63 @@ class _FlightResponse(StreamingResponse):
             if self.flight.text.finish_reason is None and status == "200":
                 status = "499" if self.flight.error is None else str(self.flight.error.status)
             self.flight.front.metrics.requests.labels(self.flight.endpoint, status).inc()
+
+
+class _ChoicesResponse(StreamingResponse):
+    """The SSE stream of ``n`` > 1 flights (one per choice), their chunks interleaved as they come:
+    the flights run in the front's task group and feed a memory stream this response sends from."""
+
+    def __init__(self, front: Front, g: Generation, flights: list[Flight], endpoint: str) -> None:
+        self.front, self.g, self.flights, self.endpoint = front, g, flights, endpoint
+        self._send, receive = anyio.create_memory_object_stream[bytes](float("inf"))
+        super().__init__(receive, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _one(self, i: int, f: Flight, send: Any) -> None:
+        g, first, done, offset = self.g, True, 0, 0
+        async with send:
+            async for piece, ids in f.pieces():
+                if piece or first or (g.return_token_ids and ids) or (g.logprobs is not None and ids):
+                    lp = _api.logprobs_obj(g, ids, f.logprobs[done:done + len(ids)], offset)
+                    await send.send(_api.chunk(g, piece, role=first, token_ids=ids, logprobs=lp, index=i))
+                done, offset = done + len(ids), offset + len(piece)
+                first = False
+            if f.error is None:
+                await send.send(_api.chunk(g, "", finish_reason=f.text.finish_reason, index=i))
+
+    async def _produce(self) -> None:
+        try:
+            async with self._send as send:
+                async with anyio.create_task_group() as tg:
+                    for i, f in enumerate(self.flights):
+                        tg.start_soon(self._one, i, f, send.clone())
+                error = next((f.error for f in self.flights if f.error is not None), None)
+                if error is not None:
+                    await send.send(_api.sse(error.body()))
+                elif self.g.include_usage:
+                    await send.send(_api.usage_chunk(self.g, sum(len(f.text.token_ids) for f in self.flights)))
+                await send.send(_api.DONE)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the client went away: the response stopped reading
+        finally:
+            for f in self.flights:
+                await f.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status = "200"
+        assert self.front._tg is not None
+        self.front._tg.start_soon(self._produce)
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException:
+            status = "499"
+            raise
+        finally:
+            self.body_iterator.close()  # type: ignore[attr-defined]
+            with anyio.CancelScope(shield=True):
+                for f in self.flights:  # a client gone: GEN aborts each choice
+                    await f.aclose()
+            if status == "200" and any(f.text.finish_reason is None for f in self.flights):
+                errors = [f.error for f in self.flights if f.error is not None]
+                status = str(errors[0].status) if errors else "499"
+            self.front.metrics.requests.labels(self.endpoint, status).inc()
