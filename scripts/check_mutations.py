@@ -96,6 +96,7 @@ M = [
  ("19 retries before the first token", "examples/serve/_app.py", "        retries = front.cfg.max_retries\n", "        retries = 0\n", "tests/test_front_cluster.py"),
  ("19 sampling draws per position", "orchestrator/_sampling.py", "manual_seed(_mix(params.seed, position))", "manual_seed(_mix(params.seed, 0))", "tests/test_sampling.py -k 'distribution or seed_position'"),
  ("19 etcd lease kept alive", "examples/two_node/membership.py", "            await anyio.sleep(self.ttl_s / 3)\n", "            await anyio.sleep(self.ttl_s * 3)\n", "tests/test_etcd_membership.py -k join"),
+ ("19 a non-streamed request outlives its GEN", "examples/serve/_app.py", 'err.code not in ("gen_unavailable", "generation_failed")', "True", "tests/test_front_cluster.py -k 'alternate or mid_stream or outlives'"),
  ("19 drain finishes live work", "examples/two_node/membership.py", "            if self.busy():\n", "            if False:\n", "tests/test_etcd_membership.py -k drain"),
 ]
 only = sys.argv[1:]

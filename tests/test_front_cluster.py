@@ -1,4 +1,4 @@
-"""The front over several real nodes (2 CTX, 3 GEN, started by the front): ties round-robin within
+"""The front over several real nodes (2 CTX, 4 GEN, started by the front): ties round-robin within
 each role, a GEN killed mid-stream (the stream ends with its reason, /health says so at once), and
 retries on another node when a prefill or a hand-off fails before any token. The front polls its
 nodes only every 30 s here, so what marks a node down is the failure itself, never a poll."""
@@ -36,6 +36,7 @@ gen:
   - launch: {mode: orchestrated, step: device, args: ["--num-blocks", "128", "--device-step-ms", "20"]}
   - launch: {mode: orchestrated, step: device, args: ["--num-blocks", "128", "--device-step-ms", "20"]}
   - launch: {mode: orchestrated, step: device, args: ["--num-blocks", "128", "--device-step-ms", "20"]}
+  - launch: {mode: orchestrated, step: device, args: ["--num-blocks", "128", "--device-step-ms", "20"]}
 """
 
 
@@ -61,10 +62,10 @@ def pid_of(front: Any, addr: str) -> int:
 def test_sequential_requests_alternate_within_each_role(front: Any) -> None:
     before_ctx = [stats(front, a)["prefills"] for a in front["ctx"]]
     before_gen = [stats(front, a)["engine"]["finished"] for a in front["gen"]]
-    for _ in range(6):
+    for _ in range(8):
         assert complete(front).status_code == 200
-    assert [stats(front, a)["prefills"] - b for a, b in zip(front["ctx"], before_ctx)] == [3, 3]
-    assert [stats(front, a)["engine"]["finished"] - b for a, b in zip(front["gen"], before_gen)] == [2, 2, 2]
+    assert [stats(front, a)["prefills"] - b for a, b in zip(front["ctx"], before_ctx)] == [4, 4]
+    assert [stats(front, a)["engine"]["finished"] - b for a, b in zip(front["gen"], before_gen)] == [2, 2, 2, 2]
 
 
 def test_gen_killed_mid_stream_ends_it_with_a_reason_and_health_knows_at_once(front: Any) -> None:
@@ -92,8 +93,32 @@ def test_gen_killed_mid_stream_ends_it_with_a_reason_and_health_knows_at_once(fr
     assert not [k for k in m if k[0].startswith("kvo_gen_") and ("node", victim) in k[1]]
 
 
+def test_a_non_streamed_request_outlives_its_gen(front: Any) -> None:
+    """Not streamed, nothing has reached the client when its GEN dies mid-decode: the front runs the
+    request again on other nodes (a retry) and answers 200 with every token."""
+    import threading
+
+    before = metrics(front["url"] + "/metrics")
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(r=complete(front, max_tokens=150)))
+    t.start()
+    deadline = time.monotonic() + 20
+    victim = None
+    while victim is None:
+        assert time.monotonic() < deadline
+        up = [n["addr"] for n in httpx.get(front["url"] + "/health").json()["nodes"] if n["role"] == "gen" and n["up"]]
+        victim = next((a for a in up if stats(front, a)["engine"]["running"]), None)
+    os.kill(pid_of(front, victim), signal.SIGKILL)
+    t.join(60)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 150 and r.json()["choices"][0]["finish_reason"] == "length"
+    after = metrics(front["url"] + "/metrics")
+    assert value(after, "kvo_front_retries_total", role="gen") == value(before, "kvo_front_retries_total", role="gen") + 1
+
+
 def test_failures_before_the_first_token_are_retried_on_another_node(front: Any) -> None:
-    """Runs after the GEN kill above: one CTX and one more GEN die unseen (no poll for 30 s); every
+    """Runs after the GEN kills above: one CTX and one more GEN die unseen (no poll for 30 s); every
     request still succeeds, the failed prefills and hand-offs being tried again elsewhere."""
     up_gens = [n["addr"] for n in httpx.get(front["url"] + "/health").json()["nodes"] if n["role"] == "gen" and n["up"]]
     assert len(up_gens) == 2

@@ -15,6 +15,7 @@ One request (``Front._start`` then ``Flight``)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import importlib.metadata
 import json
@@ -300,8 +301,8 @@ class Front:
 
                 tg.start_soon(watch)
                 async with anyio.create_task_group() as runs:
-                    for f in flights:
-                        runs.start_soon(_run_to_end, f)
+                    for i in range(len(flights)):
+                        runs.start_soon(self._run_to_end, flights, i)
                 tg.cancel_scope.cancel()
         finally:
             for f in flights:
@@ -315,6 +316,32 @@ class Front:
                 raise f.error
         self.metrics.requests.labels(endpoint, "200").inc()
         return JSONResponse(_api.response(g, [f.text for f in flights], [f.logprobs for f in flights]))
+
+    async def _run_to_end(self, flights: list[Flight], i: int) -> None:
+        """A non-streamed flight, start to last token; a failure is kept in ``flight.error`` (raised in a
+        task group it would come out wrapped in an ExceptionGroup). Nothing has reached the client
+        before the answer, so a GEN that dies mid-request (or ends it unfinished) costs a retry of
+        the whole flight on other nodes, up to ``max_retries``, not the request."""
+        while True:
+            flight = flights[i]
+            try:
+                await flight.start()
+                async for _ in flight.pieces():
+                    pass
+            except ApiError as exc:
+                flight.error = exc
+            err = flight.error
+            if err is None or err.code not in ("gen_unavailable", "generation_failed") or \
+                    flight.retries >= self.cfg.max_retries:
+                return
+            again = Flight(self, dataclasses.replace(flight.g, request_id=f"{flight.g.request_id}-r{flight.retries + 1}"),
+                           flight.endpoint, flight.t0)
+            again.retries = flight.retries + 1
+            flights[i] = again  # first: a cancellation from here on closes the new one (the caller's finally)
+            flight.holds_slot = False  # its admission slot goes to the new flight
+            await flight.aclose()
+            self.metrics.retries.labels("gen").inc()
+            log.info("flight_retried", request_id=flight.g.request_id, error=err.message)
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.cfg.limits.max_body_bytes
@@ -347,17 +374,6 @@ class Front:
             log.info("release_failed", node=node.addr, request_id=request_id, error=str(exc))
 
 
-async def _run_to_end(flight: Flight) -> None:
-    """A non-streamed flight, start to last token; a failure is kept in ``flight.error`` (raised in a
-    task group it would come out wrapped in an ExceptionGroup)."""
-    try:
-        await flight.start()
-        async for _ in flight.pieces():
-            pass
-    except ApiError as exc:
-        flight.error = exc
-
-
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version")
 
 
@@ -387,6 +403,8 @@ class Flight:
         """Per token received (aligned with ``text.token_ids``): ``[logprob, top]`` or None."""
         self._last_error = ApiError(503, "no CTX node is up", code="no_node_available",
                                     retry_after=front.cfg.routing.retry_after_s)
+        self.holds_slot = True
+        """It holds an admission slot (given back by ``aclose``, or handed to a retry of it)."""
         self._held: list[Node] = []
         """The nodes whose ``inflight`` this flight raised (given back by ``aclose``, and only those)."""
         self._closed = False
@@ -548,7 +566,8 @@ class Flight:
                 front.spawn_release(self.ctx, self.g.request_id, self.handle)
         for node in list(self._held):
             self._let_go(node)
-        front.admission.leave()
+        if self.holds_slot:
+            front.admission.leave()
         m = front.metrics
         m.running.dec()
         reason = self.text.finish_reason or ("error" if self.error else "abort")
