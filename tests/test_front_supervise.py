@@ -9,7 +9,6 @@ import signal
 import stat
 import time
 from pathlib import Path
-from typing import Any
 
 import anyio
 import httpx
