@@ -325,5 +325,7 @@ class Supervisor:
                     await self.cluster.poll(node)
 
     def stop_all(self) -> None:
-        for _, proc in self.entries:
+        """GENs first, then CTXs (the order ``launch_nodes`` stops them in): a GEN stopping may still
+        talk to its CTX."""
+        for _, proc in reversed(self.entries):
             proc.stop()
