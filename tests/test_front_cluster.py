@@ -1,14 +1,17 @@
-"""The front over several real nodes (2 CTX, 4 GEN, started by the front): ties round-robin within
-each role, a GEN killed mid-stream (the stream ends with its reason, /health says so at once), and
+"""The front over several real nodes (2 CTX, 4 GEN, running: started here, given to the front by
+address, so that it does not restart the ones killed here): ties round-robin within each role, a GEN killed mid-stream (the stream ends with its reason, /health says so at once), and
 retries on another node when a prefill or a hand-off fails before any token. The front polls its
 nodes only every 30 s here, so what marks a node down is the failure itself, never a poll."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -16,11 +19,12 @@ import httpx
 import pytest
 
 from examples.two_node import control
+from examples.two_node.launch import NodeProcess, node_env
 from tests.test_serve import metrics, running_front, value
 
 pytestmark = pytest.mark.integration
 
-YAML = """
+HEAD = """
 model: tiny
 listen: {host: 127.0.0.1, port: 0}
 transfer: {backend: ucx, max_tokens_in_buffer: 256, kv_transfer_timeout_ms: 20000}
@@ -28,21 +32,26 @@ limits: {max_prompt_tokens: 512, max_tokens: 600, default_max_tokens: 4}
 routing: {stats_interval_s: 30, retry_after_s: 2, connect_timeout_s: 5}
 router: {ctx: least_loaded, gen: least_loaded}
 max_retries: 2
-ctx:
-  - launch: {args: ["--num-blocks", "128"]}
-  - launch: {args: ["--num-blocks", "128"]}
-gen:
-  - launch: {mode: orchestrated, step: device, args: ["--num-blocks", "128", "--device-step-ms", "20"]}
-  - launch: {mode: orchestrated, step: device, args: ["--num-blocks", "128", "--device-step-ms", "20"]}
-  - launch: {mode: orchestrated, step: device, args: ["--num-blocks", "128", "--device-step-ms", "20"]}
-  - launch: {mode: orchestrated, step: device, args: ["--num-blocks", "128", "--device-step-ms", "20"]}
 """
+GEN_ARGS = ["--step", "device", "--num-blocks", "128", "--device-step-ms", "20", "--max-tokens-in-buffer", "256",
+            "--kv-transfer-timeout-ms", "20000"]
 
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with running_front(tmp_path_factory.mktemp("front_cluster"), YAML) as info:
-        yield info
+    secret = secrets.token_hex(32)
+    env = node_env(secret)
+    roles = ["ctx", "ctx", "gen", "gen", "gen", "gen"]
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(roles)) as pool:
+        futures = [pool.submit(NodeProcess.start, [r, "--no-kv-checksums", *(GEN_ARGS if r == "gen" else
+                                                                             ["--num-blocks", "128"])], env=env)
+                   for r in roles]
+        nodes = [stack.enter_context(f.result()) for f in futures]
+        yaml = HEAD + "ctx:\n" + "".join(f"  - addr: {n.info['ctrl']}\n" for n in nodes[:2]) + \
+            "gen:\n" + "".join(f"  - addr: {n.info['ctrl']}\n" for n in nodes[2:])
+        with running_front(tmp_path_factory.mktemp("front_cluster"), yaml, secret=secret) as info:
+            info["pids"] = {n.info["ctrl"]: n.proc.pid for n in nodes}
+            yield info
 
 
 def stats(front: Any, addr: str) -> dict[str, Any]:
@@ -55,7 +64,7 @@ def complete(front: Any, **extra: Any) -> httpx.Response:
 
 
 def pid_of(front: Any, addr: str) -> int:
-    return next(n["pid"] for n in front["started"] if n["ctrl"] == addr)
+    return front["pids"][addr]
 
 
 def test_sequential_requests_alternate_within_each_role(front: Any) -> None:
