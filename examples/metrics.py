@@ -17,7 +17,14 @@ from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector
 
 log = structlog.get_logger("examples.metrics")
@@ -48,6 +55,19 @@ class _Families:
             family = self.out[name] = HistogramMetricFamily(name, doc, labels=self.names)
         bounds = [*(repr(float(b)) for b in snapshot["bounds"]), "+Inf"]
         family.add_metric(self.values, list(zip(bounds, snapshot["counts"])), snapshot["sum"])
+
+    def summary(self, name: str, doc: str, window: dict[str, Any], count: int, **extra: str) -> None:
+        """A summary over a window of recent observations (``Percentiles`` as a dict, ms): ``quantile``
+        samples plus ``_count``/``_sum`` of the window (a Prometheus summary, the type that owns the
+        ``quantile`` label; a windowed one, like the Go client's ``MaxAge``)."""
+        family = self.out.get(name)
+        if family is None:
+            family = self.out[name] = SummaryMetricFamily(name, doc, labels=[*self.names, *extra])
+        values = [*self.values, *extra.values()]
+        for q, key in QUANTILES:
+            family.samples.append(Sample(name, dict(zip([*self.names, *extra, "quantile"], [*values, q])),
+                                         window[key] / 1e3))
+        family.add_metric(values, count, window.get("mean", 0.0) * count / 1e3)
 
     def _add(self, kind: type, name: str, doc: str, value: float, extra: dict[str, str]) -> None:
         family = self.out.get(name)
@@ -92,9 +112,9 @@ def gen_families(stats: Stats, fam: _Families) -> None:
                 "the timing window holds the newest 131072)", loop["iterations"])
     for field, label in (("orchestration_ms", "orchestration"), ("blocked_ms", "blocked"), ("stalled_ms", "stalled"),
                          ("model_ms", "model")):
-        for q, key in QUANTILES:
-            fam.gauge(f"kvo_gen_exec_{label}_seconds", f"execution thread, {label} time per iteration: quantile over "
-                      "the recent iterations", loop[field][key] / 1e3, quantile=q)
+        fam.summary(f"kvo_gen_exec_{label}_seconds", f"execution thread, {label} time per iteration: summary over "
+                    "the recent iterations", loop[field],
+                    loop["decode_iterations"] if field == "model_ms" else loop["iterations"])
     tp = stats.get("tp") or {}
     if tp.get("world_size", 1) > 1:  # a tensor-parallel GEN: rank 0 answers for the group
         fam.gauge("kvo_gen_tp_ranks", "ranks of this tensor-parallel GEN group (every rank holds the same requests "
@@ -102,10 +122,10 @@ def gen_families(stats: Stats, fam: _Families) -> None:
         for rank, rloop in sorted((tp.get("rank_loop") or {}).items()):
             for field, label in (("orchestration_ms", "orchestration"), ("blocked_ms", "blocked"),
                                  ("stalled_ms", "stalled"), ("model_ms", "model")):
-                for q, key in QUANTILES:
-                    fam.gauge(f"kvo_gen_rank_exec_{label}_seconds", f"execution thread of each rank, {label} time "
-                              "per iteration: quantile over its recent iterations (reported to rank 0 every second)",
-                              rloop[field][key] / 1e3, rank=str(rank), quantile=q)
+                fam.summary(f"kvo_gen_rank_exec_{label}_seconds", f"execution thread of each rank, {label} time "
+                            "per iteration: summary over its recent iterations (reported to rank 0 every second)",
+                            rloop[field], rloop["decode_iterations"] if field == "model_ms" else rloop["iterations"],
+                            rank=str(rank))
 
 
 def ctx_families(stats: Stats, fam: _Families) -> None:

@@ -83,6 +83,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from examples.tp import ShardPlan, Span, TensorParallel, plan_shards
+from orchestrator._sampling import SamplingParams, sample
 from transports._layout import KVLayout, KVSlice
 
 __all__ = ["BOS_ID", "EOS_ID", "ByteTokenizer", "ModelConfig", "TensorParallel", "TinyModel"]
@@ -451,8 +452,11 @@ class TinyModel:
         return torch.argmax(self.decode_logits(tokens, positions, block_tables, pool, lengths), dim=-1)
 
     @torch.no_grad()
-    def reference_logits(self, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-        """Unpaged single-process greedy run: (new tokens, logits [max_new_tokens, vocab])."""
+    def reference_logits(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                         sampling: SamplingParams | None = None) -> tuple[list[int], torch.Tensor]:
+        """Unpaged single-process run: (new tokens, logits [max_new_tokens, vocab]); greedy, or drawn
+        with ``sampling`` (``orchestrator._sampling.sample``: the token at position p depends only on
+        the seed, p and the logits, as on the CTX and GEN nodes)."""
         c = self.config
         n = len(prompt_ids)
         if n == 0:
@@ -489,18 +493,20 @@ class TinyModel:
             state["start"] = start + len(ids)
             step = self._logits(h[0, -1:])[0]
             logits.append(step)
-            tokens.append(int(torch.argmax(step)))
+            tokens.append(int(torch.argmax(step)) if sampling is None else
+                          sample(step, sampling, position=n + len(tokens), index=len(tokens)))
             ids = [tokens[-1]]
         out = torch.stack(logits) if logits else torch.empty(0, c.vocab_size)
         return tokens, out
 
-    def generate_reference(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """Greedy tokens of a plain unpaged run (contiguous KV cache); the parity oracle.
+    def generate_reference(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                           sampling: SamplingParams | None = None) -> list[int]:
+        """Greedy (or ``sampling``) tokens of a plain unpaged run (contiguous KV cache); the parity oracle.
 
         Returns the ``max_new_tokens`` new tokens: the first is what ``prefill`` returns, the
         next ones what successive ``decode`` steps return.
         """
-        return self.reference_logits(prompt_ids, max_new_tokens)[0]
+        return self.reference_logits(prompt_ids, max_new_tokens, sampling)[0]
 
     # --- internals ---------------------------------------------------------------------------
 

@@ -99,6 +99,8 @@ class DecodeBatch:
     positions: torch.Tensor  # int64 [B]: its position (where this step writes its KV)
     block_tables: list[torch.Tensor]  # each request's KV blocks, in order
     kv: torch.Tensor  # the pool
+    requests: list[GenRequest] = dataclasses.field(default_factory=list)
+    """The requests themselves, in batch order (their sampling parameters, prompt lengths)."""
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -673,6 +675,7 @@ class GenEngine:
             positions=torch.tensor([s.position for s in seqs], dtype=torch.int64),
             block_tables=[s.block_ids for s in seqs],  # type: ignore[misc]
             kv=self.pool.kv,
+            requests=[s.request for s in seqs],
         )
         new = self._step_fn(batch)
         new_tokens = new.tolist() if isinstance(new, torch.Tensor) else list(new)

@@ -22,6 +22,7 @@ import torch
 from transports import KVSlice, Landing
 
 from ._budget import Grant
+from ._sampling import SamplingParams
 
 
 class RequestState(enum.Enum):
@@ -123,6 +124,10 @@ class GenRequest:
     """``IDEAL`` mode only: the prompt's KV in wire form, copied in at admission if given."""
     kv_sources: tuple[KVSource, ...] = ()
     """The CTX ranks holding the KV (tensor-parallel CTX); empty: ``peer`` holds every head."""
+    sampling: SamplingParams | None = None
+    """How the model draws this request's tokens (None: greedy). It reaches every rank of a
+    tensor-parallel group with the request, so every rank draws the same token from the same
+    logits (rank 0's is the group's; the step's batch digest checks they agree)."""
 
     def sources(self) -> tuple[KVSource, ...]:
         """Every source of this request's KV, each with its handle filled in."""

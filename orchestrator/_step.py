@@ -32,6 +32,7 @@ import numpy as np
 
 from ._errors import OrchestratorError
 from ._requests import FailureReason, GenRequest, KVSource
+from ._sampling import SamplingParams
 
 
 class GroupBroken(OrchestratorError):
@@ -275,9 +276,8 @@ def _restore_extra(extra: dict[str, Any]) -> dict[str, Any]:
             for name, value in extra.items()}
 
 
-_EXTRA_TYPES: dict[str, Callable[[dict[str, Any]], Any]] = {}
-"""Field name -> constructor from a dict, for dataclass-valued request fields (registered by the
-module that defines the type)."""
+_EXTRA_TYPES: dict[str, Callable[[dict[str, Any]], Any]] = {"sampling": SamplingParams.from_wire}
+"""Field name -> constructor from a dict, for dataclass-valued request fields."""
 
 
 def encode(m: StepMessage) -> bytes:

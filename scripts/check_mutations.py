@@ -130,6 +130,17 @@ M = [
   "                        len(self._waiting) - len(admitted) - deferred[DeferReason.KV_EXHAUSTED])\n                    continue\n",
   "tests/test_sim.py -k 'invariants and orchestrated'"),
  ("16 inline grant ends with its receive", "orchestrator/_engine.py", "dataclasses.replace(job, grant=grant, staging=staging,", "dataclasses.replace(job, grant=None, staging=staging,", "tests/test_engine.py -k woken_by_a_receive"),
+ # issue 19: the serving front (routing, admission, disconnects, failures, sampling, etcd membership)
+ ("19 ties round-robin within each role", "examples/serve/cluster.py", 'self.routers = {role: Router(policies.get(role, "least_loaded")) for role in ("ctx", "gen")}', '_r = Router(policies.get("ctx", "least_loaded")); self.routers = {"ctx": _r, "gen": _r}', "tests/test_front_routing.py -k round_robin_within"),
+ ("19 admission queue is bounded", "examples/serve/_admission.py", "        if len(self._waiters) >= self.queue_size:\n", "        if False:\n", "tests/test_front_routing.py -k fifo_then_429"),
+ ("19 non-streamed client gone aborts", "examples/serve/_app.py", "                    gone = True\n                    tg.cancel_scope.cancel()\n", "                    gone = True\n", "tests/test_serve.py -k not_streamed"),
+ ("19 a stream's failure marks the GEN down", "examples/serve/_flight.py", '                self.front.cluster.mark_down(self.gen, f"generate stream: {describe(exc)}")\n', "", "tests/test_front_cluster.py -k 'alternate or mid_stream'"),
+ ("19 a down node's series dropped", "examples/serve/_app.py", "n.stats if n.up else None)", "n.stats)", "tests/test_front_cluster.py -k 'alternate or mid_stream'"),
+ ("19 retries before the first token", "examples/serve/_flight.py", "        retries = front.cfg.max_retries\n", "        retries = 0\n", "tests/test_front_cluster.py"),
+ ("19 sampling draws per position", "orchestrator/_sampling.py", "manual_seed(_mix(params.seed, position))", "manual_seed(_mix(params.seed, 0))", "tests/test_sampling.py -k 'distribution or seed_position'"),
+ ("19 etcd lease kept alive", "examples/two_node/membership.py", "            await anyio.sleep(self.ttl_s / 3)\n", "            await anyio.sleep(self.ttl_s * 3)\n", "tests/test_etcd_membership.py -k join"),
+ ("19 a non-streamed request outlives its GEN", "examples/serve/_app.py", 'err.code not in ("gen_unavailable", "generation_failed")', "True", "tests/test_front_cluster.py -k 'alternate or mid_stream or outlives'"),
+ ("19 drain finishes live work", "examples/two_node/membership.py", "            if self.busy():\n", "            if False:\n", "tests/test_etcd_membership.py -k drain"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -55,13 +56,15 @@ def model() -> TinyModel:
 
 
 @contextlib.contextmanager
-def running_front(folder: Path, cluster_yaml: str) -> Any:
+def running_front(folder: Path, cluster_yaml: str, *, secret: str | None = None, own_secret: bool = False) -> Any:
     """``python -m examples.serve`` on this file; yields its READY fields plus ``secret`` and ``url``;
     stops it (SIGTERM) and checks that it stopped the nodes it started."""
     cfg = folder / "cluster.yaml"
     cfg.write_text(cluster_yaml)
-    secret = secrets.token_hex(32)
+    secret = secret or secrets.token_hex(32)
     env = {**os.environ, "KVO_SHARED_SECRET": secret, "PYTHONUNBUFFERED": "1"}
+    if own_secret:  # the front makes one (it starts every node) and says where it wrote it
+        del env["KVO_SHARED_SECRET"]
     log = open(folder / "front.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "examples.serve", "-c", str(cfg), "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
@@ -71,7 +74,7 @@ def running_front(folder: Path, cluster_yaml: str) -> Any:
         line = proc.stdout.readline()  # blocks until READY (or the front exits)
         assert line.startswith("READY "), (folder / "front.log").read_text()[-3000:]
         info = json.loads(line[6:])
-        info["secret"] = secret.encode()
+        info["secret"] = Path(info["secret_file"]).read_bytes() if own_secret else secret.encode()
         info["url"] = f"http://{info['http']}"
         yield info
     finally:
@@ -204,10 +207,11 @@ def test_stop_string_ends_the_output(client: openai.OpenAI, model: TinyModel) ->
 def test_bad_requests_get_openai_errors(front: Any, client: openai.OpenAI) -> None:
     cases = [
         (dict(model="nope", prompt="x"), "model", "model_not_found"),
-        (dict(model="tiny", prompt="x", temperature=0.7), "temperature", "unsupported_value"),
+        (dict(model="tiny", prompt="x", temperature=2.5), "temperature", "invalid_value"),
         (dict(model="tiny", prompt="x", max_tokens=601), "max_tokens", "invalid_value"),
         (dict(model="tiny", prompt="x" * 600), "prompt", "context_length_exceeded"),
-        (dict(model="tiny", prompt="x", n=2), "n", "unsupported_value"),
+        (dict(model="tiny", prompt="x", n=9), "n", "invalid_value"),
+        (dict(model="tiny", prompt="x", presence_penalty=0.5), "presence_penalty", "unsupported_value"),
     ]
     for kwargs, param, code in cases:
         with pytest.raises(openai.BadRequestError) as err:
@@ -224,6 +228,19 @@ def test_bad_requests_get_openai_errors(front: Any, client: openai.OpenAI) -> No
     r = httpx.get(url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(url + "/version").json()["version"]
+    with pytest.raises(openai.BadRequestError) as err:  # the parameter the client sent, not max_tokens
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_completion_tokens=100000)
+    assert err.value.body["param"] == "max_completion_tokens"
+    for extra in ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+                  {"tool_choice": "none"}, {"response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], **extra)
+        assert err.value.body["param"] == next(iter(extra)), err.value.body
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
@@ -253,6 +270,33 @@ def test_client_gone_mid_stream_leaves_nodes_at_rest(front: Any) -> None:
     assert value(after, "kvo_front_requests_finished_total", finish_reason="abort") >= 1
 
 
+def test_client_gone_not_streamed_is_aborted_within_100ms(front: Any) -> None:
+    """Issue 19: a non-streaming client that went away was not aborted: GEN decoded to the end and
+    the front logged 200. Its ``http.disconnect`` now cancels the flight: GEN aborts the request and
+    CTX holds nothing within 100 ms of the client closing its socket."""
+    before = node_stats(front, "gen")["engine"]["aborted"]
+    body = json.dumps({"model": "tiny", "prompt": "a long answer, not streamed", "max_tokens": 600,
+                       "ignore_eos": True}).encode()
+    host, port = front["http"].rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 20
+    while node_stats(front, "gen")["engine"]["running"] == 0:  # decoding on GEN
+        assert time.monotonic() < deadline
+    sock.close()
+    t0 = time.monotonic()
+    while True:
+        asked = time.monotonic() - t0
+        gen, ctx = node_stats(front, "gen"), node_stats(front, "ctx")
+        if gen["engine"]["aborted"] > before and gen["engine"]["running"] == 0 and ctx["store"]["held_requests"] == 0:
+            break
+        assert asked < 5, (gen["engine"], ctx["store"])
+    assert asked < 0.1, f"aborted {asked * 1e3:.0f} ms after the client left"
+    m = metrics(front["url"] + "/metrics")
+    assert value(m, "kvo_front_requests_total", endpoint="/v1/completions", status="499") >= 1
+
+
 def test_metrics_move_with_requests(front: Any, client: openai.OpenAI) -> None:
     url = front["url"] + "/metrics"
     time.sleep(0.6)  # two polls of the nodes' stats: an earlier test's last receive is counted before this
@@ -271,6 +315,11 @@ def test_metrics_move_with_requests(front: Any, client: openai.OpenAI) -> None:
     assert value(after, "kvo_ctx_prefills_total", node=ctx) > value(before, "kvo_ctx_prefills_total", node=ctx)
     assert value(after, "kvo_gen_transfer_budget_capacity_bytes", node=gen) > 0
     assert ("kvo_gen_exec_blocked_seconds", (("node", gen), ("quantile", "0.99"))) in after
+    # quantiles belong to a summary (issue 19: they were gauges with a quantile label, not aggregatable)
+    types = {f.name: f.type for f in text_string_to_metric_families(httpx.get(url, timeout=10).text)}
+    for label in ("orchestration", "blocked", "stalled", "model"):
+        assert types[f"kvo_gen_exec_{label}_seconds"] == "summary"
+    assert value(after, "kvo_gen_exec_blocked_seconds_count", node=gen) > 0
     if front_gen_pulls(front):  # the transfer histograms move with every receive
         for h in ("kvo_gen_kv_transfer_duration_seconds_count", "kvo_gen_kv_transfer_bytes_count"):
             assert value(after, h, node=gen) == value(before, h, node=gen) + 1
@@ -287,7 +336,7 @@ def test_concurrent_streams_each_get_their_own_tokens(front: Any, model: TinyMod
     refs = [model.generate_reference(TOK.encode(p), 8) for p in prompts]
 
     async def one(http: httpx.AsyncClient, prompt: str) -> list[int]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True, "ignore_eos": True,
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True, "ignore_eos": True, "temperature": 0,
                 "return_token_ids": True}
         ids: list[int] = []
         async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -340,12 +389,15 @@ def test_a_dead_gen_node_means_503_with_retry_after(front: Any) -> None:
     assert r.json()["error"]["code"] == "no_node_available"
     m = metrics(front["url"] + "/metrics")
     assert value(m, "kvo_front_node_up", node=front["gen"][0], role="gen") == 0
+    # its last figures are not re-exported as if current (kvo_gen_healthy 1 of a dead GEN: no alert fires)
+    assert not [k for k in m if k[0].startswith("kvo_gen_") and ("node", front["gen"][0]) in k[1]]
 
 
 # -- in process: validation, saturation, nodes down ------------------------------------------------
 
 def _front(**limits: int) -> Front:
     raw = {"model": "tiny", "limits": {"max_concurrent_requests": 4, **limits}, "routing": {"retry_after_s": 3},
+           "queue": {"size": 0},
            "ctx": [{"addr": "127.0.0.1:9"}], "gen": [{"addr": "127.0.0.1:9"}]}
     cfg = parse(raw)
     return Front(cfg, Cluster(["127.0.0.1:9"], ["127.0.0.1:9"], secret=b"x" * 32))
@@ -358,7 +410,7 @@ def test_nodes_down_503_and_saturated_429() -> None:
     assert r.status_code == 503 and r.headers["retry-after"] == "3"
     assert r.json()["error"]["code"] == "no_node_available" and r.json()["error"]["type"] == "service_unavailable"
     assert http.get("/health").status_code == 503
-    front.active = 4
+    front.admission.active = 4
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 429 and r.headers["retry-after"] == "3"
     assert r.json()["error"]["code"] == "too_many_requests"

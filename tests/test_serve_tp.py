@@ -24,7 +24,8 @@ def test_front_starts_a_tensor_parallel_gen(tmp_path: Path) -> None:
     tp_yaml = tp_yaml.replace("- launch: {metrics_port: 0,", "- launch: {metrics_port: 0, tensor_parallel_size: 2,")
     assert tp_yaml.count("tensor_parallel_size: 2") == 2
     with running_front(tmp_path, tp_yaml) as info:
-        body = {"model": "tiny", "prompt": "two ranks", "max_tokens": 10, "ignore_eos": True, "return_token_ids": True}
+        body = {"model": "tiny", "prompt": "two ranks", "max_tokens": 10, "ignore_eos": True, "return_token_ids": True,
+                "temperature": 0}
         r = httpx.post(info["url"] + "/v1/completions", json=body, timeout=60)
         assert r.json()["choices"][0]["token_ids"] == model.generate_reference(TOK.encode("two ranks"), 10)
         gen = info["gen"][0]

@@ -10,14 +10,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+from pathlib import Path
 
 import structlog
 
-from examples.serve.cluster import Cluster, launch_nodes
+from examples.serve.cluster import Cluster, Supervisor, launch_nodes
 from examples.serve.config import ClusterConfig, ConfigError, load
 from examples.two_node.__main__ import _configure_logging
 from examples.two_node.common import load_secret_or_exit
@@ -26,17 +30,33 @@ from transports._auth import SECRET_ENV
 log = structlog.get_logger("examples.serve")
 
 
-def front_secret(cfg: ClusterConfig) -> bytes | None:
-    """``secret_file`` or ``KVO_SHARED_SECRET``; a fresh one when the front starts every node itself;
-    None with ``insecure: true``. Raises SystemExit with one line when it cannot be had."""
+def front_secret(cfg: ClusterConfig) -> tuple[bytes | None, bool]:
+    """``secret_file`` or ``KVO_SHARED_SECRET``; a fresh one when the front starts every node itself
+    (then True: it is written where a person can find it); None with ``insecure: true``. Raises
+    SystemExit with one line when it cannot be had."""
     if cfg.insecure:
-        return None
+        return None, False
     secret = load_secret_or_exit(cfg.secret_file, "secret_file")
     if secret is None:
-        if any(not s.launched for s in cfg.nodes):
+        if any(not s.launched for s in cfg.nodes) or cfg.etcd is not None:
             raise SystemExit(f"error: no shared secret for the running nodes: set {SECRET_ENV} or secret_file")
-        secret = secrets.token_hex(32).encode()  # every node is ours: a fresh secret for this cluster
-    return secret
+        return secrets.token_hex(32).encode(), True  # every node is ours: a fresh secret for this cluster
+    return secret, False
+
+
+@contextlib.contextmanager
+def secret_written(secret: bytes):
+    """The generated secret in a file of its own (mode 0600) under a run folder of this front, so that
+    a person can reach the nodes (restart one by hand: ``--secret-file PATH``); removed on exit."""
+    folder = Path(tempfile.mkdtemp(prefix="kvo-front-"))
+    path = folder / "secret"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret)
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _exit(signum: int, frame: object) -> None:
@@ -54,33 +74,57 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load(a.config)
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
-    secret = front_secret(cfg)
+    secret, generated = front_secret(cfg)
     _configure_logging(a.log_level)
     host = a.host or cfg.host
     port = cfg.port if a.port is None else a.port
     sock = socket.create_server((host, port), reuse_port=False)  # bound before the nodes start: fail early
-    with contextlib.closing(sock), launch_nodes(cfg, secret) as (ctx, gen, procs):
+    with contextlib.ExitStack() as stack:
+        secret_file = stack.enter_context(secret_written(secret)) if generated and secret is not None else None
+        if secret_file is not None:
+            log.warning("secret_generated", path=str(secret_file),
+                        note="the nodes' shared secret; pass --secret-file to a node started by hand")
+        return _serve(cfg, a, sock, secret, secret_file)
+    return 0
+
+
+def _serve(cfg: ClusterConfig, a: argparse.Namespace, sock: socket.socket, secret: bytes | None,
+           secret_file: Path | None) -> int:
+    host = a.host or cfg.host
+    with contextlib.closing(sock), launch_nodes(cfg, secret) as (ctx, gen, launched):
         import uvicorn
 
         from examples.serve._app import Front
 
+        procs = [p for _, p in launched]
+        if cfg.etcd is not None:  # the nodes it started register in etcd: the watch brings them in
+            ctx, gen = [s.addr for s in cfg.ctx if s.addr], [s.addr for s in cfg.gen if s.addr]
         cluster = Cluster(ctx, gen, secret=secret, interval_s=cfg.routing.stats_interval_s,
-                          timeout_s=cfg.routing.connect_timeout_s)
+                          timeout_s=cfg.routing.connect_timeout_s,
+                          policies={"ctx": cfg.router.ctx, "gen": cfg.router.gen})
+        supervisor = Supervisor(cfg, secret, launched, cluster) if launched else None
         bound = f"{host}:{sock.getsockname()[1]}"
 
         def ready() -> None:
-            sys.stdout.write("READY " + json.dumps({"http": bound, "ctx": ctx, "gen": gen,
-                                                    "started": [{"pid": pr.proc.pid, **pr.info} for pr in procs]}) + "\n")
+            sys.stdout.write("READY " + json.dumps({"http": bound, "ctx": [n.addr for n in cluster.of("ctx")],
+                                                    "gen": [n.addr for n in cluster.of("gen")],
+                                                    "started": [{"pid": pr.proc.pid, **pr.info} for pr in procs],
+                                                    **({"secret_file": str(secret_file)} if secret_file else {})})
+                             + "\n")
             sys.stdout.flush()
             log.info("front_ready", http=bound, cluster=repr(cluster))
 
-        front = Front(cfg, cluster, on_ready=ready)
+        front = Front(cfg, cluster, on_ready=ready, supervisor=supervisor)
         server = uvicorn.Server(uvicorn.Config(front.app, log_level="warning", access_log=False, lifespan="on",
                                                timeout_graceful_shutdown=5))
         # uvicorn re-raises SIGTERM/SIGINT once it has shut down: make that unwind this `with`, which
         # stops the nodes (the default SIGTERM action would kill the front and leave them running)
         signal.signal(signal.SIGTERM, _exit)
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        finally:
+            if supervisor is not None:  # the nodes it restarted (launch_nodes stops the first ones)
+                supervisor.stop_all()
     return 0
 
 

@@ -10,14 +10,18 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import json
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import structlog
+
 from examples.serve.config import Limits
 from examples.tiny_model import ByteTokenizer
 
+log = structlog.get_logger("examples.serve")
 TOKENIZER = ByteTokenizer()
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -46,6 +50,27 @@ _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "inva
                 413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
 
 
+REFUSED = {
+    "tools": "no tool calling: the tiny model has no tool-call format",
+    "tool_choice": "no tool calling",
+    "functions": "no function calling",
+    "function_call": "no function calling",
+    "parallel_tool_calls": "no tool calling",
+    "response_format": "no structured output (json_object / json_schema)",
+    "guided_json": "no guided decoding",
+    "guided_regex": "no guided decoding",
+    "guided_choice": "no guided decoding",
+    "guided_grammar": "no guided decoding",
+    "structured_outputs": "no guided decoding",
+    "logit_bias": "no logit bias",
+    "audio": "text only",
+    "modalities": "text only",
+    "prediction": "no predicted outputs",
+}
+"""Fields refused with a 400 naming them whenever they are given (not null): accepting them silently
+would return something other than what the client asked for."""
+
+
 def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
@@ -66,6 +91,22 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    sampling: dict[str, Any] | None = None
+    """Sampling parameters for the nodes (``orchestrator._sampling.SamplingParams`` on the wire; None: greedy)."""
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    """Top log-probabilities per output token (0: the chosen token's only); None: none."""
+
+    def choice(self, i: int) -> Generation:
+        """The ``i``-th of ``n`` choices: its own request id on the nodes, its own seed."""
+        if self.n == 1:
+            return self
+        sampling = None if self.sampling is None else {**self.sampling,
+                                                       "seed": (self.sampling["seed"] + i) & ((1 << 63) - 1)}
+        return dataclasses.replace(self, request_id=f"{self.request_id}-{i}", sampling=sampling)
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -133,39 +174,135 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
         raise invalid("model is required (a string)", "model", "missing_required_parameter")
     if name != model:
         raise invalid(f"the model {name!r} does not exist; this server serves {model!r}", "model", "model_not_found")
-    max_tokens = limits.default_max_tokens
+    for f in REFUSED:
+        if body.get(f) is not None:
+            raise invalid(f"{f} is not supported by this server ({REFUSED[f]})", f, "unsupported_parameter")
+    max_tokens, max_field = limits.default_max_tokens, "max_tokens"
     for f in max_tokens_fields:
         if body.get(f) is not None:
-            max_tokens = _int(body, f, lo=1)
+            max_tokens, max_field = _int(body, f, lo=1), f  # errors name the field the client sent
             break
     if max_tokens > limits.max_tokens:
-        raise invalid(f"max_tokens={max_tokens} exceeds this server's limit of {limits.max_tokens}", "max_tokens")
+        raise invalid(f"{max_field}={max_tokens} exceeds this server's limit of {limits.max_tokens}", max_field)
     if len(prompt_ids) > limits.max_prompt_tokens:
         raise invalid(f"the prompt has {len(prompt_ids)} tokens, more than this server's limit of "
                       f"{limits.max_prompt_tokens}", "prompt" if kind == "completion" else "messages",
                       "context_length_exceeded")
     if len(prompt_ids) + max_tokens > max_model_len:
         raise invalid(f"this model's maximum context length is {max_model_len} tokens; the request asks for "
-                      f"{len(prompt_ids)} prompt + {max_tokens} completion tokens", "max_tokens", "context_length_exceeded")
-    _only(body, "temperature", (0,), "only greedy decoding is served: temperature must be 0 (or omitted)")
-    _only(body, "top_p", (1,), "top_p must be 1 (or omitted): decoding is greedy")
-    _only(body, "n", (1,), "n must be 1")
-    _only(body, "best_of", (1,), "best_of must be 1")
-    _only(body, "presence_penalty", (0,), "presence_penalty is not supported")
-    _only(body, "frequency_penalty", (0,), "frequency_penalty is not supported")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise invalid("logprobs are not supported", "logprobs", "unsupported_parameter")
+                      f"{len(prompt_ids)} prompt + {max_tokens} completion tokens", max_field, "context_length_exceeded")
+    temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)  # OpenAI's and vLLM's default: 1
+    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
+    if top_p == 0:
+        raise invalid("top_p must be in (0, 1]", "top_p")
+    top_k = body.get("top_k")
+    if top_k is None or top_k == -1:
+        top_k = 0
+    elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise invalid("top_k must be an integer >= 0 (-1 or 0: every token)", "top_k")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise invalid("seed must be an integer", "seed")
+    min_tokens = _int(body, "min_tokens", lo=0) if body.get("min_tokens") is not None else 0
+    if min_tokens > max_tokens:
+        raise invalid(f"min_tokens={min_tokens} exceeds {max_field}={max_tokens}", "min_tokens")
+    stop_ids = body.get("stop_token_ids") or []
+    if (not isinstance(stop_ids, list) or len(stop_ids) > 16
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKENIZER.vocab_size for t in stop_ids)):
+        raise invalid(f"stop_token_ids must be a list of at most 16 token ids in [0, {TOKENIZER.vocab_size})",
+                      "stop_token_ids")
+    n = _int(body, "n", lo=1) if body.get("n") is not None else 1
+    if n > limits.max_n:
+        raise invalid(f"n={n} exceeds this server's limit of {limits.max_n}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise invalid("best_of must equal n (or be omitted)", "best_of", "unsupported_value")
+    _only(body, "presence_penalty", (0,), "presence_penalty is not supported (0 only)")
+    _only(body, "frequency_penalty", (0,), "frequency_penalty is not supported (0 only)")
+    _only(body, "repetition_penalty", (1,), "repetition_penalty is not supported (1 only)")
+    _only(body, "min_p", (0,), "min_p is not supported (0 only)")
+    top_logprobs = _logprobs(body, kind)
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise invalid("stream_options needs stream: true and must be an object", "stream_options")
+    if options and options.get("continuous_usage_stats"):
+        raise invalid("stream_options.continuous_usage_stats is not supported", "stream_options.continuous_usage_stats",
+                      "unsupported_parameter")
+    if options:
+        _known_or_refuse(options, {"include_usage", "continuous_usage_stats"}, "stream_options.")
     include_usage = bool(options) and _bool(options, "include_usage")
+    _log_ignored(body, kind)
+    ignore_eos = _bool(body, "ignore_eos")
+    sampling = None
+    if temperature > 0 or min_tokens or top_logprobs is not None:  # else greedy: the nodes' argmax path (and TP)
+        suppress = [*stop_ids, *([] if ignore_eos else [TOKENIZER.eos_id])]
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                    "seed": secrets.randbits(63) if seed is None else seed & ((1 << 63) - 1),
+                    "min_tokens": min_tokens, "suppress": suppress}
     return Generation(
         kind=kind, request_id=f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
         created=int(time.time()), model=model, prompt_ids=prompt_ids, max_tokens=max_tokens,
-        stop=_stop(body.get("stop"), limits), ignore_eos=_bool(body, "ignore_eos"), stream=stream,
-        include_usage=include_usage, return_token_ids=_bool(body, "return_token_ids"),
+        stop=_stop(body.get("stop"), limits), ignore_eos=ignore_eos, stream=stream,
+        include_usage=include_usage, return_token_ids=_bool(body, "return_token_ids"), sampling=sampling,
+        n=n, stop_token_ids=tuple(stop_ids), include_stop_str=_bool(body, "include_stop_str_in_output"),
+        min_tokens=min_tokens, logprobs=top_logprobs,
     )
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """How many top log-probabilities per token (None: no logprobs). Completions: ``logprobs`` an
+    integer 0..5; chat: ``logprobs`` true and ``top_logprobs`` 0..20."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == "completion":
+        if top is not None:
+            raise invalid("top_logprobs belongs to chat completions; use logprobs: N", "top_logprobs")
+        if lp is None:
+            return None
+        if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 5:
+            raise invalid("logprobs must be an integer in [0, 5]", "logprobs")
+        return lp
+    if lp is not None and not isinstance(lp, bool):
+        raise invalid("logprobs must be a boolean", "logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise invalid("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+    if top is not None and not lp:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if lp else None
+
+
+KNOWN = {
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop",
+    "temperature", "top_p", "top_k", "min_p", "n", "best_of", "seed", "min_tokens", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "return_token_ids", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logprobs", "top_logprobs", "echo", "suffix", "user", *REFUSED,
+}
+"""Fields this server reads (implemented, or refused with a 400 naming them when they ask for
+something it cannot do). ``user`` is OpenAI's end-user tag: accepted, used for nothing."""
+_IGNORED_LOGGED: set[str] = set()
+
+
+def _log_ignored(body: dict[str, Any], kind: str) -> None:
+    """Unknown fields are ignored, as vLLM does, and each is logged once (``ignored_request_field``)."""
+    for name in sorted(set(body) - KNOWN - _IGNORED_LOGGED):
+        _IGNORED_LOGGED.add(name)
+        log.warning("ignored_request_field", field=name, endpoint=kind,
+                    note="not a field this server knows: ignored (logged once per field)")
+
+
+def _known_or_refuse(obj: dict[str, Any], known: set[str], where: str) -> None:
+    for name in obj:
+        if name not in known:
+            raise invalid(f"{where}{name} is not supported", f"{where}{name}", "unsupported_parameter")
+
+
+def _number(body: dict[str, Any], name: str, default: float, *, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise invalid(f"{name} must be a number in [{lo:g}, {hi:g}]", name)
+    return float(v)
 
 
 def _int(body: dict[str, Any], name: str, *, lo: int) -> int:
@@ -212,10 +349,14 @@ class TextStream:
     string ends the output and is not part of it (nor is EOS). ``finish_reason`` is None until the
     output ended (``stop`` or ``length``); tokens fed after that are ignored."""
 
-    def __init__(self, *, max_tokens: int, stop: tuple[str, ...] = (), ignore_eos: bool = False) -> None:
+    def __init__(self, *, max_tokens: int, stop: tuple[str, ...] = (), ignore_eos: bool = False,
+                 stop_token_ids: tuple[int, ...] = (), include_stop_str: bool = False) -> None:
         self.max_tokens = max_tokens
         self.stop = stop
         self.ignore_eos = ignore_eos
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.include_stop_str = include_stop_str
+        """vLLM's ``include_stop_str_in_output``: the stop string (or stop token) ends the output and is part of it."""
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -238,6 +379,11 @@ class TextStream:
                 self._finish("stop")
                 break
             start = max(0, len(self._text) - self._hold)
+            if t in self.stop_token_ids:
+                if self.include_stop_str and 0 <= t < 256:
+                    self._text += self._decoder.decode(bytes((t,)))
+                self._finish("stop")
+                break
             if 0 <= t < 256:
                 self._text += self._decoder.decode(bytes((t,)))
             if self._find_stop(start):
@@ -263,10 +409,11 @@ class TextStream:
             self._find_stop(start)
 
     def _find_stop(self, start: int) -> bool:
-        hits = [i for s in self.stop if (i := self._text.find(s, start)) >= 0]
+        hits = [(i, len(s)) for s in self.stop if (i := self._text.find(s, start)) >= 0]
         if not hits:
             return False
-        self._text = self._text[: min(hits)]
+        at, length = min(hits)
+        self._text = self._text[: at + length] if self.include_stop_str else self._text[:at]
         self.finish_reason = "stop"
         return True
 
@@ -278,31 +425,65 @@ def usage(g: Generation, completion_tokens: int) -> dict[str, int]:
             "total_tokens": len(g.prompt_ids) + completion_tokens}
 
 
-def response(g: Generation, text: TextStream) -> dict[str, Any]:
-    """The non-streaming answer."""
+def token_str(t: int) -> str:
+    """A token as text in logprobs: its character for ASCII bytes; ``bytes:\\xNN`` for a byte that is only
+    part of a character (vLLM's notation), so that top_logprobs keys stay distinct; ``<eos>``."""
+    if 0 <= t < 128:
+        return chr(t)
+    if t < 256:
+        return f"bytes:\\x{t:02x}"
+    return "<eos>" if t == TOKENIZER.eos_id else f"<{t}>"
+
+
+def logprobs_obj(g: Generation, ids: Sequence[int], lps: Sequence[Any], offset: int = 0) -> dict[str, Any] | None:
+    """The ``logprobs`` of a choice (or of a chunk: its tokens), OpenAI's shape for each endpoint.
+    ``lps[i]``: ``[logprob, [[id, logprob], ...]]`` as the nodes send it."""
+    if g.logprobs is None:
+        return None
+    pairs = [(t, lp) for t, lp in zip(ids, lps) if lp is not None]
     if g.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text.text, "logprobs": None, "finish_reason": text.finish_reason}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text.text}, "logprobs": None,
-                  "finish_reason": text.finish_reason}
-        obj = "chat.completion"
-    if g.return_token_ids:
-        choice["prompt_token_ids"] = g.prompt_ids
-        choice["token_ids"] = text.token_ids
-    return {"id": g.request_id, "object": obj, "created": g.created, "model": g.model, "choices": [choice],
-            "usage": usage(g, len(text.token_ids))}
+        offsets, at = [], offset
+        for t, _ in pairs:
+            offsets.append(at)
+            at += len(token_str(t))
+        return {"tokens": [token_str(t) for t, _ in pairs], "token_logprobs": [lp[0] for _, lp in pairs],
+                "top_logprobs": [{token_str(i): v for i, v in lp[1]} for _, lp in pairs] if g.logprobs else None,
+                "text_offset": offsets}
+    return {"content": [{"token": token_str(t), "logprob": lp[0], "bytes": [t] if t < 256 else [],
+                         "top_logprobs": [{"token": token_str(i), "logprob": v, "bytes": [i] if i < 256 else []}
+                                          for i, v in lp[1]]} for t, lp in pairs]}
+
+
+def response(g: Generation, texts: TextStream | Sequence[TextStream],
+             lps: Sequence[Sequence[Any]] | None = None) -> dict[str, Any]:
+    """The non-streaming answer (one choice per TextStream: ``n``)."""
+    texts = [texts] if isinstance(texts, TextStream) else list(texts)
+    choices = []
+    for i, text in enumerate(texts):
+        lp = logprobs_obj(g, text.token_ids, lps[i]) if lps is not None else None
+        if g.kind == "completion":
+            choice: dict[str, Any] = {"index": i, "text": text.text, "logprobs": lp, "finish_reason": text.finish_reason}
+        else:
+            choice = {"index": i, "message": {"role": "assistant", "content": text.text}, "logprobs": lp,
+                      "finish_reason": text.finish_reason}
+        if g.return_token_ids:
+            choice["prompt_token_ids"] = g.prompt_ids
+            choice["token_ids"] = text.token_ids
+        choices.append(choice)
+    obj = "text_completion" if g.kind == "completion" else "chat.completion"
+    return {"id": g.request_id, "object": obj, "created": g.created, "model": g.model, "choices": choices,
+            "usage": usage(g, sum(len(t.token_ids) for t in texts))}
 
 
 def chunk(g: Generation, piece: str, *, finish_reason: str | None = None, role: bool = False,
-          token_ids: list[int] | None = None) -> bytes:
-    """One SSE event of a stream: a piece of text (``role``: the chat stream's first delta)."""
+          token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
+    """One SSE event of a stream: a piece of text (``role``: the chat stream's first delta) of choice ``index``."""
     if g.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     if g.return_token_ids and token_ids is not None:
         choice["token_ids"] = token_ids

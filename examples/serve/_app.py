@@ -1,20 +1,23 @@
-"""The front's HTTP side: Starlette routes, one request's flight through CTX then GEN, metrics.
+"""The front's HTTP side: Starlette routes, admission, metrics, membership; one request's flight
+through CTX then GEN lives in ``_flight``.
 
-One request (``Front._start`` then ``Flight``)::
+One request (``Front._generate``)::
 
-    validate (400/413) ── too many at once? 429 ── no CTX or GEN up? 503        (all with the error body)
-      CTX = least loaded: prefill ──> first_token, prompt_len, kv_peer, kv_handle    (TTFT ends here)
-      GEN = least loaded: generate {that handoff} ──> {"tokens"}... {"done"}
-      tokens ──TextStream──> SSE chunks (or one JSON answer) ── EOS / stop / max_tokens: the end
-    Flight.aclose, exactly once, whatever happened (finished, client gone, error):
-      close the generate connection (before "done" that aborts the request on GEN, which tells CTX
-      to free its copy); tell CTX to release when GEN never pulled (no generate sent, an ``ideal``
-      GEN, a request that did not finish); give back the node and front counters; record metrics.
+    validate (400/413) ── admission: a slot, or wait in the queue (then 429) ── no CTX or GEN? 503
+      streamed:      Flight.start ──> _FlightResponse (n > 1: _ChoicesResponse) ── SSE chunks
+      not streamed:  n flights to their end while watching for the client's disconnect (gone: every
+                     flight cancelled, GEN and CTX abort at once; a GEN that died: the flight again
+                     on other nodes) ── one JSON answer
+    /v1/models[/{id}], /version, /health, /metrics, POST /admin/drain; with etcd, a watch of the
+    members (nodes join, drain and leave while the front serves)
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hmac
+import importlib.metadata
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,18 +40,24 @@ from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from examples import metrics as node_metrics
 from examples.serve import _api
-from examples.serve._api import ApiError, Generation, TextStream
-from examples.serve.cluster import CONTROL_ERRORS, Cluster, Node
+from examples.serve._api import ApiError, Generation
+from examples.serve._admission import Admission
+from examples.serve._flight import Flight, _ChoicesResponse, _FlightResponse
+from examples.serve.cluster import CONTROL_ERRORS, Cluster, Node, Supervisor, describe
 from examples.serve.config import ClusterConfig
-from examples.two_node import control
+from examples.two_node import control, membership
 
 log = structlog.get_logger("examples.serve")
+
+try:
+    VERSION = importlib.metadata.version("kv-orchestrator")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "0.1.0"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
@@ -73,6 +82,10 @@ class FrontMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvo_front_prompt_tokens", "prompt tokens of requests sent to CTX", registry=r)
         self.generation_tokens = Counter("kvo_front_generation_tokens", "output tokens returned", registry=r)
+        self.retries = Counter("kvo_front_retries", "prefills (ctx) and GEN hand-offs (gen) tried again on another "
+                               "node after a failure before any token", ["role"], registry=r)
+        self.queued = Gauge("kvo_front_requests_queued", "requests waiting for a slot (max_concurrent_requests)",
+                            registry=r)
         r.register(_ClusterCollector(cluster))
 
     def exposition(self) -> bytes:
@@ -90,25 +103,34 @@ class _ClusterCollector(Collector):
         age = GaugeMetricFamily("kvo_front_node_stats_age_seconds", "age of the node figures re-exported here",
                                 labels=["node", "role"])
         now = time.monotonic()
-        for n in self.cluster.nodes:
+        for n in list(self.cluster.nodes):
             up.add_metric([n.addr, n.role], float(n.up))
             if n.stats is not None:
                 age.add_metric([n.addr, n.role], now - n.stats_at)
         yield up
         yield age
-        yield from node_metrics.node_families((n.role, {"node": n.addr}, n.stats) for n in self.cluster.nodes)
+        # a node that is down exports nothing but its up (0) and age series: its last figures would read
+        # as current (kvo_gen_healthy 1 of a dead GEN), and an alert on them would never fire
+        yield from node_metrics.node_families((n.role, {"node": n.addr}, n.stats if n.up else None)
+                                              for n in list(self.cluster.nodes))
 
 
 class Front:
-    def __init__(self, cfg: ClusterConfig, cluster: Cluster, *, on_ready: Callable[[], None] | None = None) -> None:
+    def __init__(self, cfg: ClusterConfig, cluster: Cluster, *, on_ready: Callable[[], None] | None = None,
+                 supervisor: Supervisor | None = None) -> None:
         self.cfg = cfg
         self.on_ready = on_ready
         """Called once the first round of node statistics is in (the front prints READY then)."""
         self.cluster = cluster
+        self.supervisor = supervisor
+        """Restarts the nodes this front launched (None: it launched none)."""
         self.secret = cluster.secret
         self.max_model_len = cfg.limits.max_model_len
         self.metrics = FrontMetrics(cluster)
-        self.active = 0
+        limits = cfg.limits
+        self.admission = Admission(limits.max_concurrent_requests, cfg.queue.size, cfg.queue.timeout_s,
+                                   retry_after_s=cfg.routing.retry_after_s)
+        self.metrics.queued.set_function(lambda: self.admission.statistics().waiting)
         self.created = int(time.time())
         self._tg: anyio.abc.TaskGroup | None = None
         self.app = Starlette(
@@ -116,8 +138,11 @@ class Front:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+                Route("/admin/drain", self.admin_drain, methods=["POST"]),
             ],
             exception_handlers={HTTPException: self._http_error, ApiError: self._api_error,
                                 Exception: self._internal_error},
@@ -128,7 +153,11 @@ class Front:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            if self.cfg.etcd is not None:  # the nodes registered in etcd, then as they come and go
+                await tg.start(self._watch_members)
             await tg.start(self.cluster.run)
+            if self.supervisor is not None:
+                tg.start_soon(self.supervisor.run)
             if self.on_ready is not None:
                 self.on_ready()
             yield
@@ -141,17 +170,74 @@ class Front:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "/v1/chat/completions", _api.parse_chat)
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.cfg.model, "object": "model", "created": self.created, "owned_by": "kv-orchestrator",
+                "root": self.cfg.model, "parent": None, "max_model_len": self.max_model_len}
+
     async def models(self, request: Request) -> Response:
         self.metrics.requests.labels("/v1/models", "200").inc()
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.cfg.model, "object": "model", "created": self.created, "owned_by": "kv-orchestrator",
-            "max_model_len": self.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model_id"]
+        if name != self.cfg.model:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.cfg.model!r}",
+                           param="model", code="model_not_found")
+        self.metrics.requests.labels("/v1/models", "200").inc()
+        return JSONResponse(self._model_card())
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
 
     async def health(self, request: Request) -> Response:
         body = self.cluster.health()
         ok = body["status"] == "ok"
         headers = {} if ok else {"Retry-After": str(self.cfg.routing.retry_after_s)}
         return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
+
+    async def _watch_members(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        assert self.cfg.etcd is not None and self._tg is not None
+        tg, listed = self._tg, False
+
+        async def on_put(role: str, meta: dict[str, Any]) -> None:
+            known = self.cluster.find(meta["ctrl"]) is not None
+            node = self.cluster.add(role, meta["ctrl"], meta)
+            if not known:  # polled now: it takes traffic as soon as it answers, not at the next round
+                if listed:
+                    tg.start_soon(self.cluster.poll, node)
+                else:
+                    await self.cluster.poll(node)
+
+        def on_listed() -> None:
+            nonlocal listed
+            listed = True
+            task_status.started()
+
+        await membership.watch_members(self.cfg.etcd.url, self.cfg.etcd.prefix, on_put=on_put,
+                                       on_delete=lambda role, ctrl: self.cluster.remove(ctrl, "left etcd"),
+                                       on_listed=on_listed)
+
+    async def admin_drain(self, request: Request) -> Response:
+        """``POST /admin/drain {"node": "host:port"}``: the node takes nothing new from any front, finishes
+        what it has, deregisters from etcd and stops (as on SIGTERM). With a shared secret, the request
+        must carry ``Authorization: Bearer <secret>``."""
+        if self.secret is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), b"Bearer " + self.secret):
+            raise ApiError(401, "POST /admin/drain needs Authorization: Bearer <the cluster's shared secret>",
+                           code="unauthorized", type="authentication_error")
+        body = await self._read_json(request)
+        node = self.cluster.find(str(body.get("node")))
+        if node is None:
+            raise ApiError(404, f"no node {body.get('node')!r} in this cluster", param="node", code="node_not_found")
+        node.draining = True  # this front at once; every front once the node says so in etcd
+        try:
+            answer = await control.call(node.addr, {"op": "drain"}, secret=self.secret,
+                                        timeout=self.cfg.routing.connect_timeout_s)
+        except CONTROL_ERRORS as exc:
+            raise ApiError(503, f"{node.role} {node.addr} did not take the drain: {describe(exc)}",
+                           code="node_unavailable") from None
+        log.info("node_drain_requested", node=node.addr, answer=answer)
+        return JSONResponse({"node": node.addr, "role": node.role, **answer})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
@@ -176,27 +262,86 @@ class Front:
         body = await self._read_json(request)
         limits = self.cfg.limits
         g: Generation = parse(body, model=self.cfg.model, limits=limits, max_model_len=self.max_model_len)
-        if self.active >= limits.max_concurrent_requests:
-            raise ApiError(429, f"the front has {self.active} requests in flight (limit "
-                           f"{limits.max_concurrent_requests}); retry later", code="too_many_requests",
-                           retry_after=self.cfg.routing.retry_after_s)
-        flight = Flight(self, g, endpoint, t0)
-        try:
-            await flight.start()
-        except BaseException:
-            await flight.aclose()
-            raise
-        if g.stream:
+        if g.stream and g.n == 1:
+            await self.admission.enter()
+            flight = Flight(self, g, endpoint, t0)
+            try:
+                await flight.start()
+            except BaseException:
+                await flight.aclose()
+                raise
             return _FlightResponse(flight)
+        if g.stream:  # n choices in one stream, each chunk naming its choice's index
+            started: list[Flight] = []
+            try:
+                for i in range(g.n):
+                    await self.admission.enter()
+                    started.append(Flight(self, g.choice(i), endpoint, t0))
+                    await started[-1].start()
+            except BaseException:
+                for f in started:
+                    await f.aclose()
+                raise
+            return _ChoicesResponse(self, g, started, endpoint)
+        flights: list[Flight] = []  # n choices: n flights, each its own request on the nodes
         try:
-            async for _ in flight.pieces():
-                pass
+            for i in range(g.n):
+                await self.admission.enter()
+                flights.append(Flight(self, g.choice(i), endpoint, t0))
+            # not streamed: a client that goes away is seen at once (its ``http.disconnect``), not when
+            # the answer is written: the flights are cancelled, so GEN and CTX abort within ms
+            gone = False
+            async with anyio.create_task_group() as tg:
+                async def watch() -> None:
+                    nonlocal gone
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+                    gone = True
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                async with anyio.create_task_group() as runs:
+                    for i in range(len(flights)):
+                        runs.start_soon(self._run_to_end, flights, i)
+                tg.cancel_scope.cancel()
         finally:
-            await flight.aclose()
-        if flight.error is not None:
-            raise flight.error
+            for f in flights:
+                await f.aclose()
+        if gone:
+            log.info("client_gone", request_id=g.request_id, tokens=sum(len(f.text.token_ids) for f in flights))
+            self.metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        for f in flights:
+            if f.error is not None:
+                raise f.error
         self.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(_api.response(g, flight.text))
+        return JSONResponse(_api.response(g, [f.text for f in flights], [f.logprobs for f in flights]))
+
+    async def _run_to_end(self, flights: list[Flight], i: int) -> None:
+        """A non-streamed flight, start to last token; a failure is kept in ``flight.error`` (raised in a
+        task group it would come out wrapped in an ExceptionGroup). Nothing has reached the client
+        before the answer, so a GEN that dies mid-request (or ends it unfinished) costs a retry of
+        the whole flight on other nodes, up to ``max_retries``, not the request."""
+        while True:
+            flight = flights[i]
+            try:
+                await flight.start()
+                async for _ in flight.pieces():
+                    pass
+            except ApiError as exc:
+                flight.error = exc
+            err = flight.error
+            if err is None or err.code not in ("gen_unavailable", "generation_failed") or \
+                    flight.retries >= self.cfg.max_retries:
+                return
+            again = Flight(self, dataclasses.replace(flight.g, request_id=f"{flight.g.request_id}-r{flight.retries + 1}"),
+                           flight.endpoint, flight.t0)
+            again.retries = flight.retries + 1
+            flights[i] = again  # first: a cancellation from here on closes the new one (the caller's finally)
+            flight.holds_slot = False  # its admission slot goes to the new flight
+            await flight.aclose()
+            self.metrics.retries.labels("gen").inc()
+            log.info("flight_retried", request_id=flight.g.request_id, error=err.message)
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.cfg.limits.max_body_bytes
@@ -229,179 +374,4 @@ class Front:
             log.info("release_failed", node=node.addr, request_id=request_id, error=str(exc))
 
 
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-
-
-class Flight:
-    """One request through a CTX and a GEN node; ``aclose`` gives everything back exactly once."""
-
-    def __init__(self, front: Front, g: Generation, endpoint: str, t0: float) -> None:
-        self.front = front
-        self.g = g
-        self.endpoint = endpoint
-        self.t0 = t0
-        self.text = TextStream(max_tokens=g.max_tokens, stop=g.stop, ignore_eos=g.ignore_eos)
-        self.ctx: Node | None = None
-        self.gen: Node | None = None
-        self.handle: str | None = None
-        self.prefill: dict[str, Any] | None = None
-        self.stream: control.JsonStream | None = None
-        self.gen_state: str | None = None
-        self.sent = False
-        """``generate`` reached GEN: from then on GEN pulls the KV, or tells CTX to free it."""
-        self.error: ApiError | None = None
-        self.deadline = time.monotonic() + front.cfg.routing.request_timeout_s
-        self._closed = False
-        front.active += 1
-        front.metrics.running.inc()
-
-    async def start(self) -> None:
-        """Prefill on CTX and send ``generate`` to GEN: every failure here is still an HTTP status."""
-        front, g = self.front, self.g
-        retry = front.cfg.routing.retry_after_s
-        self.ctx, self.gen = front.cluster.pick("ctx"), front.cluster.pick("gen")
-        if self.ctx is None or self.gen is None:
-            down = [f"{n.role} {n.addr}: {n.down}" for n in front.cluster.nodes if not n.up]
-            raise ApiError(503, "no CTX or no GEN node is up (" + "; ".join(down) + ")", code="no_node_available",
-                           retry_after=retry)
-        self.ctx.inflight += 1
-        self.gen.inflight += 1
-        timeout = front.cfg.routing.request_timeout_s
-        try:
-            self.prefill = await control.call(self.ctx.addr, {
-                "op": "prefill", "request_id": g.request_id, "prompt_ids": g.prompt_ids, "max_tokens": g.max_tokens,
-            }, secret=front.secret, timeout=timeout)
-        except control.ControlError as exc:  # the node refused (no free KV blocks in time, ...)
-            raise ApiError(503, f"CTX {self.ctx.addr} refused the prefill: {exc}", code="ctx_refused",
-                           retry_after=retry) from None
-        except CONTROL_ERRORS as exc:
-            front.cluster.mark_down(self.ctx, f"prefill: {type(exc).__name__}: {exc}")
-            raise ApiError(503, f"CTX {self.ctx.addr} is unreachable", code="ctx_unavailable", retry_after=retry) from None
-        self.handle = self.prefill["kv_handle"]
-        front.metrics.ttft.observe(time.perf_counter() - self.t0)
-        front.metrics.prompt_tokens.inc(len(g.prompt_ids))
-        self.text.feed([int(self.prefill["first_token"])])
-        self._first_piece = self.text.text
-        if self.text.finish_reason is not None:
-            return  # the first token ended it: no GEN needed (aclose releases the KV on CTX)
-        try:
-            with anyio.fail_after(front.cfg.routing.connect_timeout_s):
-                self.stream = await control.connect(self.gen.addr, secret=front.secret)
-            await self.stream.send({
-                "op": "generate", "request_id": g.request_id, "prompt_len": int(self.prefill["prompt_len"]),
-                "first_token": int(self.prefill["first_token"]), "max_tokens": g.max_tokens,
-                "kv_peer": self.prefill["kv_peer"], "kv_handle": self.handle,
-                **({"kv_sources": self.prefill["kv_sources"]} if self.prefill.get("kv_sources") else {}),
-            })
-            self.sent = True
-        except CONTROL_ERRORS as exc:
-            front.cluster.mark_down(self.gen, f"generate: {type(exc).__name__}: {exc}")
-            raise ApiError(503, f"GEN {self.gen.addr} is unreachable", code="gen_unavailable", retry_after=retry) from None
-
-    async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
-        """(text, token ids) as they come, the first token's first; ends with ``text.finish_reason`` set
-        (or ``error`` set: a failure after the start)."""
-        yield self._first_piece, list(self.text.token_ids)
-        if self.stream is None:
-            return
-        last: float | None = None  # the first GEN message's wait is the KV transfer, not an inter-token gap
-        itl = self.front.metrics.itl
-        while self.text.finish_reason is None:
-            try:
-                with anyio.fail_after(max(0.0, self.deadline - time.monotonic())):
-                    msg = await self.stream.receive()
-            except TimeoutError:
-                self.error = ApiError(504, "the request timed out", code="timeout", type="server_error")
-                return
-            except CONTROL_ERRORS as exc:
-                self.error = ApiError(503, f"GEN {self.gen.addr if self.gen else '?'} went away: {exc}",
-                                      code="gen_unavailable", retry_after=self.front.cfg.routing.retry_after_s)
-                return
-            if msg.get("ok") is False:
-                self.error = ApiError(503, f"GEN refused the request: {msg.get('error')}", code="gen_refused",
-                                      retry_after=self.front.cfg.routing.retry_after_s)
-                return
-            tokens = msg.get("tokens")
-            if tokens:
-                now = time.perf_counter()
-                if last is not None:
-                    itl.observe(now - last)
-                last = now
-                before = len(self.text.token_ids)
-                piece = self.text.feed([int(t) for t in tokens])
-                yield piece, self.text.token_ids[before:]
-            if msg.get("done"):
-                self.gen_state = str(msg.get("state"))
-                if self.text.finish_reason is None:
-                    if self.gen_state != "finished":
-                        self.error = ApiError(503, f"GEN ended the request: {self.gen_state} "
-                                              f"({msg.get('failure')}: {msg.get('message')})", code="generation_failed",
-                                              retry_after=self.front.cfg.routing.retry_after_s)
-                        return
-                    yield self.text.end("length"), []  # GEN's own end (max_tokens): flush what is held back
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        front = self.front
-        with anyio.CancelScope(shield=True):
-            if self.stream is not None:
-                with contextlib.suppress(*CONTROL_ERRORS):
-                    await self.stream.aclose()  # before "done": GEN aborts it and tells CTX to free its copy
-            pulled = self.sent and self.gen is not None and self.gen.mode != "ideal"  # an ideal GEN pulls nothing
-            if self.handle is not None and self.ctx is not None and (not pulled or self.gen_state not in (None, "finished")):
-                front.spawn_release(self.ctx, self.g.request_id, self.handle)
-        for node in (self.ctx, self.gen):
-            if node is not None:
-                node.inflight -= 1
-        front.active -= 1
-        m = front.metrics
-        m.running.dec()
-        reason = self.text.finish_reason or ("error" if self.error else "abort")
-        if self.prefill is not None:
-            m.finished.labels(reason).inc()
-            m.generation_tokens.inc(len(self.text.token_ids))
-            if reason in ("stop", "length"):
-                m.e2e.observe(time.perf_counter() - self.t0)
-
-
-class _FlightResponse(StreamingResponse):
-    """The SSE stream of a flight; closes the flight however the response ends (even when the client
-    went away before the first chunk was asked for)."""
-
-    def __init__(self, flight: Flight) -> None:
-        self.flight = flight
-        super().__init__(self._events(), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _events(self) -> AsyncIterator[bytes]:
-        f, g = self.flight, self.flight.g
-        first = True
-        try:
-            async for piece, ids in f.pieces():
-                if piece or first or (g.return_token_ids and ids):
-                    yield _api.chunk(g, piece, role=first, token_ids=ids)
-                first = False
-            if f.error is not None:
-                yield _api.sse(f.error.body())
-            else:
-                yield _api.chunk(g, "", finish_reason=f.text.finish_reason)
-                if g.include_usage:
-                    yield _api.usage_chunk(g, len(f.text.token_ids))
-            yield _api.DONE
-        finally:
-            await f.aclose()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        status = "200"
-        try:
-            await super().__call__(scope, receive, send)
-        except BaseException:
-            status = "499"  # the client went away (nginx's code for it)
-            raise
-        finally:
-            await self.flight.aclose()
-            if self.flight.text.finish_reason is None and status == "200":
-                status = "499" if self.flight.error is None else str(self.flight.error.status)
-            self.flight.front.metrics.requests.labels(self.flight.endpoint, status).inc()
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version")

@@ -1,10 +1,16 @@
-"""The front's view of its nodes: live statistics, health, least-loaded choice; starting nodes.
+"""The front's view of its nodes: live statistics, health, routing per role; starting nodes.
 
     every stats_interval_s, per node: control {"op": "stats"} ──> Node.stats, up / down
-    a request: Cluster.pick("ctx") / pick("gen") ──> the up node with the least load
+    a request: Cluster.pick("ctx") / pick("gen") ──> an up node chosen by that role's Router:
+        round_robin    the next up node in turn (a counter per role)
+        least_loaded   the least (requests in flight, live KV blocks); ties go round-robin (per role)
+        power_of_two   two up nodes at random, the less loaded of the two
         load = requests this front has on the node + what the node reports
                (GEN: waiting + receiving + ready + running; CTX: requests whose KV it holds)
-    a node that refuses a connection is marked down at once (the next poll may bring it back)
+    a failure talking to a node marks it down at once (/health says so at once); a later poll
+    brings it back; a node that is down exports no series but kvo_front_node_up 0
+    membership: a fixed list from the cluster file, or etcd (``examples.two_node.membership``):
+    ``add`` / ``remove`` as nodes register and leave; a draining node takes nothing new
 
 ``launch_nodes`` starts the ``launch`` entries of the cluster file as child processes
 (``examples.two_node.launch.NodeProcess``, each waits for its READY line) and stops them on exit.
@@ -15,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,7 +30,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from examples.serve.config import ClusterConfig, NodeSpec
+from examples.serve.config import POLICIES, ClusterConfig, NodeSpec
 from examples.two_node import control
 from examples.two_node.launch import NodeProcess, node_env
 
@@ -32,6 +39,15 @@ log = structlog.get_logger("examples.serve")
 CONTROL_ERRORS = (OSError, TimeoutError, control.ControlError, anyio.EndOfStream, anyio.BrokenResourceError,
                   anyio.ClosedResourceError)
 """What talking to a node over the control plane may raise when the node is gone or refuses."""
+
+def describe(exc: BaseException) -> str:
+    """A failure as a person reads it: never an empty reason (``EndOfStream`` has no message)."""
+    if isinstance(exc, anyio.EndOfStream):
+        return "the node closed the connection (EndOfStream)"
+    if isinstance(exc, (anyio.BrokenResourceError, anyio.ClosedResourceError)):
+        return f"the connection broke ({type(exc).__name__})"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @dataclasses.dataclass
@@ -45,10 +61,18 @@ class Node:
     """Why the node is not used (None: up)."""
     inflight: int = 0
     """Requests this front has on the node now."""
+    draining: bool = False
+    """Takes nothing new (SIGTERM on the node, or POST /admin/drain): finishes what it has."""
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What the node registered (etcd): tp size, backend, model, capacity."""
 
     @property
     def up(self) -> bool:
         return self.down is None
+
+    @property
+    def routable(self) -> bool:
+        return self.down is None and not self.draining
 
     @property
     def mode(self) -> str | None:
@@ -64,45 +88,102 @@ class Node:
                 reported = self.stats["store"]["held_requests"]
         return self.inflight + reported
 
+    def live_blocks(self) -> int:
+        """KV blocks in use on the node (the live bytes, in blocks), from its last stats."""
+        if self.stats is None:
+            return 0
+        pool = self.stats["engine"]["pool"] if self.role == "gen" else self.stats["pool"]
+        return int(pool["used_blocks"])
+
+
+class Router:
+    """One role's choice among its routable nodes (a counter of its own: CTX and GEN picks never
+    share one, so ties go round-robin within each role)."""
+
+    def __init__(self, policy: str = "least_loaded", *, rng: random.Random | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r} (one of {', '.join(POLICIES)})")
+        self.policy = policy
+        self._rr = itertools.count()
+        self._rng = rng or random.Random()
+
+    def choose(self, nodes: list[Node]) -> Node | None:
+        if not nodes:
+            return None
+        if self.policy == "round_robin":
+            return nodes[next(self._rr) % len(nodes)]
+        if self.policy == "power_of_two":
+            if len(nodes) == 1:
+                return nodes[0]
+            a, b = self._rng.sample(nodes, 2)
+            return a if _key(a) <= _key(b) else b
+        least = min(_key(n) for n in nodes)
+        ties = [n for n in nodes if _key(n) == least]
+        return ties[next(self._rr) % len(ties)]
+
+
+def _key(n: Node) -> tuple[int, int]:
+    return n.load(), n.live_blocks()
+
 
 class Cluster:
     def __init__(self, ctx: list[str], gen: list[str], *, secret: bytes | None, interval_s: float = 0.5,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, policies: dict[str, str] | None = None) -> None:
         self.nodes = [Node("ctx", a) for a in ctx] + [Node("gen", a) for a in gen]
         self.secret = secret
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self._rr = itertools.count()  # ties between equally loaded nodes go round-robin
+        policies = policies or {}
+        self.routers = {role: Router(policies.get(role, "least_loaded")) for role in ("ctx", "gen")}
 
     def __repr__(self) -> str:
-        return "<Cluster " + ", ".join(f"{n.role} {n.addr} {'up' if n.up else 'down'} load {n.load()}"
+        return "<Cluster " + ", ".join(f"{n.role} {n.addr} {'up' if n.up else 'down'}"
+                                        f"{' draining' if n.draining else ''} load {n.load()}"
                                         for n in self.nodes) + ">"
 
     def of(self, role: str) -> list[Node]:
         return [n for n in self.nodes if n.role == role]
 
-    def pick(self, role: str) -> Node | None:
-        """The up node of ``role`` with the least load (None when every one is down)."""
-        up = [n for n in self.of(role) if n.up]
-        if not up:
-            return None
-        least = min(n.load() for n in up)
-        ties = [n for n in up if n.load() == least]
-        return ties[next(self._rr) % len(ties)]
+    def find(self, addr: str) -> Node | None:
+        return next((n for n in self.nodes if n.addr == addr), None)
+
+    def pick(self, role: str, *, exclude: tuple[Node, ...] = ()) -> Node | None:
+        """A routable node of ``role`` by its router's policy (None when none is)."""
+        return self.routers[role].choose([n for n in self.of(role) if n.routable and n not in exclude])
 
     def ready(self) -> bool:
-        return all(any(n.up for n in self.of(role)) for role in ("ctx", "gen"))
+        return all(any(n.routable for n in self.of(role)) for role in ("ctx", "gen"))
 
     def mark_down(self, node: Node, why: str) -> None:
         if node.up:
             log.warning("node_down", role=node.role, node=node.addr, why=why)
         node.down = why
 
+    def add(self, role: str, addr: str, meta: dict[str, Any] | None = None) -> Node:
+        """A node joined (etcd): polled at once by ``run``'s next round, routable once it answers."""
+        node = self.find(addr)
+        if node is None:
+            node = Node(role, addr, meta=dict(meta or {}))
+            self.nodes.append(node)
+            log.info("node_joined", role=role, node=addr)
+        else:
+            node.meta = dict(meta or {})
+        node.draining = bool(node.meta.get("draining", False))
+        return node
+
+    def remove(self, addr: str, why: str) -> None:
+        """A node left (its etcd key went away: deregistered or lease expired): no new request goes to
+        it; requests in flight on it end as they end."""
+        node = self.find(addr)
+        if node is not None:
+            self.nodes.remove(node)
+            log.info("node_left", role=node.role, node=addr, why=why)
+
     async def poll(self, node: Node) -> None:
         try:
             stats = await control.call(node.addr, {"op": "stats"}, secret=self.secret, timeout=self.timeout_s)
         except CONTROL_ERRORS as exc:
-            self.mark_down(node, f"{type(exc).__name__}: {exc}"[:200])
+            self.mark_down(node, describe(exc)[:200])
             return
         node.stats, node.stats_at = stats, time.monotonic()
         why = None if stats.get("healthy", True) else f"unhealthy: {stats.get('health')}"
@@ -111,25 +192,25 @@ class Cluster:
         else:
             if not node.up:
                 log.info("node_up", role=node.role, node=node.addr)
-            node.down = None
+                node.down = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Poll every node every ``interval_s``; reports started after the first round."""
         async with anyio.create_task_group() as tg:
-            for node in self.nodes:
+            for node in list(self.nodes):
                 tg.start_soon(self.poll, node)
         task_status.started()
         while True:
             await anyio.sleep(self.interval_s)
             async with anyio.create_task_group() as tg:
-                for node in self.nodes:
+                for node in list(self.nodes):
                     tg.start_soon(self.poll, node)
 
     def health(self) -> dict[str, Any]:
         return {
             "status": "ok" if self.ready() else "unavailable",
-            "nodes": [{"role": n.role, "addr": n.addr, "up": n.up, "down": n.down, "load": n.load(),
-                       "mode": n.mode, **_group_health(n.stats)} for n in self.nodes],
+            "nodes": [{"role": n.role, "addr": n.addr, "up": n.up, "down": n.down, "draining": n.draining,
+                       "load": n.load(), "mode": n.mode, **_group_health(n.stats)} for n in self.nodes],
         }
 
 
@@ -160,13 +241,15 @@ def node_args(spec: NodeSpec, cfg: ClusterConfig) -> list[str]:
         args += ["--metrics-port", str(spec.metrics_port)]
     if cfg.insecure:
         args.append("--insecure")
+    if cfg.etcd is not None:  # it registers itself; every front watching the prefix routes to it
+        args += ["--etcd", cfg.etcd.url, "--etcd-prefix", cfg.etcd.prefix]
     return [*args, *spec.args]
 
 
 @contextlib.contextmanager
 def launch_nodes(cfg: ClusterConfig, secret: bytes | None):
     """Start every ``launch`` node at once (each waits for its READY line); yields
-    ``(ctx addresses, gen addresses, processes)`` in the file's order; stops them all on exit."""
+    ``(ctx addresses, gen addresses, [(spec, process)])`` in the file's order; stops them all on exit."""
     env = node_env(secret.decode() if secret else None)
     if secret is None:
         env.pop("KVO_SHARED_SECRET", None)  # insecure: the nodes get --insecure
@@ -186,5 +269,69 @@ def launch_nodes(cfg: ClusterConfig, secret: bytes | None):
         addrs = {role: [s.addr or procs[id(s)].info["ctrl"] for s in cfg.nodes if s.role == role] for role in ("ctx", "gen")}
         for s in specs:
             log.info("node_started", role=s.role, node=procs[id(s)].info["ctrl"], pid=procs[id(s)].proc.pid)
-        yield addrs["ctx"], addrs["gen"], list(procs.values())
+        yield addrs["ctx"], addrs["gen"], [(s, procs[id(s)]) for s in specs]
 
+
+class Supervisor:
+    """Restarts the nodes the front launched when they die (killed, crashed: any exit but a clean
+    drain's 0), with backoff: 1 s, then doubling up to 30 s while a node keeps dying within a minute
+    of its start. A node restarted on a new control address replaces the old one in a fixed
+    cluster; with etcd it registers itself. ``stop_all`` stops the current processes."""
+
+    def __init__(self, cfg: ClusterConfig, secret: bytes | None, procs: list[tuple[NodeSpec, NodeProcess]],
+                 cluster: Cluster, *, first_backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 check_every_s: float = 0.5) -> None:
+        self.cfg = cfg
+        self.env = node_env(secret.decode() if secret else None)
+        if secret is None:
+            self.env.pop("KVO_SHARED_SECRET", None)
+        self.entries = list(procs)
+        self.cluster = cluster
+        self.first_backoff_s, self.max_backoff_s, self.check_every_s = first_backoff_s, max_backoff_s, check_every_s
+        now = time.monotonic()
+        self._started = [now] * len(self.entries)
+        self._backoff = [first_backoff_s] * len(self.entries)
+        self._next_try = [0.0] * len(self.entries)
+        self.restarts = 0
+
+    async def run(self) -> None:
+        while True:
+            await anyio.sleep(self.check_every_s)
+            for i, (spec, proc) in enumerate(self.entries):
+                if proc.alive() or proc.proc.returncode == 0:  # up, or drained on purpose (scale-down)
+                    continue
+                now = time.monotonic()
+                if now < self._next_try[i]:
+                    continue
+                if now - self._started[i] >= 60:  # it ran a while: start again from the first backoff
+                    self._backoff[i] = self.first_backoff_s
+                log.warning("node_exited_restarting", role=spec.role, node=proc.info.get("ctrl"),
+                            code=proc.proc.returncode, tail=proc.log_tail(5))
+                args = node_args(spec, self.cfg)
+                try:
+                    new = await anyio.to_thread.run_sync(lambda: NodeProcess.start(args, env=self.env),
+                                                         abandon_on_cancel=False)
+                except Exception as exc:
+                    self._next_try[i] = time.monotonic() + self._backoff[i]
+                    log.error("node_restart_failed", role=spec.role, error=str(exc)[:500], retry_in_s=self._backoff[i])
+                    self._backoff[i] = min(self.max_backoff_s, self._backoff[i] * 2)
+                    continue
+                old = proc.info.get("ctrl")
+                proc.stop()  # reap the dead one (and its log folder)
+                self.entries[i] = (spec, new)
+                self._started[i] = time.monotonic()
+                self._next_try[i] = time.monotonic() + self._backoff[i]
+                self._backoff[i] = min(self.max_backoff_s, self._backoff[i] * 2)
+                self.restarts += 1
+                log.info("node_restarted", role=spec.role, old=old, node=new.info["ctrl"], pid=new.proc.pid)
+                if self.cfg.etcd is None:  # a fixed cluster: the new address replaces the old one
+                    if old:
+                        self.cluster.remove(old, "restarted")
+                    node = self.cluster.add(spec.role, new.info["ctrl"])
+                    await self.cluster.poll(node)
+
+    def stop_all(self) -> None:
+        """GENs first, then CTXs (the order ``launch_nodes`` stops them in): a GEN stopping may still
+        talk to its CTX."""
+        for _, proc in reversed(self.entries):
+            proc.stop()

@@ -18,6 +18,12 @@
       stats_interval_s: 0.5           # how often each node's control ``stats`` is read (load, health, metrics)
       retry_after_s: 1
       request_timeout_s: 300
+    router: {ctx: least_loaded, gen: least_loaded}   # or round_robin, power_of_two (per role)
+    queue: {size: 256, timeout_s: 30} # over max_concurrent_requests: wait in a bounded queue, then 429
+    max_retries: 2                    # a prefill / GEN hand-off that failed before any token: another node
+    etcd:                             # membership: nodes started with --etcd register here (ctx/gen may be empty)
+      url: http://127.0.0.1:2379
+      prefix: /kvo/tiny/
     ctx:
       - addr: 10.0.0.1:9000           # a node already running
     gen:
@@ -38,6 +44,8 @@ from typing import Any
 import yaml
 
 from examples.two_node.control import parse_addr
+
+POLICIES = ("round_robin", "least_loaded", "power_of_two")
 
 BACKENDS = ("ucx", "nixl")  # OrchestratorConfig.kv_transport's names (docs/transport.md: ucx is the default)
 
@@ -82,6 +90,8 @@ class Limits:
     max_concurrent_requests: int = 256
     max_stop_strings: int = 4
     max_stop_chars: int = 64
+    max_n: int = 8
+    """Most choices one request may ask for (``n``)."""
     max_model_len: int = 2048
     """Prompt + completion tokens: the nodes' ``--max-seq-len`` (the tiny model's 2048 by default)."""
 
@@ -92,6 +102,28 @@ class Routing:
     retry_after_s: int = 1
     request_timeout_s: float = 300.0
     connect_timeout_s: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterPolicies:
+    ctx: str = "least_loaded"
+    gen: str = "least_loaded"
+
+
+@dataclasses.dataclass(frozen=True)
+class Queue:
+    size: int = 256
+    """Requests that may wait for a slot once ``max_concurrent_requests`` are in flight (more: 429)."""
+    timeout_s: float = 30.0
+    """How long one may wait there (then 429)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Etcd:
+    url: str
+    """The etcd endpoint (its v3 JSON gateway: ``http://host:2379``)."""
+    prefix: str = "/kvo/"
+    """Nodes register under ``{prefix}{role}/{control address}``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +138,10 @@ class ClusterConfig:
     transfer: Transfer = Transfer()
     limits: Limits = Limits()
     routing: Routing = Routing()
+    router: RouterPolicies = RouterPolicies()
+    queue: Queue = Queue()
+    max_retries: int = 2
+    etcd: Etcd | None = None
 
     @property
     def nodes(self) -> tuple[NodeSpec, ...]:
@@ -125,7 +161,7 @@ def load(path: str | Path) -> ClusterConfig:
 def parse(raw: Any, *, base: Path = Path(".")) -> ClusterConfig:
     top = _mapping(raw, "the file")
     _known(top, "the file", {"model", "listen", "secret_file", "insecure", "transfer", "limits", "routing", "ctx", "gen",
-                             "secret"})
+                             "secret", "router", "queue", "max_retries", "etcd"})
     if "secret" in top:
         raise ConfigError("'secret' does not belong in the file: use secret_file or KVO_SHARED_SECRET")
     listen = _mapping(top.get("listen", {}), "listen")
@@ -137,6 +173,24 @@ def parse(raw: Any, *, base: Path = Path(".")) -> ClusterConfig:
         raise ConfigError("transfer: give max_tokens_in_buffer or transfer_budget_bytes, not both")
     limits = _section(top, "limits", Limits)
     routing = _section(top, "routing", Routing)
+    router = _section(top, "router", RouterPolicies)
+    for role in ("ctx", "gen"):
+        if getattr(router, role) not in POLICIES:
+            raise ConfigError(f"router.{role}: {getattr(router, role)!r} is not one of {', '.join(POLICIES)}")
+    queue = _section(top, "queue", Queue)
+    max_retries = _typed(top.get("max_retries", 2), int, "max_retries")
+    if max_retries < 0:
+        raise ConfigError(f"max_retries must be >= 0, got {max_retries}")
+    etcd = None
+    if top.get("etcd") is not None:
+        raw_etcd = _mapping(top["etcd"], "etcd")
+        _known(raw_etcd, "etcd", {"url", "prefix"})
+        url = _typed(raw_etcd.get("url"), str, "etcd.url")
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"etcd.url: {url!r} is not an http:// or https:// URL")
+        etcd = Etcd(url=url.rstrip("/"), prefix=_typed(raw_etcd.get("prefix", "/kvo/"), str, "etcd.prefix"))
+    if queue.size < 0 or queue.timeout_s <= 0:
+        raise ConfigError("queue: size must be >= 0 (0: no queue) and timeout_s positive")
     for section in (transfer, limits, routing):
         for f in dataclasses.fields(section):
             v = getattr(section, f.name)
@@ -148,22 +202,25 @@ def parse(raw: Any, *, base: Path = Path(".")) -> ClusterConfig:
     if secret_file is not None:
         secret_file = str(base / str(secret_file))
     cfg = ClusterConfig(
-        ctx=_nodes(top, "ctx"), gen=_nodes(top, "gen"),
+        ctx=_nodes(top, "ctx", optional=etcd is not None), gen=_nodes(top, "gen", optional=etcd is not None),
         model=_typed(top.get("model", "tiny"), str, "model"),
         host=_typed(listen.get("host", "127.0.0.1"), str, "listen.host"),
         port=_typed(listen.get("port", 8000), int, "listen.port"),
         secret_file=secret_file, insecure=_typed(top.get("insecure", False), bool, "insecure"),
-        transfer=transfer, limits=limits, routing=routing,
+        transfer=transfer, limits=limits, routing=routing, router=router, queue=queue, max_retries=max_retries,
+        etcd=etcd,
     )
     if not 0 <= cfg.port < 65536:
         raise ConfigError(f"listen.port: {cfg.port} is not a port")
     return cfg
 
 
-def _nodes(top: dict[str, Any], role: str) -> tuple[NodeSpec, ...]:
+def _nodes(top: dict[str, Any], role: str, *, optional: bool = False) -> tuple[NodeSpec, ...]:
     items = top.get(role)
+    if optional and items in (None, []):
+        return ()  # the nodes come through etcd
     if not isinstance(items, list) or not items:
-        raise ConfigError(f"{role}: a list of at least one node is needed")
+        raise ConfigError(f"{role}: a list of at least one node is needed (or etcd: nodes that register there)")
     out = []
     for i, item in enumerate(items):
         where = f"{role}[{i}]"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any
@@ -26,10 +27,12 @@ import structlog
 import torch
 
 from examples.metrics import ctx_node_stats, serve_node_metrics
-from examples.two_node import control, ctx_tp, gen_tp, tp_group
-from examples.two_node.common import announce_ready, block_checksums, build_model, control_server, kv_server
+from examples.two_node import control, ctx_tp, gen_tp, membership, tp_group
+from examples.two_node.common import announce_ready, backend, block_checksums, build_model, control_server, kv_server
 from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
+from orchestrator._sampling import SamplingParams, sample
+from orchestrator._sampling import logprobs as token_logprobs
 from transports import KVStore, new_handle
 
 log = structlog.get_logger("examples.ctx")
@@ -49,6 +52,7 @@ class CtxNode:
         self._freed = anyio.Event()
         self._exec = anyio.CapacityLimiter(1)  # the CTX execution thread: one prefill at a time
         self._prefills = 0
+        self.registration: membership.Registration | None = None  # --etcd: this node's entry
         self.group: ctx_tp.CtxGroup | None = None
         self.healer: tp_group.Healer | None = None  # rank 0 of a group: re-forms it when it breaks
         self.group_copies: dict[str, str] = {}  # rank 0: request id -> handle of what the group holds
@@ -103,6 +107,9 @@ class CtxNode:
                 except KVExhausted:
                     await freed.wait()
 
+    def _set_registration(self, reg: membership.Registration) -> None:
+        self.registration = reg
+
     async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
         op = msg.get("op")
         if op == "prefill":
@@ -114,6 +121,10 @@ class CtxNode:
             await stream.send({"ok": True, "released": released})
         elif op == "stats":
             await stream.send(await self.stats())
+        elif op == "drain":  # a front's POST /admin/drain (etcd membership): as on SIGTERM
+            reg = self.registration
+            await stream.send(reg.request_drain() if reg is not None else
+                              {"ok": False, "error": "this node is not registered in etcd (--etcd)"})
         elif op == "ping":
             await stream.send({"ok": True, "role": "ctx", **self._health(),
                                **({"tp": self.healer.statistics()} if self.healer is not None else {})})
@@ -145,6 +156,12 @@ class CtxNode:
         rid = control.request_id(msg)  # before anything is allocated for it
         max_tokens = control.field(msg, "max_tokens", int, lo=1, hi=cfg.max_seq_len)
         prompt = control.int_list(msg, "prompt_ids", max_len=cfg.max_seq_len - max_tokens, lo=0, hi=cfg.vocab_size - 1)
+        try:  # sampled (the front's temperature, top_p, top_k, seed...): else greedy
+            sampling = SamplingParams.from_wire(msg["sampling"]) if msg.get("sampling") is not None else None
+        except ValueError as exc:
+            raise control.ControlError(str(exc)) from None
+        if sampling is not None and self.group is not None:
+            raise control.ControlError("sampling needs a CTX without --tp (its group prefills greedily)")
         n = self.layout.blocks_for(len(prompt))
         if n > self.pool.num_blocks:
             raise control.ControlError(f"prompt needs {n} KV blocks, the CTX pool has {self.pool.num_blocks}")
@@ -158,7 +175,19 @@ class CtxNode:
             return await self._prefill_in_group(rid, prompt, block_ids)
         try:
             t0 = time.perf_counter()
-            first = await anyio.to_thread.run_sync(self.model.prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
+            top = msg.get("logprobs")  # the front asks for the first token's log-probability (and top ones)
+            first_lp: list[Any] = []
+
+            def prefill(*a: Any) -> int:
+                if sampling is None:
+                    return self.model.prefill(*a)
+                logits = self.model.prefill_logits(*a)
+                token = sample(logits, sampling, position=len(prompt), index=0)
+                if isinstance(top, int) and 0 <= top <= 20:
+                    first_lp.append(token_logprobs(logits, token, top))
+                return token
+
+            first = await anyio.to_thread.run_sync(prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
             checksums = block_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
             per_head = head_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
             handle = self.store.put(rid, block_ids, num_tokens=len(prompt), lease_s=self.args.lease_s,
@@ -172,6 +201,7 @@ class CtxNode:
         self._prefills += 1
         log.debug("prefill_done", request_id=rid, tokens=len(prompt), ms=round((time.perf_counter() - t0) * 1e3, 2))
         return {"ok": True, "request_id": rid, "first_token": first, "prompt_len": len(prompt),
+                **({"first_logprobs": first_lp[0]} if first_lp else {}),
                 "kv_peer": self.ucx_addr, "kv_handle": handle, "block_checksums": checksums,
                 "head_checksums": per_head,
                 "kv_sources": [{"peer": self.ucx_addr, "head_start": 0, "head_end": self.head_range[1]}]}
@@ -218,6 +248,15 @@ class CtxNode:
             announce_ready(role="ctx", ctrl=f"{self.args.host}:{port}", ucx=self.ucx_addr, metrics=metrics,
                            tp=self.args.tp)
             log.info("ctx_ready", ctrl_port=port, ucx=self.ucx_addr, tp=self.args.tp)
+            if self.args.etcd:  # register; SIGTERM / control drain: until no KV is held, deregister, stop
+                await tg.start(functools.partial(
+                    membership.serve_registration, self.args.etcd, prefix=self.args.etcd_prefix, role="ctx",
+                    ctrl=f"{self.args.host}:{port}", ttl_s=self.args.etcd_ttl_s, stop=tg.cancel_scope.cancel,
+                    busy=lambda: (self.store.statistics().held_requests + self._exec.statistics().borrowed_tokens
+                                  + self._exec.statistics().tasks_waiting),
+                    meta={"tp": self.args.tp, "ucx": self.ucx_addr, "backend": backend(self.args), "model": "tiny",
+                          "capacity_blocks": self.args.num_blocks},
+                    on_registration=self._set_registration))
 
     def start_execution(self) -> threading.Thread:
         """This rank's execution thread for the current group (rank 0 leads it)."""
@@ -243,6 +282,7 @@ class CtxNode:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    membership.add_args(p)
     p.add_argument("--host", default="127.0.0.1", help="control-plane bind address")
     p.add_argument("--port", type=int, default=0, help="control-plane port (0: pick one)")
     p.add_argument("--ucx-port", type=int, default=0, help="UCX listener port (0: pick one)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ import structlog
 import torch
 
 from examples.metrics import serve_node_metrics
-from examples.two_node import control, gen_tp, tp_group
+from examples.two_node import control, gen_tp, membership, tp_group
 from examples.two_node.common import announce_ready, backend, build_model, control_server, kv_transport
 from orchestrator import (
     DecodeBatch,
@@ -42,6 +43,8 @@ from orchestrator import (
     Unavailable,
     loop_caller,
 )
+from orchestrator._sampling import SamplingParams, sample_rows
+from orchestrator._sampling import logprobs as token_logprobs
 
 log = structlog.get_logger("examples.gen")
 
@@ -81,6 +84,7 @@ class GenNode:
         self._exec_stop = threading.Event()
         self._exec_thread: threading.Thread | None = None
         self._report_seq = 0  # rank 0: the last statistics request sent; other ranks: the last answered
+        self.registration: membership.Registration | None = None  # --etcd: this node's entry
         self.config = OrchestratorConfig(
             layout=layout,
             num_blocks=args.num_blocks,
@@ -97,6 +101,8 @@ class GenNode:
         )
         self.step_fn: Any = self._step_fn()
         self.checksums: dict[str, list[int]] = {}
+        self.logprob_top: dict[str, int] = {}  # rank 0: requests that asked for logprobs, with how many alternatives
+        self.logprobs: dict[str, collections.deque[Any]] = {}  # per token drawn, until the pump sends it
         self._streams: dict[str, Any] = {}
         self._pending: collections.deque[RequestOutput] = collections.deque()
         self._pump_flag = threading.Event()
@@ -109,8 +115,7 @@ class GenNode:
         args = self.args
         if args.step == "device":
             return DeviceStep(args.device_step_ms, args.device_step_us_per_seq, self.model.config.vocab_size)
-        m = self.model
-        return lambda b: m.decode(b.tokens, b.positions, b.block_tables, b.kv)
+        return self._model_step
 
     # -- output routing: execution thread -> event loop, one wake-up per burst ---------------------
     def _on_output(self, out: RequestOutput) -> None:
@@ -194,6 +199,10 @@ class GenNode:
             else:
                 self.loop.reset_statistics()
             await stream.send({"ok": True})
+        elif op == "drain":  # a front's POST /admin/drain (etcd membership): as on SIGTERM
+            reg = self.registration
+            await stream.send(reg.request_drain() if reg is not None else
+                              {"ok": False, "error": "this node is not registered in etcd (--etcd)"})
         elif op == "ping":
             await stream.send({"ok": True, "role": "gen", "mode": self.config.mode.value, **self._health(),
                                **({"tp": self.healer.statistics()} if self.healer is not None else {})})
@@ -215,12 +224,23 @@ class GenNode:
             kv_handle=control.kv_handle(msg) if pulls else None,
             kv_sources=tuple(KVSource(peer, h0, h1) for peer, h0, h1 in control.kv_sources(msg)) if pulls else (),
         )
+        try:
+            if msg.get("sampling") is not None:
+                request = dataclasses.replace(request, sampling=SamplingParams.from_wire(msg["sampling"]))
+        except ValueError as exc:
+            raise control.ControlError(str(exc)) from None
         # submit first (it refuses a live id), then own the stream: no await in between, so no
         # output of this request can reach the pump before its stream is there, and a refused
         # duplicate never touches the live request's stream
+        top = msg.get("logprobs") if request.sampling is not None else None
+        mine = isinstance(top, int) and 0 <= top <= 20 and rid not in self.logprob_top  # before submit
+        if mine:
+            self.logprob_top[rid] = top
         try:
             self.engine.submit(request)
         except (InvalidRequest, Unavailable) as exc:
+            if mine:
+                self.logprob_top.pop(rid, None)
             raise control.ControlError(str(exc)) from None
         send, receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
         self._streams[rid] = send
@@ -253,6 +273,8 @@ class GenNode:
                 del self._streams[rid]
                 self.kv_held.pop(rid, None)
                 self.checksums.pop(rid, None)
+                self.logprob_top.pop(rid, None)
+                self.logprobs.pop(rid, None)
                 self.head_sums.discard(rid)
             send.close()
 
@@ -268,9 +290,11 @@ class GenNode:
                         break
                     tokens.extend(more.new_tokens)
                     out = more
+                lps = self.logprobs.get(rid)
+                extra = {"logprobs": [lps.popleft() if lps else None for _ in tokens]} if lps is not None else {}
                 if out.finished:
                     if tokens:
-                        await stream.send({"tokens": tokens})
+                        await stream.send({"tokens": tokens, **extra})
                     if out.state is RequestState.FINISHED:
                         await self._wait_checksums(rid)
                     await stream.send({"done": True, "state": out.state.value,
@@ -278,7 +302,7 @@ class GenNode:
                                        "message": out.message, "kv_checksums": self.checksums.get(rid, []),
                                        "kv_head_checksums": self.head_sums.pop(rid)})
                     return True
-                await stream.send({"tokens": tokens})
+                await stream.send({"tokens": tokens, **extra})
         return False
 
     async def _wait_checksums(self, rid: str, timeout_s: float = 2.0) -> None:
@@ -302,7 +326,6 @@ class GenNode:
     def stats(self) -> dict[str, Any]:
         assert self.engine is not None and self.loop is not None
         s = self.engine.statistics()
-        ls = self.loop.statistics()
         return {
             "ok": True,
             "role": "gen",
@@ -348,6 +371,27 @@ class GenNode:
                 "rank_admitted": [list(a) for a in engine.rank_admitted],
                 "rank_loop": {"0": self._loop_stats(), **{str(r): v for r, v in sorted(self.rank_loops.items())}}}
 
+    def _model_step(self, b: DecodeBatch) -> torch.Tensor:
+        """The model's decode step: greedy, or drawn per request with its sampling parameters (the
+        token at position p from (seed, p) alone: ``orchestrator._sampling``). Every rank of a TP
+        group draws from the same logits with the same parameters (they came with the request), so
+        the ranks agree; rank 0's tokens are the group's."""
+        m = self.model
+        params = [r.sampling for r in b.requests]
+        if not any(p is not None for p in params):
+            return m.decode(b.tokens, b.positions, b.block_tables, b.kv)
+        logits = m.decode_logits(b.tokens, b.positions, b.block_tables, b.kv)
+        out_pos = [int(p) + 1 for p in b.positions]
+        out = sample_rows(logits, params, out_pos, [p - r.prompt_len for p, r in zip(out_pos, b.requests)])
+        for i, rid in enumerate(b.request_ids):
+            top = self.logprob_top.get(rid)
+            if top is not None:  # asked for logprobs (rank 0): sent with the token (the pump)
+                self.logprobs.setdefault(rid, collections.deque()).append(token_logprobs(logits[i], int(out[i]), top))
+        return out
+
+    def _set_registration(self, reg: membership.Registration) -> None:
+        self.registration = reg
+
     # -- life cycle ------------------------------------------------------------------------------
     async def run(self) -> None:
         args = self.args
@@ -381,10 +425,19 @@ class GenNode:
                     announce_ready(role="gen", ctrl=f"{args.host}:{port}", mode=self.config.mode.value, metrics=metrics)
                     log.info("gen_ready", ctrl_port=port, mode=self.config.mode.value,
                              transfer_budget_bytes=self.config.transfer_budget_bytes, num_blocks=self.config.num_blocks)
-                    await anyio.sleep_forever()
+                    drained = anyio.Event()
+                    if args.etcd:  # register; SIGTERM / control drain: finish what is live, deregister, stop
+                        await tg.start(functools.partial(
+                            membership.serve_registration, args.etcd, prefix=args.etcd_prefix, role="gen",
+                            ctrl=f"{args.host}:{port}", ttl_s=args.etcd_ttl_s, busy=lambda: self.engine.live_requests,
+                            meta={"tp": args.tp, "backend": self.config.kv_transport, "mode": self.config.mode.value,
+                                  "model": "tiny", "capacity_blocks": self.config.num_blocks},
+                            stop=drained.set, on_registration=self._set_registration))
+                    await drained.wait()
                 finally:
                     with anyio.CancelScope(shield=True):
                         await self.end_generation(tell_group=True)
+                tg.cancel_scope.cancel()  # drained: the control server and the engine's tasks stop too
         finally:
             if self._crc is not None:
                 self._crc.close()
@@ -458,6 +511,7 @@ class GenNode:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    membership.add_args(p)
     p.add_argument("--host", default="127.0.0.1", help="control-plane bind address")
     p.add_argument("--port", type=int, default=0, help="control-plane port (0: pick one)")
     p.add_argument("--ctx", action="append", default=[], help="a CTX node's control address HOST:PORT (repeatable; informational: each request names its KV peer)")

@@ -1,0 +1,250 @@
+"""Membership through a real etcd (started here on a free loopback port): nodes given ``--etcd``
+register under a lease, fronts watch the prefix. A GEN that joins under load takes traffic within
+2 s; a GEN SIGKILLed leaves within its TTL and no request is lost to it; draining (SIGTERM on a GEN,
+POST /admin/drain for a CTX) under load loses nothing; two fronts see the same set."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from examples.tiny_model import ByteTokenizer, ModelConfig, TinyModel
+from examples.two_node import control
+from examples.two_node.launch import NodeProcess, node_env
+from examples.two_node.membership import Etcd, start_etcd
+from tests.test_serve import running_front
+
+pytestmark = pytest.mark.integration
+
+TOK = ByteTokenizer()
+TTL_S = 2
+PROMPTS = [f"membership prompt {i}" for i in range(4)]
+N_TOKENS = 6
+LONG = 120  # the drain test's requests: each decodes for well over the drain's quiet period (0.5 s)
+
+
+@pytest.fixture(scope="module")
+def etcd_url() -> Iterator[str]:
+    with start_etcd() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyModel:
+    return TinyModel(ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def refs(model: TinyModel) -> list[list[int]]:
+    return [model.generate_reference(TOK.encode(p), N_TOKENS) for p in PROMPTS]
+
+
+def front_yaml(url: str, prefix: str) -> str:
+    return f"""
+model: tiny
+listen: {{host: 127.0.0.1, port: 0}}
+limits: {{max_prompt_tokens: 512, max_tokens: 200, default_max_tokens: 4}}
+routing: {{stats_interval_s: 0.25, retry_after_s: 1, connect_timeout_s: 5}}
+router: {{ctx: least_loaded, gen: least_loaded}}
+max_retries: 2
+etcd: {{url: "{url}", prefix: "{prefix}"}}
+"""
+
+
+class Nodes:
+    """Nodes started with ``--etcd`` (the test's, not a front's); all stopped on exit."""
+
+    def __init__(self, url: str, prefix: str, secret: str) -> None:
+        self.url, self.prefix, self.env = url, prefix, node_env(secret)
+        self.procs: list[NodeProcess] = []
+
+    def start(self, role: str, *extra: str) -> NodeProcess:
+        args = [role, "--no-kv-checksums", "--num-blocks", "128", "--etcd", self.url, "--etcd-prefix", self.prefix,
+                "--etcd-ttl-s", str(TTL_S), *extra]
+        proc = NodeProcess.start(args, env=self.env)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()
+
+
+@contextlib.contextmanager
+def cluster(tmp: Path, url: str, n_fronts: int = 1) -> Iterator[tuple[Nodes, list[dict[str, Any]]]]:
+    prefix = f"/kvo/test-{secrets.token_hex(4)}/"
+    secret = secrets.token_hex(32)
+    nodes = Nodes(url, prefix, secret)
+    try:
+        nodes.start("ctx")
+        nodes.start("gen")
+        with contextlib.ExitStack() as stack:
+            fronts = []
+            for i in range(n_fronts):
+                folder = tmp / f"front{i}"
+                folder.mkdir()
+                fronts.append(stack.enter_context(running_front(folder, front_yaml(url, prefix), secret=secret)))
+            yield nodes, fronts
+    finally:
+        nodes.stop()
+
+
+def members(front: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {n["addr"]: n for n in httpx.get(front["url"] + "/health", timeout=10).json()["nodes"]}
+
+
+def wait_for(cond: Any, timeout: float, what: Any) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, what() if callable(what) else what
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+class Load:
+    """Requests through the fronts from a thread (concurrency ``n``), until ``stop``; each answer is
+    checked against the single-process reference. Not streamed: a request whose GEN dies under it
+    has sent the client nothing yet, and the front retries it whole on other nodes."""
+
+    def __init__(self, fronts: list[dict[str, Any]], refs: list[list[int]], n: int = 4) -> None:
+        self.fronts, self.refs, self.n = fronts, refs, n
+        self.tokens = len(refs[0])
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: anyio.run(self._run), daemon=True)
+
+    async def _one(self, http: httpx.AsyncClient, i: int) -> None:
+        front = self.fronts[i % len(self.fronts)]
+        body = {"model": "tiny", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": self.tokens, "ignore_eos": True,
+                "return_token_ids": True, "temperature": 0}
+        try:
+            r = await http.post(front["url"] + "/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            self.failures.append(repr(exc))
+            return
+        if r.status_code != 200:
+            self.failures.append(f"{r.status_code} {r.text[:300]}")
+        elif r.json()["choices"][0]["token_ids"] != self.refs[i % len(PROMPTS)]:
+            self.failures.append("wrong tokens")
+        else:
+            self.ok += 1
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            async def worker(w: int) -> None:
+                i = w
+                while not self._stop.is_set():
+                    await self._one(http, i)
+                    i += self.n
+
+            async with anyio.create_task_group() as tg:
+                for w in range(self.n):
+                    tg.start_soon(worker, w)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def gen_taken(node: NodeProcess) -> int:
+    """Requests the GEN has taken: in any state, or over."""
+    e = anyio.run(lambda: control.call(node.info["ctrl"], {"op": "stats"}, secret=node.secret))["engine"]
+    return sum(e[k] for k in ("waiting", "receiving", "ready", "running", "finished", "aborted"))
+
+
+def gen_finished(node: NodeProcess) -> int:
+    return anyio.run(lambda: control.call(node.info["ctrl"], {"op": "stats"}, secret=node.secret))["engine"]["finished"]
+
+
+def test_join_under_load_two_fronts_and_a_sigkilled_gen_leaves(tmp_path: Path, etcd_url: str,
+                                                               refs: list[list[int]]) -> None:
+    with cluster(tmp_path, etcd_url, n_fronts=2) as (nodes, fronts):
+        first = {n.info["ctrl"] for n in nodes.procs}
+        for f in fronts:  # both fronts see the same set
+            assert set(members(f)) == first and all(n["up"] for n in members(f).values())
+        with Load(fronts, refs) as load:
+            wait_for(lambda: load.ok >= 8, 30, lambda: f"the load runs: {load.failures[:3]}")
+            new = nodes.start("gen")  # READY: it registers right after
+            joined = time.monotonic()
+            took = wait_for(lambda: gen_taken(new) > 0, 10, "the new GEN takes traffic")
+            assert took < 2.0, f"the new GEN took its first request {took:.2f} s after it started"
+            wait_for(lambda: gen_finished(new) > 0, 30, "and serves it")
+            for f in fronts:
+                assert members(f).keys() == first | {new.info["ctrl"]}
+            assert time.monotonic() - joined < 10
+            before = load.ok
+            new.kill(signal.SIGKILL)
+            killed = time.monotonic()
+            for f in fronts:  # it leaves the routing set (down at once, gone from the set within its TTL)
+                wait_for(lambda f=f: new.info["ctrl"] not in members(f), TTL_S + 1.0,
+                         "a SIGKILLed GEN leaves within its lease TTL (+1 s: etcd checks leases every 500 ms)")
+            left = time.monotonic() - killed
+            wait_for(lambda: load.ok >= before + 8, 30, lambda: f"the load goes on: {load.failures[:3]}")
+        assert load.failures == [], load.failures[:5]
+        assert left <= TTL_S + 1.0
+
+
+def gen_running(node: NodeProcess) -> int:
+    return anyio.run(lambda: control.call(node.info["ctrl"], {"op": "stats"}, secret=node.secret))["engine"]["running"]
+
+
+def test_drain_under_load_loses_nothing(tmp_path: Path, etcd_url: str, model: TinyModel) -> None:
+    refs = [model.generate_reference(TOK.encode(p), LONG) for p in PROMPTS]
+    with cluster(tmp_path, etcd_url) as (nodes, fronts):
+        front = fronts[0]
+        gen2, ctx2 = nodes.start("gen"), nodes.start("ctx")
+        wait_for(lambda: len(members(front)) == 4 and all(n["up"] for n in members(front).values()), 10, "4 nodes")
+        with Load(fronts, refs, n=6) as load:
+            wait_for(lambda: load.ok >= 6 and gen_finished(gen2) > 0 and gen_running(gen2) > 0, 60,
+                     lambda: f"both GENs take traffic: {load.failures[:3]}")
+            gen2.proc.send_signal(signal.SIGTERM)  # drains: takes nothing new, finishes, deregisters, exits
+            r = httpx.post(front["url"] + "/admin/drain", json={"node": ctx2.info["ctrl"]},
+                           headers={"authorization": f"Bearer {front['secret'].decode()}"}, timeout=10)
+            assert r.status_code == 200 and r.json()["draining"] is True, r.text
+            for proc in (gen2, ctx2):
+                wait_for(lambda proc=proc: proc.proc.poll() is not None, 20, "a drained node exits")
+                assert proc.proc.returncode == 0, proc.log_tail()
+                assert proc.info["ctrl"] not in members(front)
+            before = load.ok
+            wait_for(lambda: load.ok >= before + 6, 60, lambda: f"the load goes on on the other nodes: {load.failures[:3]}")
+        assert load.failures == [], load.failures[:5]
+        r = httpx.post(front["url"] + "/admin/drain", json={"node": "127.0.0.1:1"},
+                       headers={"authorization": f"Bearer {front['secret'].decode()}"})
+        assert r.status_code == 404
+        assert httpx.post(front["url"] + "/admin/drain", json={"node": "x"}).status_code == 401
+
+
+def test_etcd_client_lease_and_watch(etcd_url: str) -> None:
+    async def main() -> None:
+        etcd = Etcd(etcd_url)
+        try:
+            lease = await etcd.grant(2)
+            await etcd.put("/t/a", "1", lease=lease)
+            kvs, rev = await etcd.list("/t/")
+            assert kvs == {"/t/a": "1"}
+            seen = []
+            with anyio.move_on_after(10):
+                async for ev in etcd.watch("/t/", rev + 1):
+                    seen.append(ev)
+                    if ev[0] == "DELETE":
+                        break
+            assert seen == [("DELETE", "/t/a", None)]  # the lease ran out: the key went with it
+        finally:
+            await etcd.aclose()
+
+    anyio.run(main)
