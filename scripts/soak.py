@@ -287,7 +287,7 @@ def node_args(cfg: SoakConfig) -> tuple[list[str], list[str]]:
     ctx_blocks = cfg.ctx_num_blocks or blocks_for(cfg.isl) * cfg.concurrency * 9 // 8 + 64
     gen_blocks = cfg.gen_num_blocks or blocks_for(cfg.isl + cfg.osl) * cfg.max_num_seqs * 9 // 8 + 64
     ctx = ["ctx", "--host", "127.0.0.1", "--num-blocks", str(ctx_blocks)]
-    gen = ["gen", "--host", "127.0.0.1", "--num-blocks", str(gen_blocks),
+    gen = ["gen", "--host", "127.0.0.1", "--num-blocks", str(gen_blocks), "--kv-checksums",  # the soak compares them
            "--max-tokens-in-buffer", str(cfg.max_tokens_in_buffer), "--max-num-seqs", str(cfg.max_num_seqs)]
     return ctx, gen
 

@@ -159,7 +159,7 @@ def test_two_nodes_match_reference(tmp_path, staging_blocks: int) -> None:
     try:
         gen = Node("gen", ["--ctx", ctx.info["ctrl"], "--host", "127.0.0.1", "--port", "0", "--mode", "orchestrated",
                            "--step", "model", "--num-blocks", "256", "--transfer-budget-bytes", str(staging_blocks * 16 * 1024),
-                           "--max-num-seqs", "8", "--kv-transfer-timeout-ms", "20000"], env, tmp_path)
+                           "--max-num-seqs", "8", "--kv-transfer-timeout-ms", "20000", "--kv-checksums"], env, tmp_path)
         try:
             # varied prompt lengths (partial last blocks): 1..8 blocks each
             prompts = [p[: 9 + 7 * i] for i, p in enumerate(make_prompts(16, 120, seed=11))]
