@@ -121,9 +121,8 @@ _REASONS = list(FailureReason)
 _CODE = {r: i + 1 for i, r in enumerate(_REASONS)}
 _BUSY = 0x80
 _MSG_MAX = 240  # bytes of a failure message kept (the client's text; the full one is in the rank's log)
-_SUBMIT_KIND = 1
 # aborts as (position, sequence number) pairs; one fixed record per submission, then its strings
-_EVENT = np.dtype([("kind", "u1"), ("flags", "u1"), ("peer", "u1"), ("id_len", "u1"), ("seq", "<u4"),
+_EVENT = np.dtype([("flags", "u1"), ("peer", "u1"), ("id_len", "u1"), ("seq", "<u4"),
                    ("prompt_len", "<u4"), ("first_token", "<u4"), ("max_tokens", "<u4"), ("eos", "<u4"),
                    ("handle", "V16")])
 _HAS_EOS, _HEX_HANDLE, _EXTRA = 1, 2, 4
@@ -191,7 +190,7 @@ def _encode_events(events: Seq[Submit | Abort]) -> bytes:
             flags |= _EXTRA
             extras.append(extra)
         peer = _NO_PEER if r.peer is None else peers.setdefault(r.peer, len(peers))
-        rows.append((_SUBMIT_KIND, flags, peer, len(r.request_id), ev.seq, r.prompt_len, r.first_token,
+        rows.append((flags, peer, len(r.request_id), ev.seq, r.prompt_len, r.first_token,
                      r.max_tokens, r.eos_token or 0, raw or none))
         ids.append(r.request_id)
     recs = np.array(rows, dtype=_EVENT)
