@@ -57,8 +57,9 @@ class ExactStep:
 class Gen:
     """A GEN engine stepped from the test's event loop (its receive group runs there too)."""
 
-    def __init__(self, engine: GenEngine, step: ExactStep) -> None:
+    def __init__(self, engine: GenEngine, step: ExactStep, transport: object) -> None:
         self.engine = engine
+        self.transport = transport
         self.step = step
         self.final: dict[str, object] = {}
         self.ended_at: dict[str, float] = {}
@@ -96,7 +97,7 @@ async def gen(backend: str):
             step = ExactStep()
             engine = GenEngine(OrchestratorConfig(**cfg), transport, step)  # type: ignore[arg-type]
             await engine.start(tg)
-            made.append(Gen(engine, step))
+            made.append(Gen(engine, step, transport))
             return made[-1]
 
         try:
@@ -144,8 +145,16 @@ async def test_ctx_killed_mid_transfer_fails_its_requests_only_then_restart_work
             assert state(g, rid) is RequestState.FINISHED
         await g.rest()  # budget full and every block free after the failures
 
-        restarted = Peer("--port", str(slow.port), backend=backend)  # same address: no stale endpoint may be reused
+        # Same address: no stale endpoint may be reused. Started off the event loop, so that the GEN's
+        # releases of the doomed requests (refused: nobody listens yet) end while it starts; the
+        # refused connect marks the peer down for `dead_peer_backoff_s`, which the pull then waits out.
+        # (Started on the loop, the 3 s start blocked it, the refusals were seen only after and marked
+        # the restarted peer down: CI failure of 2026-12-04.)
+        restarted = await anyio.to_thread.run_sync(lambda: Peer("--port", str(slow.port), backend=backend))
         try:
+            with anyio.fail_after(5):
+                while g.transport.statistics().peers_down:  # type: ignore[attr-defined]
+                    await anyio.sleep(0.05)
             g.submit("req-5", restarted)
             await g.step_until(lambda: "req-5" in g.final)
             assert state(g, "req-5") is RequestState.FINISHED
