@@ -14,8 +14,10 @@ side on a noisy machine:
 - ``nixl-read``: raw NIXL: both processes register a tensor, the client learns the server's agent
   metadata and address over TCP once, then each transfer is ``initialize_xfer("READ")``,
   ``transfer`` and a poll of ``check_xfer_state`` until DONE (the raw path of a NIXL backend);
-- ``nixl-pull``: ``NIXLTransport.pull`` from a ``NIXLKVServer`` (lookup of the block ids, one READ,
-  notification; the GEN's memory registered once), with the lookup alone timed too (``lookup_us``);
+- ``nixl-pull``: ``NIXLTransport.pull`` from a ``NIXLKVServer`` with the CTX's block ids given (as a
+  prefill reply names them): one READ posted at once, its pin beside it on the control connection,
+  notification; the GEN's memory registered once; the lookup alone timed too (``lookup_us``);
+- ``nixl-pull-lookup``: the same without the block ids: a lookup round trip, then the READ;
 - ``memcpy`` and ``gather`` (the CTX-side ``KVStore.gather``), one torch thread, for reference;
 
 the two-process ones under each network configuration: ``shm`` (our UCX defaults, one host: shared
@@ -100,7 +102,7 @@ NIXL_VARIANTS: dict[str, dict[str, str]] = {  # --nixl-variants: the knobs probe
     "tcp-write": {**CONFIGS["tcp"], "KVO_NIXL_OP": "WRITE"},  # the client WRITEs into the server instead
     "shm-write": {**CONFIGS["shm"], "KVO_NIXL_OP": "WRITE"},
 }
-PAIR_MODES = ("sockets", "ucx-raw", "ucx-pull", "ucx-pull-v1", "nixl-read", "nixl-pull")
+PAIR_MODES = ("sockets", "ucx-raw", "ucx-pull", "ucx-pull-v1", "nixl-read", "nixl-pull", "nixl-pull-lookup")
 
 
 def _env(ucx: dict[str, str] | None, extra_path: str | None = None) -> dict[str, str]:
@@ -464,7 +466,12 @@ def _nixl_config(cls: Any, secret: bytes | None) -> Any:
                progress_delay_us=int(os.environ.get("KVO_NIXL_DELAY_US", "1000")))
 
 
-async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
+async def _nixl_pull_lookup_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
+    return await _nixl_pull_client(host, port, budget_s, idle_s, name_blocks=False)
+
+
+async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float, *,
+                            name_blocks: bool = True) -> dict[str, Any]:
     import structlog
     import torch
 
@@ -483,7 +490,8 @@ async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float
             into = arena[:mib]
             timer = _Timer(into.nbytes, budget_s)
             for _ in timer:
-                await t.pull(peer, f"r{mib}", layout.full_slice(), into, handle=_BENCH_HANDLE, release=False)
+                await t.pull(peer, f"r{mib}", layout.full_slice(), into, handle=_BENCH_HANDLE, release=False,
+                             **({"remote_blocks": list(range(mib))} if name_blocks else {}))
             out[str(mib)] = timer.result()
         conn = await t._conn(peer)  # the lookup alone: what the GEN pays to learn the block ids
         lookups = []
@@ -509,7 +517,8 @@ def _worker(argv: list[str]) -> int:
         else:
             import anyio
 
-            fn = {"ucx-raw": _raw_server, "nixl-pull": _nixl_pull_server}.get(kind, _pull_server)
+            fn = {"ucx-raw": _raw_server, "nixl-pull": _nixl_pull_server,
+                  "nixl-pull-lookup": _nixl_pull_server}.get(kind, _pull_server)
             anyio.run(fn, backend="asyncio")
         return 0
     host, port, budget_s, idle_s = argv[2], int(argv[3]), float(argv[4]), float(argv[5])
@@ -520,7 +529,8 @@ def _worker(argv: list[str]) -> int:
     else:
         import anyio
 
-        fn = {"ucx-raw": _raw_client, "nixl-pull": _nixl_pull_client}.get(kind, _pull_client)
+        fn = {"ucx-raw": _raw_client, "nixl-pull": _nixl_pull_client,
+              "nixl-pull-lookup": _nixl_pull_lookup_client}.get(kind, _pull_client)
         result = anyio.run(fn, host, port, budget_s, idle_s, backend="asyncio")
     print(json.dumps({"result": result}), flush=True)
     return 0
@@ -654,7 +664,7 @@ def _sockets_for(name: str, results: dict[str, Any]) -> dict[str, Any] | None:
 
 def _raw_for(name: str, results: dict[str, Any]) -> dict[str, Any] | None:
     mode, _, cfg = name.partition(" ")
-    raw = {"ucx-pull": "ucx-raw", "ucx-pull-v1": "ucx-raw", "nixl-pull": "nixl-read"}.get(mode)
+    raw = {"ucx-pull": "ucx-raw", "ucx-pull-v1": "ucx-raw", "nixl-pull": "nixl-read", "nixl-pull-lookup": "nixl-read"}.get(mode)
     return results.get(f"{raw} {cfg}") if raw else None
 
 
@@ -755,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 netns = stack.enter_context(Netns())
         if (why := _nixl_available()):
-            for kind in ("nixl-read", "nixl-pull"):
+            for kind in ("nixl-read", "nixl-pull", "nixl-pull-lookup"):
                 if kind in modes:
                     modes.remove(kind)
                     notes.append(f"{kind} skipped: {why}")

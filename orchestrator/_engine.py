@@ -620,7 +620,8 @@ class GenEngine:
         job = ReceiveJob(seq.request_id, first.peer, prompt_ids, first.chunks, None, handle=first.handle,
                          head_offset=self.config.kv_head_offset, release=self._pull_releases,
                          parts=parts if len(parts) > 1 or first.peer_head_start else (),
-                         parts_at_once=seq.cost <= self.budget.capacity)  # staging of all parts fits at once
+                         parts_at_once=seq.cost <= self.budget.capacity,  # staging of all parts fits at once
+                         kv_blocks=first.blocks)
         if mode is Mode.ORCHESTRATED:
             self.receiver.submit(job)
             return 0.0
@@ -663,7 +664,7 @@ class GenEngine:
         for src, h0, h1 in plan_sources(sources, kv_slice.head_start, kv_slice.head_end):
             piece = KVSlice(kv_slice.layer_start, kv_slice.layer_end, h0, h1)
             chunks = plan_chunks(self.layout, seq.num_prompt_blocks, piece, self.budget.capacity)
-            parts.append(ReceivePart(src.peer, src.kv_handle, chunks, src.head_start))
+            parts.append(ReceivePart(src.peer, src.kv_handle, chunks, src.head_start, src.kv_blocks))
         return tuple(parts)
 
     # -- decode -----------------------------------------------------------------------------------

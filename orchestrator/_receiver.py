@@ -135,6 +135,8 @@ class ReceivePart:
     handle: str | None
     chunks: tuple[KVSlice, ...]
     peer_head_start: int = 0
+    blocks: tuple[int, ...] | None = None
+    """The peer's block ids of the request, when its prefill reply named them (one-sided reads)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +161,11 @@ class ReceiveJob:
     """Several sources (fan-in); empty: ``peer`` serves ``chunks`` with ``handle``."""
     parts_at_once: bool = False
     """Pull the parts concurrently (set when their staging together fits the budget), else in turn."""
+    kv_blocks: tuple[int, ...] | None = None
+    """``peer``'s block ids of the request, when known (see ``ReceivePart.blocks``)."""
 
     def all_parts(self) -> tuple[ReceivePart, ...]:
-        return self.parts or (ReceivePart(self.peer, self.handle, self.chunks),)
+        return self.parts or (ReceivePart(self.peer, self.handle, self.chunks, 0, self.kv_blocks),)
 
 
 class _Scatter:
@@ -542,9 +546,13 @@ class ReceiveGroup:
         backoff = _BUSY_BACKOFF_S[0]
         while True:
             try:
+                if part.blocks is None:
+                    return await self._transport.pull(
+                        part.peer, job.request_id, wire_slice, into, handle=part.handle, release=last and job.release,
+                        landing=landing)
                 return await self._transport.pull(
                     part.peer, job.request_id, wire_slice, into, handle=part.handle, release=last and job.release,
-                    landing=landing)
+                    landing=landing, remote_blocks=part.blocks)
             except PeerBusy:
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, _BUSY_BACKOFF_S[1])

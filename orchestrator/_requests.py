@@ -78,6 +78,9 @@ class KVSource:
     head_start: int = 0
     head_end: int | None = None
     kv_handle: str | None = None
+    kv_blocks: tuple[int, ...] | None = None
+    """Its block ids of the request (None: the request's ``kv_blocks``, if any): a one-sided
+    transport reads them without asking for them first."""
 
     def covers(self, head: int) -> bool:
         return self.head_start <= head and (self.head_end is None or head < self.head_end)
@@ -128,13 +131,20 @@ class GenRequest:
     """How the model draws this request's tokens (None: greedy). It reaches every rank of a
     tensor-parallel group with the request, so every rank draws the same token from the same
     logits (rank 0's is the group's; the step's batch digest checks they agree)."""
+    kv_blocks: tuple[int, ...] | None = None
+    """The CTX's block ids holding the prompt's KV, in order, when its prefill reply named them
+    (vLLM's ``remote_block_ids``): a one-sided (NIXL) pull then needs no lookup round trip."""
+
+    def _filled(self, s: KVSource) -> KVSource:
+        handle = s.kv_handle if s.kv_handle is not None else self.kv_handle
+        blocks = s.kv_blocks if s.kv_blocks is not None else self.kv_blocks
+        return s if (handle, blocks) == (s.kv_handle, s.kv_blocks) else dataclasses.replace(s, kv_handle=handle, kv_blocks=blocks)
 
     def sources(self) -> tuple[KVSource, ...]:
         """Every source of this request's KV, each with its handle filled in."""
         if self.kv_sources:
-            return tuple(s if s.kv_handle is not None else dataclasses.replace(s, kv_handle=self.kv_handle)
-                         for s in self.kv_sources)
-        return (KVSource(self.peer, 0, None, self.kv_handle),) if self.peer else ()
+            return tuple(self._filled(s) for s in self.kv_sources)
+        return (KVSource(self.peer, 0, None, self.kv_handle, self.kv_blocks),) if self.peer else ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -185,7 +185,10 @@ def _encode_events(events: Seq[Submit | Abort]) -> bytes:
         elif r.kv_handle is not None:
             extra["kv_handle"] = r.kv_handle
         if r.kv_sources:
-            extra["kv_sources"] = [[s.peer, s.head_start, s.head_end, s.kv_handle] for s in r.kv_sources]
+            extra["kv_sources"] = [[s.peer, s.head_start, s.head_end, s.kv_handle, _runs(s.kv_blocks)]
+                                   for s in r.kv_sources]
+        if r.kv_blocks is not None:
+            extra["kv_blocks"] = _runs(r.kv_blocks)
         if extra:
             flags |= _EXTRA
             extras.append(extra)
@@ -205,9 +208,28 @@ def _encode_events(events: Seq[Submit | Abort]) -> bytes:
 
 
 _BASE_FIELDS = {"request_id", "prompt_len", "first_token", "max_tokens", "peer", "kv_handle", "kv_slice",
-                "eos_token", "local_kv", "kv_sources"}
+                "eos_token", "local_kv", "kv_sources", "kv_blocks"}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenRequest)}
 _EXTRA_FIELDS = tuple(f.name for f in dataclasses.fields(GenRequest) if f.name not in _BASE_FIELDS)
+
+
+def _runs(blocks: tuple[int, ...] | None) -> list[int] | None:
+    """Block ids as flat ``[start, length, ...]`` runs (a CTX allocates mostly in runs)."""
+    if blocks is None:
+        return None
+    out: list[int] = []
+    for b in blocks:
+        if out and out[-2] + out[-1] == b:
+            out[-1] += 1
+        else:
+            out += [b, 1]
+    return out
+
+
+def _blocks(runs: list[int] | None) -> tuple[int, ...] | None:
+    if runs is None:
+        return None
+    return tuple(b for i in range(0, len(runs), 2) for b in range(runs[i], runs[i] + runs[i + 1]))
 
 
 def _request_extra(r: GenRequest) -> dict[str, Any]:
@@ -262,7 +284,9 @@ def _decode_events(buf: memoryview, n: int) -> list[Submit | Abort]:
         if flags & _EXTRA:
             extra = next(extras)
             if "kv_sources" in extra:
-                extra["kv_sources"] = tuple(KVSource(p, h0, h1, h) for p, h0, h1, h in extra["kv_sources"])
+                extra["kv_sources"] = tuple(KVSource(p, h0, h1, h, _blocks(b)) for p, h0, h1, h, b in extra["kv_sources"])
+            if "kv_blocks" in extra:
+                extra["kv_blocks"] = _blocks(extra["kv_blocks"])
             fields.update(_restore_extra(extra))
         events.append(Submit(seqs[i], _new_request(fields)))
     for position, seq in aborts:  # in arrival order among the submissions

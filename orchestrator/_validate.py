@@ -40,11 +40,24 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
     if not sources:
         raise InvalidRequest(f"{r.request_id}: a peer (the CTX node's address) is required")
     try:
+        prompt_blocks = layout.blocks_for(r.prompt_len)
+        _check_blocks(r.kv_blocks, prompt_blocks, "kv_blocks")
         for src in r.kv_sources:
             if not src.peer or src.head_start < 0 or (src.head_end is not None and src.head_end <= src.head_start):
                 raise ValueError(f"bad KV source {src.peer!r} heads {src.head_start}:{src.head_end}")
             if src.kv_handle is not None:
                 check_handle(src.kv_handle)
+            _check_blocks(src.kv_blocks, prompt_blocks, f"kv_blocks of {src.peer!r}")
         plan_sources(sources, kv_slice.head_start, kv_slice.head_end)  # this rank's heads are all held
     except (ValueError, InvalidRequestId) as exc:
         raise InvalidRequest(f"{r.request_id}: {exc}") from None
+
+
+def _check_blocks(blocks: object, prompt_blocks: int, what: str) -> None:
+    """A CTX block list given with the request: a tuple of one non-negative int per prompt block."""
+    if blocks is None:
+        return
+    if (not isinstance(blocks, tuple) or len(blocks) != prompt_blocks
+            or not all(type(b) is int and 0 <= b < 1 << 31 for b in blocks)):
+        n = len(blocks) if isinstance(blocks, (tuple, list)) else type(blocks).__name__
+        raise ValueError(f"{what} must be a tuple of {prompt_blocks} block ids (one per prompt block), got {n}")

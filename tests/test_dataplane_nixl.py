@@ -42,7 +42,8 @@ async def _until(cond, timeout: float = 5.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _served(*, lease_s: float = 60, gen: type[NIXLTransport] = NIXLTransport, server_kw: dict | None = None,
+async def _served(*, lease_s: float = 60, gen: type[NIXLTransport] = NIXLTransport, server: type[NIXLKVServer] = NIXLKVServer,
+                  server_kw: dict | None = None,
                   **config_kw: object) -> AsyncIterator[tuple[KVStore, str, NIXLKVServer, str, NIXLTransport]]:
     """A CTX holding "r1" (its freed blocks are overwritten at once, as a reuse would) and a GEN."""
     store = KVStore(LAYOUT, LAYOUT.new_pool(16).uniform_())
@@ -52,9 +53,9 @@ async def _served(*, lease_s: float = 60, gen: type[NIXLTransport] = NIXLTranspo
 
     handle = store.put("r1", IDS, num_tokens=25, lease_s=lease_s, on_release=reuse)
     config = NIXLConfig(secret=SECRET, **config_kw)  # type: ignore[arg-type]
-    async with NIXLKVServer(store, config, host="127.0.0.1", lease_s=lease_s, **(server_kw or {})) as server:
+    async with server(store, config, host="127.0.0.1", lease_s=lease_s, **(server_kw or {})) as srv:
         async with gen(config, layout=LAYOUT) as t:
-            yield store, handle, server, f"127.0.0.1:{server.port}", t
+            yield store, handle, srv, f"127.0.0.1:{srv.port}", t
 
 
 def _into() -> torch.Tensor:

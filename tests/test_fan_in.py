@@ -49,7 +49,7 @@ class ShardedCtx:
         self._free = {peer: list(range(num_blocks)) for peer in self.stores}
         self.expected: dict[str, torch.Tensor] = {}
 
-    def prefill(self, rid: str, prompt_len: int) -> tuple[str, tuple[KVSource, ...]]:
+    def prefill(self, rid: str, prompt_len: int, *, name_blocks: bool = False) -> tuple[str, tuple[KVSource, ...]]:
         n = FULL.blocks_for(prompt_len)
         kv = request_kv(rid, n, FULL)  # [n, layers, 2, heads, bs, d]
         self.expected[rid] = kv
@@ -60,7 +60,7 @@ class ShardedCtx:
             store.pool[ids] = kv[:, :, :, h0:h1]
             store.put(rid, ids, num_tokens=prompt_len, lease_s=60.0, handle=handle,
                       on_release=lambda p=peer, i=ids: self._free[p].extend(i.tolist()))
-            sources.append(KVSource(peer, h0, h1))
+            sources.append(KVSource(peer, h0, h1, kv_blocks=tuple(ids.tolist()) if name_blocks else None))
         return handle, tuple(sources)
 
     def held(self) -> dict[str, int]:
@@ -105,8 +105,8 @@ class Gen:
             self.steps.append(step)
         self.outputs: dict[str, list] = {}
 
-    def submit(self, rid: str, prompt_len: int = 9, max_tokens: int = 3) -> None:
-        handle, sources = self.ctx.prefill(rid, prompt_len)
+    def submit(self, rid: str, prompt_len: int = 9, max_tokens: int = 3, *, name_blocks: bool = False) -> None:
+        handle, sources = self.ctx.prefill(rid, prompt_len, name_blocks=name_blocks)
         self.engines[0].submit(GenRequest(rid, prompt_len=prompt_len, first_token=7, max_tokens=max_tokens,
                                           kv_handle=handle, kv_sources=sources))
 
@@ -280,3 +280,34 @@ async def test_a_failed_fan_in_pull_tells_the_other_source_to_free_its_copy(make
         while any(ctx.held().values()):
             await anyio.sleep(0.01)
     assert g.transports[0].counters.releases >= 1
+
+
+@pytest.mark.parametrize(("ctx_ranges", "gen_world"), [([(0, 4)], 1), ([(0, 2), (2, 4)], 4)])
+async def test_block_ids_named_by_the_prefill_reply_reach_every_rank_s_pull(make_gen, ctx_ranges, gen_world) -> None:
+    """A CTX that names its block ids (per source) in the prefill reply: every GEN rank's pull
+    carries them (across the group's step message), and the transport checks them against the
+    CTX's store, so the KV is exact only if each rank got its source's own list."""
+    ctx = ShardedCtx(ctx_ranges)
+    g = await make_gen(ctx, gen_world)
+    for i in range(3):
+        g.submit(f"n{i}", prompt_len=5 + 4 * i, name_blocks=True)
+    await g.run_until_idle()
+    for i in range(3):
+        assert g.final(f"n{i}").state is RequestState.FINISHED
+    assert all(t.counters.pulls_with_blocks == t.counters.pulls > 0 for t in g.transports)
+
+
+async def test_wrong_block_ids_fail_the_request_and_bad_ones_are_refused_at_submit(make_gen) -> None:
+    ctx = ShardedCtx([(0, 4)])
+    g = await make_gen(ctx, 1)
+    handle, (src,) = ctx.prefill("wrong", 9, name_blocks=True)
+    swapped = KVSource(src.peer, 0, None, None, tuple(reversed(src.kv_blocks or ())))
+    g.engines[0].submit(GenRequest("wrong", 9, 7, 3, kv_handle=handle, kv_sources=(swapped,)))
+    await g.run_until_idle()
+    out = g.final("wrong")
+    assert out.state is RequestState.FAILED and out.failure is FailureReason.PROTOCOL_ERROR
+    handle, (src,) = ctx.prefill("short", 9, name_blocks=True)
+    for bad in ((1, 2), (1, 2, -3), [1, 2, 3]):
+        with pytest.raises(InvalidRequest, match="kv_blocks"):
+            g.engines[0].submit(GenRequest("short", 9, 7, 3, kv_handle=handle, peer=src.peer, kv_blocks=bad))  # type: ignore[arg-type]
+    ctx.stores[src.peer].release("short", handle=handle)

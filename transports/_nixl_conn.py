@@ -51,13 +51,23 @@ class _Conn:
         self.waiting.clear()
         self.writer.close()
 
-    async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def ask(self, msg: dict[str, Any]) -> tuple[int, asyncio.Future[dict[str, Any]]]:
+        """Send ``msg`` now; its answer resolves the future (``forget(id)`` when no longer wanted)."""
         if self.error is not None:
             raise self.error
         rid = next(self.ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[rid] = fut
         write_msg(self.writer, {**msg, "id": rid})
+        return rid, fut
+
+    def forget(self, rid: int) -> None:
+        fut = self.waiting.pop(rid, None)
+        if fut is not None:
+            fut.cancel()
+
+    async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        rid, fut = self.ask(msg)
         try:
             with anyio.fail_after(timeout):
                 return await fut

@@ -36,6 +36,8 @@ from ._store import Checkout, KVStore
 
 log = structlog.get_logger("transports.nixl")
 
+_MAX_EARLY = 65_536  # tokens remembered for a pin message still on its way (bounded memory)
+
 
 @dataclasses.dataclass
 class _Pin:
@@ -54,18 +56,7 @@ class NIXLKVServerStatistics:
     refused: int
     pins_expired: int
     auth_failures: int
-
-
-def _pin(store: KVStore, request_id: str, handle: str | None) -> tuple[list[int], Checkout]:
-    """Pin ``request_id``'s blocks in place (no gather): a ``Checkout`` without a tensor.
-
-    Uses the store's internals under its lock, as ``KVStore.checkout`` does; a public
-    ``KVStore.pin(request_id, handle) -> (block_ids, Checkout)`` would replace this."""
-    with store._lock:
-        held = store._get_locked(request_id, handle)
-        held.pins += 1
-        blocks = [int(b) for b in held.block_ids.tolist()]
-    return blocks, Checkout(store, held, None)  # type: ignore[arg-type]
+    lookups: int = 0  # pulls that asked for the block ids first (their prefill reply did not name them)
 
 
 class NIXLKVServer:
@@ -92,13 +83,15 @@ class NIXLKVServer:
                            "num_blocks": int(pool.shape[0]), "block_bytes": store.layout.block_bytes,
                            "mem": "VRAM" if pool.is_cuda else "DRAM", "dev": (pool.device.index or 0) if pool.is_cuda else 0}
         self._pins: dict[str, _Pin] = {}
+        # notifications and unpins of tokens not pinned (yet): a pin message may follow (_pin_read)
+        self._early: dict[str, tuple[bool, float]] = {}  # token -> (a READ's notification?, when)
         self._pinned = asyncio.Event()
         self._server: asyncio.base_events.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._conns: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
         self._handshaking = 0
-        self._served = self._refused = self._expired = self._auth_failures = 0
+        self._served = self._refused = self._expired = self._auth_failures = self._lookups = 0
 
     @property
     def port(self) -> int:
@@ -107,7 +100,7 @@ class NIXLKVServer:
 
     def statistics(self) -> NIXLKVServerStatistics:
         return NIXLKVServerStatistics(len(self._conns), len(self._pins), self._served, self._refused, self._expired,
-                                      self._auth_failures)
+                                      self._auth_failures, self._lookups)
 
     async def __aenter__(self) -> NIXLKVServer:
         self._server = await asyncio.start_server(self._on_connect, self.host, self._port)
@@ -147,8 +140,14 @@ class NIXLKVServer:
 
     def _done(self, token: str, *, ok: bool) -> None:
         pin = self._pins.pop(token, None)
-        if pin is None:
+        if pin is None:  # perhaps a READ's pin still on its way (a pin message): remembered a while
+            self._early[token] = (ok, time.monotonic())
+            while len(self._early) > _MAX_EARLY:
+                del self._early[next(iter(self._early))]
             return
+        self._finish(pin, ok=ok)
+
+    def _finish(self, pin: _Pin, *, ok: bool) -> None:
         pin.checkout.close()
         if ok:
             self._served += 1
@@ -171,6 +170,8 @@ class NIXLKVServer:
         while True:
             await asyncio.sleep(self._expire_interval_s)
             now = time.monotonic()
+            while self._early and next(iter(self._early.values()))[1] <= now - self.config.pin_timeout_s:
+                del self._early[next(iter(self._early))]
             for token in [t for t, p in self._pins.items() if p.deadline <= now]:
                 log.warning("nixl_pin_expired", request_id=self._pins[token].request_id)
                 self._expired += 1
@@ -219,7 +220,7 @@ class NIXLKVServer:
             write_msg(writer, {"t": "ok", "mac": mac.hex(), "info": info.decode()})
             while True:
                 msg = await read_msg(reader, _MAX_MESSAGE_BYTES)
-                if msg["t"] == "lookup":
+                if msg["t"] in ("lookup", "pin"):
                     if len(lookups) >= self.config.max_pulls_per_connection:
                         write_msg(writer, {**self._refuse("BUSY", "too many lookups in flight"), "id": msg.get("id")})
                         continue
@@ -250,7 +251,8 @@ class NIXLKVServer:
     async def _answer_lookup(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
         await self._before_send(msg)
         if not writer.is_closing():  # the GEN went away meanwhile: nothing to pin for it
-            write_msg(writer, {**self._lookup(msg), "id": msg.get("id")})
+            answer = self._lookup(msg) if msg["t"] == "lookup" else self._pin_read(msg)
+            write_msg(writer, {**answer, "id": msg.get("id")})
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         kind = msg["t"]
@@ -280,7 +282,9 @@ class NIXLKVServer:
             return None
         return self._refuse("BAD_REQUEST", f"unknown message type {kind!r}")
 
-    def _lookup(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _checked(self, msg: dict[str, Any]) -> tuple[str, str | None] | dict[str, Any]:
+        """``(request id, handle)`` of a lookup or pin whose slice, dtype and shape are those of the
+        request's KV here; else the refusal to answer."""
         layout = self.store.layout
         try:
             rid, handle = check_request_id(msg.get("rid")), check_handle(msg.get("handle"))
@@ -296,9 +300,17 @@ class NIXLKVServer:
         want = (dtype_name(layout.dtype), layout.wire_shape(num_blocks, kv_slice))
         if (msg.get("dtype"), shape) != want:
             return self._refuse("SHAPE_MISMATCH", f"have {want[0]}{list(want[1])}, asked {msg.get('dtype')}{list(shape)}")
+        return rid, handle
+
+    def _lookup(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self._lookups += 1
+        checked = self._checked(msg)
+        if isinstance(checked, dict):
+            return checked
+        rid, handle = checked
         self.store.touch(rid, self._lease_s, handle=handle)
         try:
-            blocks, checkout = _pin(self.store, rid, handle)
+            blocks, checkout = self.store.pin(rid, handle=handle)
         except UnknownRequest:
             return self._refuse("UNKNOWN_REQUEST", "released while preparing")
         token = secrets.token_hex(12)
@@ -306,3 +318,33 @@ class NIXLKVServer:
                                  time.monotonic() + self.config.pin_timeout_s)
         self._pinned.set()
         return {"t": "found", "token": token, "blocks": blocks}
+
+    def _pin_read(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A READ the GEN posted at once, from block ids the prefill reply named (no lookup first):
+        its pin arrives beside it. "pinned" vouches for the bytes the READ got: the request is still
+        held here with exactly those blocks, so they were not freed since the prefill (a lease
+        ends forwards only), and they stay pinned until the READ's notification (which may even
+        have come first) or an unpin. A refusal means the READ's bytes must not be used."""
+        token = msg.get("token")
+        early = self._early.pop(token, None) if isinstance(token, str) else None
+        if not isinstance(token, str) or not 16 <= len(token) <= 64 or token in self._pins:
+            return self._refuse("BAD_REQUEST", "a pin needs a fresh token of 16-64 characters")
+        checked = self._checked(msg)
+        if isinstance(checked, dict):
+            return checked
+        rid, handle = checked
+        try:
+            blocks, checkout = self.store.pin(rid, handle=handle)
+        except UnknownRequest:
+            return self._refuse("UNKNOWN_REQUEST", "released while preparing")
+        if msg.get("blocks") != blocks:
+            checkout.close()
+            return self._refuse("BAD_REQUEST", "the blocks read are not the ones this request holds here")
+        self.store.touch(rid, self._lease_s, handle=handle)
+        pin = _Pin(rid, handle, checkout, not msg.get("keep", False), time.monotonic() + self.config.pin_timeout_s)
+        if early is None:
+            self._pins[token] = pin
+            self._pinned.set()
+        else:  # the READ's notification (True) or the GEN's unpin (False) came first
+            self._finish(pin, ok=early[0])
+        return {"t": "pinned"}

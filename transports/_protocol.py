@@ -102,12 +102,16 @@ class Transport(Protocol):
         handle: str | None = None,
         release: bool = True,
         landing: Landing | None = None,
+        remote_blocks: Sequence[int] | None = None,
     ) -> int:
         """Pull ``request_id``'s KV ``kv_slice`` from ``peer`` into ``into``; returns bytes moved.
 
         ``handle`` is the one the peer issued with the prefill. With ``release`` the peer frees its
         copy once this pull succeeded; a request pulled in several chunks passes ``release=False``
-        for every chunk but the last. ``landing`` tracks receives posted into ``into``."""
+        for every chunk but the last. ``landing`` tracks receives posted into ``into``.
+        ``remote_blocks``: the peer's block ids of the request, when its prefill reply named them
+        (``kv_transfer_params``-style); a one-sided transport then reads without asking for them
+        first, a two-sided one ignores them. The engine passes it only when it is known."""
 
     async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
         """Tell ``peer`` that its KV for ``request_id`` will not be pulled (best effort, never raises)."""

@@ -115,6 +115,21 @@ class KVStore:
         with self._lock:
             return int(self._get_locked(request_id, handle).block_ids.numel())
 
+    def block_ids(self, request_id: str, *, handle: str | None = None) -> list[int]:
+        """The pool blocks holding ``request_id``'s KV, in order (what a prefill reply names for a
+        one-sided reader); raises ``UnknownRequest`` if not held."""
+        with self._lock:
+            return [int(b) for b in self._get_locked(request_id, handle).block_ids.tolist()]
+
+    def pin(self, request_id: str, *, handle: str | None = None) -> tuple[list[int], Checkout]:
+        """Pin ``request_id``'s blocks in place (no gather; a one-sided READ reads them): their ids
+        and a ``Checkout`` without a tensor. Released blocks stay allocated until it is closed."""
+        with self._lock:
+            held = self._get_locked(request_id, handle)
+            held.pins += 1
+            blocks = [int(b) for b in held.block_ids.tolist()]
+        return blocks, Checkout(self, held, None)  # type: ignore[arg-type]
+
     def touch(self, request_id: str, lease_s: float, *, handle: str | None = None) -> bool:
         """Renew ``request_id``'s lease to at least ``lease_s`` from now; False when not held."""
         with self._lock:

@@ -38,6 +38,7 @@ class InProcCounters:
     holds: int = 0
     in_flight: int = 0
     peak_in_flight: int = 0
+    pulls_with_blocks: int = 0  # pulls that named the peer's block ids (checked against the store)
 
 
 class InProcTransport:
@@ -113,6 +114,7 @@ class InProcTransport:
         handle: str | None = None,
         release: bool = True,
         landing: Landing | None = None,
+        remote_blocks: Sequence[int] | None = None,
     ) -> int:
         store = self._store(peer)
         c = self.counters
@@ -129,6 +131,10 @@ class InProcTransport:
                 self._stalled_landings[request_id] = landing
             if request_id in self._stalled:
                 await anyio.sleep_forever()
+            if remote_blocks is not None:
+                c.pulls_with_blocks += 1
+                if list(remote_blocks) != store.block_ids(request_id, handle=handle):
+                    raise ProtocolViolation(f"{request_id}: the block ids given are not the ones {peer} holds", peer=peer)
             data = store.gather(request_id, kv_slice, handle=handle)
             if tuple(data.shape) != tuple(into.shape) or data.dtype != into.dtype:
                 raise ProtocolViolation(

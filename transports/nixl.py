@@ -329,11 +329,16 @@ class NIXLTransport:
             raise ProtocolViolation(f"`into` of shape {shape} does not hold slice {kv_slice}", peer=peer)
 
     async def pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *,
-                   handle: str | None = None, release: bool = True, landing: Landing | None = None) -> int:
+                   handle: str | None = None, release: bool = True, landing: Landing | None = None,
+                   remote_blocks: Sequence[int] | None = None) -> int:
+        """One READ of ``request_id``'s slice into ``into``. With ``remote_blocks`` (the CTX's block
+        ids, from its prefill reply) the READ is posted at once and its pin travels beside it: the
+        pull costs the READ or the pin's round trip, whichever is longer, not their sum; a refused
+        pin (the request is not held with those blocks) fails the pull and its bytes are not used."""
         self._check_pull(peer, request_id, handle, kv_slice, into)
         landing = landing if landing is not None else Landing()
         try:
-            n = await self._pull(peer, request_id, kv_slice, into, handle, release, landing)
+            n = await self._pull(peer, request_id, kv_slice, into, handle, release, landing, remote_blocks)
         except BaseException:
             self._failed += 1
             raise
@@ -365,33 +370,82 @@ class NIXLTransport:
     async def _before_read(self, peer: str, request_id: str) -> None:
         """Test seam: runs once the CTX pinned the blocks, before the READ is posted."""
 
-    def _check_blocks(self, conn: _Conn, blocks: Any, kv_slice: KVSlice, into: torch.Tensor) -> list[int]:
+    def _check_blocks(self, conn: _Conn, blocks: Any, kv_slice: KVSlice, into: torch.Tensor, *,
+                      blame_peer: bool = True) -> list[int]:
         """The CTX's block ids, checked before anything is built from them: a list of exactly the
-        blocks ``into`` holds, each an int inside the CTX's pool; ``ProtocolViolation`` otherwise."""
+        blocks ``into`` holds, each an int inside the CTX's pool; ``ProtocolViolation`` otherwise
+        (naming the peer when it answered them, the request when its prefill reply did)."""
         num_blocks = int(conn.info["pool"]["num_blocks"])
         if (not isinstance(blocks, list) or len(blocks) != into.shape[0]
                 or not all(type(b) is int and 0 <= b < num_blocks for b in blocks)):
             got = f"{len(blocks)} ids" if isinstance(blocks, list) else type(blocks).__name__
-            raise ProtocolViolation(f"{conn.peer} answered a block list ({got}) that does not fit `into` "
-                                    f"({into.shape[0]} blocks) or its pool ({num_blocks})", peer=conn.peer)
+            who = f"{conn.peer} answered" if blame_peer else "the prefill reply named"
+            raise ProtocolViolation(f"{who} a block list ({got}) that does not fit `into` "
+                                    f"({into.shape[0]} blocks) or the pool of {conn.peer} ({num_blocks})", peer=conn.peer)
         return blocks
 
     async def _pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, handle: str | None,
-                    release: bool, landing: Landing) -> int:
-        conn, answer = await self._lookup(peer, {
-            "t": "lookup", "rid": request_id, "handle": handle,
-            "slice": [kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start, kv_slice.head_end],
-            "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release})
-        if answer.get("t") == "error":
-            raise _error(answer, peer, request_id)
-        if answer.get("t") != "found" or not isinstance(answer.get("token"), str):
-            conn.fail(ProtocolViolation(f"unexpected answer to a lookup: {answer.get('t')!r}", peer=peer))
-            raise conn.error  # type: ignore[misc]
-        token = answer["token"]
+                    release: bool, landing: Landing, remote_blocks: Sequence[int] | None) -> int:
+        ask = {"rid": request_id, "handle": handle,
+               "slice": [kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start, kv_slice.head_end],
+               "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release}
+        confirm: tuple[int, asyncio.Future[dict[str, Any]]] | None = None
+        if remote_blocks is None:  # learn the block ids (and pin them) first: one round trip
+            conn, answer = await self._lookup(peer, {"t": "lookup", **ask})
+            if answer.get("t") == "error":
+                raise _error(answer, peer, request_id)
+            if answer.get("t") != "found" or not isinstance(answer.get("token"), str):
+                conn.fail(ProtocolViolation(f"unexpected answer to a lookup: {answer.get('t')!r}", peer=peer))
+                raise conn.error  # type: ignore[misc]
+            token = answer["token"]
+            raw_blocks = answer.get("blocks")
+        else:  # the prefill reply named them: READ at once, the pin travels beside it
+            conn = await self._conn(peer)
+            raw_blocks = list(remote_blocks)
+            self._check_blocks(conn, raw_blocks, kv_slice, into, blame_peer=False)
+            token = secrets.token_hex(12)
+            confirm = conn.ask({"t": "pin", **ask, "token": token, "blocks": raw_blocks})
         self._pin(conn, token)  # renewed from here until the READ ends
+        try:
+            state = await self._read(conn, request_id, token, raw_blocks, kv_slice, into, landing, confirm is None)
+        except BaseException:
+            if confirm is not None:
+                conn.forget(confirm[0])
+            raise
+        if confirm is not None:
+            try:
+                answer = await self._confirmed(conn, confirm)
+            except BaseException:
+                conn.forget(confirm[0])
+                raise
+            if answer.get("t") == "error":  # the bytes read cannot be vouched for: not used
+                raise _error(answer, peer, request_id)
+            if answer.get("t") != "pinned":
+                conn.fail(ProtocolViolation(f"unexpected answer to a pin: {answer.get('t')!r}", peer=peer))
+                raise conn.error  # type: ignore[misc]
+        if state != "DONE":
+            raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
+        return into.numel() * into.element_size()
+
+    async def _confirmed(self, conn: _Conn, confirm: tuple[int, asyncio.Future[dict[str, Any]]]) -> dict[str, Any]:
+        fut = confirm[1]
+        if fut.done():
+            return fut.result()
+        try:
+            with anyio.fail_after(self.config.request_timeout_s):
+                return await fut
+        except TimeoutError:
+            raise PeerClosed(f"{conn.peer} did not answer a pin within {self.config.request_timeout_s}s",
+                             peer=conn.peer) from None
+
+    async def _read(self, conn: _Conn, request_id: str, token: str, raw_blocks: Any, kv_slice: KVSlice, into: torch.Tensor,
+                    landing: Landing, blame_peer: bool) -> str:
+        """Post one READ of ``raw_blocks`` (pinned under ``token``) into ``into``; its final state
+        (``DONE`` or a failure), once NIXL no longer reports it in progress."""
+        peer = conn.peer
         nbytes = into.numel() * into.element_size()
         try:
-            blocks = self._check_blocks(conn, answer.get("blocks"), kv_slice, into)
+            blocks = self._check_blocks(conn, raw_blocks, kv_slice, into, blame_peer=blame_peer)
             pool = conn.info["pool"]
             remote, local, lengths = segments(conn.remote, blocks, kv_slice)  # the CTX's pool, its head numbering
             if int(lengths.sum()) != nbytes:
@@ -399,7 +453,8 @@ class NIXLTransport:
             await self._before_read(peer, request_id)
         except ProtocolViolation as exc:
             self._unpin(conn, token, tell=True)
-            conn.fail(exc)
+            if blame_peer:
+                conn.fail(exc)
             raise
         except BaseException:
             self._unpin(conn, token, tell=True)
@@ -439,22 +494,17 @@ class NIXLTransport:
             self._end_read(xfer, adhoc)
             landing.end()
             self._unpin(conn, token, tell=state != "DONE")
-            if state != "DONE":
-                raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
-            return nbytes
+            return state
         name = conn.agent_name
         self._reads[name] = self._reads.get(name, 0) + 1
         watch = asyncio.ensure_future(self._watch(conn, token, xfer, landing, adhoc, nbytes, posting))
         watch.add_done_callback(lambda _: self._read_ended(name))
         try:
-            state = await asyncio.shield(watch)
+            return await asyncio.shield(watch)
         except BaseException:  # cancelled: the watcher goes on until NIXL ends the READ
             self._background.add(watch)
             watch.add_done_callback(self._background.discard)
             raise
-        if state != "DONE":
-            raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
-        return nbytes
 
     def _prepped_xfer(self, conn: _Conn, blocks: list[int], kv_slice: KVSlice, into: torch.Tensor,
                       notif: bytes) -> Any:

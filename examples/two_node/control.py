@@ -33,8 +33,10 @@ CTX node (``ctx`` subcommand)::
     <- {"ok": true, "request_id": str, "first_token": int, "prompt_len": int,
         "kv_peer": "host:port" (its UCX listener), "kv_handle": str, "block_checksums": [int, ...],
         "head_checksums": [[int, ...], ...], "kv_sources": [{"peer": "host:port", "head_start": int,
-        "head_end": int}, ...]}
+        "head_end": int, "kv_blocks": [int, ...]}, ...]}
        kv_handle: the unguessable token that GEN must present to pull or release this KV
+       kv_blocks: that rank's pool blocks holding the prompt's KV, in order (vLLM's
+       remote_block_ids): a NIXL GEN READs them at once, without asking for them first
        kv_sources: where each KV head is held: one entry (kv_peer, every head) for a CTX TP1; one
        per rank for ``ctx --tp M`` (kv_peer is then rank 0's listener; block_checksums is empty and
        head_checksums [block][model head] is the parity check)
@@ -45,7 +47,8 @@ CTX node (``ctx`` subcommand)::
 GEN node (``gen`` subcommand)::
 
     -> {"op": "generate", "request_id": str, "prompt_len": int, "first_token": int,
-        "max_tokens": int, "kv_peer": "host:port", "kv_handle": str, "kv_sources": [...] (optional)}
+        "max_tokens": int, "kv_peer": "host:port", "kv_handle": str, "kv_sources": [...] (optional;
+        each {"peer", "head_start", "head_end", "kv_blocks" (optional: that rank's block ids)})}
        kv_sources as the CTX's prefill reply gave it (needed when the CTX runs tensor-parallel);
        without it kv_peer holds every head
     <- {"tokens": [int, ...]}                     zero or more, as decode produces them
@@ -191,8 +194,9 @@ def kv_handle(msg: dict[str, Any]) -> str:
 MAX_KV_SOURCES = 64
 
 
-def kv_sources(msg: dict[str, Any]) -> list[tuple[str, int, int]]:
-    """``msg["kv_sources"]`` as ``(peer, head_start, head_end)``; [] when absent; raises ControlError."""
+def kv_sources(msg: dict[str, Any], max_blocks: int = 1 << 20) -> list[tuple[str, int, int, tuple[int, ...] | None]]:
+    """``msg["kv_sources"]`` as ``(peer, head_start, head_end, kv_blocks)`` (``kv_blocks``: that
+    rank's block ids of the prompt, None when not named); [] when absent; raises ControlError."""
     value = msg.get("kv_sources")
     if value is None:
         return []
@@ -205,7 +209,9 @@ def kv_sources(msg: dict[str, Any]) -> list[tuple[str, int, int]]:
         peer = field(src, "peer", str)
         h0 = field(src, "head_start", int, lo=0, hi=1 << 16)
         h1 = field(src, "head_end", int, lo=h0 + 1, hi=1 << 16)
-        out.append((peer, h0, h1))
+        blocks = (tuple(int_list(src, "kv_blocks", max_len=max_blocks, lo=0, hi=(1 << 31) - 1))
+                  if src.get("kv_blocks") is not None else None)
+        out.append((peer, h0, h1, blocks))
     return out
 
 

@@ -46,6 +46,7 @@ class CtxNode:
         self.pool = KVBlockPool(self.layout, args.num_blocks)
         self.store = KVStore(self.layout, self.pool.kv)
         self.ucx_addr = ""
+        self.kv_server: Any = None
         self.rank = getattr(args, "tp_rank", 0)
         self.head_range = (tuple(self.model.kv_head_range()) if args.tp > 1
                            else (0, self.model.config.num_kv_heads))
@@ -75,8 +76,10 @@ class CtxNode:
 
     def rank_stats(self) -> dict[str, Any]:
         s, p = self.store.statistics(), self.pool.statistics()
+        kv = dataclasses.asdict(self.kv_server.statistics()) if self.kv_server is not None else {}
         return {"rank": self.rank, "head_range": list(self.head_range), "store": dataclasses.asdict(s),
-                "pool": {"num_blocks": p.num_blocks, "used_blocks": p.used_blocks, "peak_used_blocks": p.peak_used_blocks}}
+                "pool": {"num_blocks": p.num_blocks, "used_blocks": p.used_blocks, "peak_used_blocks": p.peak_used_blocks},
+                "kv_server": kv}
 
     async def _in_group(self, op: tuple[Any, ...], local: Any = None) -> Any:
         """Rank 0: run ``op`` on every rank (their execution threads, in lockstep) and wait for it."""
@@ -204,7 +207,8 @@ class CtxNode:
                 **({"first_logprobs": first_lp[0]} if first_lp else {}),
                 "kv_peer": self.ucx_addr, "kv_handle": handle, "block_checksums": checksums,
                 "head_checksums": per_head,
-                "kv_sources": [{"peer": self.ucx_addr, "head_start": 0, "head_end": self.head_range[1]}]}
+                "kv_sources": [{"peer": self.ucx_addr, "head_start": 0, "head_end": self.head_range[1],
+                                "kv_blocks": [int(b) for b in block_ids.tolist()]}]}
 
     async def _prefill_in_group(self, rid: str, prompt: list[int], block_ids: torch.Tensor) -> dict[str, Any]:
         """Every rank prefills its shard and holds its heads under one handle; the reply names them all."""
@@ -232,6 +236,7 @@ class CtxNode:
         async with kv_server(self.args, self.store, port=ucx_port, lease_s=self.args.lease_s,
                              head_start=self.head_range[0], total_kv_heads=self.model.config.num_kv_heads) as server:
             self.ucx_addr = f"{self.args.advertise or self.args.host}:{server.port}"
+            self.kv_server = server
             if self.group is not None:
                 await self._run_group()
                 return

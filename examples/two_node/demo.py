@@ -144,7 +144,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         },
         "ctx": {"nodes": len(ctx_stats), "prefills": [c["prefills"] for c in ctx_stats],
                 "tp": [c.get("tp", {}).get("world_size", 1) for c in ctx_stats],
-                "held_requests_after": sum(c["store"]["held_requests"] for c in ctx_stats)},
+                "held_requests_after": sum(c["store"]["held_requests"] for c in ctx_stats),
+                # NIXL: pulls that had to ask for the block ids first (the prefill reply names them)
+                "kv_lookups": sum(r.get("kv_server", {}).get("lookups", 0) for c in ctx_stats for r in c["tp"]["ranks"])},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "wall_s": load_s,
     }
