@@ -141,6 +141,13 @@ M = [
  ("19 etcd lease kept alive", "examples/two_node/membership.py", "            await anyio.sleep(self.ttl_s / 3)\n", "            await anyio.sleep(self.ttl_s * 3)\n", "tests/test_etcd_membership.py -k join"),
  ("19 a non-streamed request outlives its GEN", "examples/serve/_app.py", 'err.code not in ("gen_unavailable", "generation_failed")', "True", "tests/test_front_cluster.py -k 'alternate or mid_stream or outlives'"),
  ("19 drain finishes live work", "examples/two_node/membership.py", "            if self.busy():\n", "            if False:\n", "tests/test_etcd_membership.py -k drain"),
+ # issue 17, item 2: NIXL READ posted at once from the prefill reply's block ids, its pin beside it
+ ("17 pin answer vouches for the READ", "transports/nixl.py", '            if answer.get("t") == "error":  # the bytes read cannot be vouched for: not used\n', '            if False:\n', "tests/test_nixl_handoff.py -k refused"),
+ ("17 pin checks the blocks", "transports/_nixl_server.py", '        if msg.get("blocks") != blocks:\n', '        if False:\n', "tests/test_nixl_handoff.py -k refused"),
+ ("17 early notification ends its pin", "transports/_nixl_server.py", "        if early is None:\n            self._pins[token] = pin", "        if True:\n            self._pins[token] = pin", "tests/test_nixl_handoff.py -k overtakes"),
+ ("17 handoff blocks checked at the GEN", "transports/nixl.py", "            blocks = self._check_blocks(conn, raw_blocks, kv_slice, into, blame_peer=blame_peer)\n", "            blocks = raw_blocks\n", "tests/test_nixl_handoff.py -k bad_block_list"),
+ ("17 handoff blocks reach the pull", "orchestrator/_receiver.py", "                if part.blocks is None:\n", "                if True:\n", "tests/test_fan_in.py -k named"),
+ ("17 handoff blocks validated at submit", "orchestrator/_validate.py", "        _check_blocks(r.kv_blocks, prompt_blocks, \"kv_blocks\")\n", "", "tests/test_fan_in.py -k wrong_block_ids"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

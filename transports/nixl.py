@@ -401,8 +401,7 @@ class NIXLTransport:
             raw_blocks = answer.get("blocks")
         else:  # the prefill reply named them: READ at once, the pin travels beside it
             conn = await self._conn(peer)
-            raw_blocks = list(remote_blocks)
-            self._check_blocks(conn, raw_blocks, kv_slice, into, blame_peer=False)
+            raw_blocks = list(remote_blocks)  # checked (as the CTX's answer would be) before the READ is built
             token = secrets.token_hex(12)
             confirm = conn.ask({"t": "pin", **ask, "token": token, "blocks": raw_blocks})
         self._pin(conn, token)  # renewed from here until the READ ends
