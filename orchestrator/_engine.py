@@ -82,7 +82,7 @@ from ._stats import (
     Histogram,
     StepReport,
 )
-from ._step import FINISH, Abort, Agreement, GroupBroken, Outcome, SoloAgreement, StepMessage, Submit, chain_crc
+from ._step import FINISH, Abort, Agreement, GroupBroken, Outcome, SoloAgreement, StepMessage, Submit, chain_crc, rows_crc
 from ._validate import validate_request
 
 log = structlog.get_logger("orchestrator.engine")
@@ -358,13 +358,11 @@ class GenEngine:
                     del self._unquiet[seq_no]
                     msg.quiet.append(seq_no)
         if self._last_batch:
-            digest = 0
-            for seq, token in zip(self._last_batch, self._sampled):
-                digest = chain_crc(digest, seq.seq_no, seq.tokens[-1], token)
-            msg.batch_digest = digest
+            batch = self._last_batch
+            msg.batch_digest = rows_crc([s.seq_no for s in batch], [s.tokens[-1] for s in batch], self._sampled)
             if self.leads_steps:
-                msg.tokens = [token | (FINISH if self._done(seq, token) else 0)
-                              for seq, token in zip(self._last_batch, self._sampled)]
+                done = self._done
+                msg.tokens = [token | (FINISH if done(seq, token) else 0) for seq, token in zip(batch, self._sampled)]
         return PreparedStep(msg, t0, c0)
 
     def apply_step(self, prepared: PreparedStep, messages: Seq[StepMessage]) -> StepReport:
@@ -437,15 +435,17 @@ class GenEngine:
     def _apply_tokens(self, tokens: Seq[int]) -> None:
         """Rank 0's tokens (and finish decisions) for the batch this rank decoded last step."""
         batch, self._last_batch, self._sampled = self._last_batch, [], []
+        running = RequestState.RUNNING
+        emits = self.leads_steps  # only rank 0 emits: other ranks build no output per token
         for seq, word in zip(batch, tokens):
-            if seq.state is not RequestState.RUNNING:
+            if seq.state is not running:
                 continue
             token = word & ~FINISH
             seq.tokens.append(token)
             if word & FINISH:
                 self._end(seq, RequestState.FINISHED, None, "", new_tokens=(token,))
-            else:
-                self._emit(RequestOutput(seq.request_id, (token,), RequestState.RUNNING))
+            elif emits:
+                self._emit(RequestOutput(seq.request_id, (token,), running))
 
     def _arrive(self, event: Submit) -> None:
         request = event.request

@@ -360,6 +360,13 @@ def chain_crc(crc: int, *values: int) -> int:
     return zlib.crc32(np.asarray(values, dtype="<u4").tobytes(), crc)
 
 
+def rows_crc(*columns: Seq[int]) -> int:
+    """``chain_crc`` from 0 over every row of ``columns`` (one value from each, as u32), in one
+    call: CRC32 chains, so that is the CRC32 of the rows laid end to end (a step's batch digest is
+    one call per step, not one per request)."""
+    return zlib.crc32(np.array(columns, dtype="<u4").T.tobytes())
+
+
 # -- agreements for a group --------------------------------------------------------------------------
 class TorchStepSync:
     """The step agreement of a group on ``torch.distributed`` (a gloo group of its own: the
