@@ -543,16 +543,14 @@ class ReceiveGroup:
         # with release (the last chunk), the peer frees its copy once this pull succeeded.
         # A peer that is busy now refuses before sending anything: retry until the deadline.
         wire_slice = shift_heads(chunk, -part.peer_head_start)  # the heads as the peer numbers them
+        # the peer's block ids only when known: a transport that predates them need not take the keyword
+        named = {} if part.blocks is None else {"remote_blocks": part.blocks}
         backoff = _BUSY_BACKOFF_S[0]
         while True:
             try:
-                if part.blocks is None:
-                    return await self._transport.pull(
-                        part.peer, job.request_id, wire_slice, into, handle=part.handle, release=last and job.release,
-                        landing=landing)
                 return await self._transport.pull(
                     part.peer, job.request_id, wire_slice, into, handle=part.handle, release=last and job.release,
-                    landing=landing, remote_blocks=part.blocks)
+                    landing=landing, **named)
             except PeerBusy:
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, _BUSY_BACKOFF_S[1])

@@ -68,12 +68,18 @@ class _Conn:
 
     async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         rid, fut = self.ask(msg)
+        return await self.answer(rid, fut, msg["t"], timeout)
+
+    async def answer(self, rid: int, fut: asyncio.Future[dict[str, Any]], what: str, timeout: float) -> dict[str, Any]:
+        """The answer to an ``ask``, within ``timeout`` (then ``PeerClosed``, the question forgotten)."""
+        if fut.done():
+            return fut.result()
         try:
             with anyio.fail_after(timeout):
                 return await fut
         except TimeoutError:
             self.waiting.pop(rid, None)
-            raise PeerClosed(f"{self.peer} did not answer {msg['t']} within {timeout}s", peer=self.peer) from None
+            raise PeerClosed(f"{self.peer} did not answer {what} within {timeout}s", peer=self.peer) from None
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.error is None:

@@ -141,6 +141,7 @@ class NIXLKVServer:
     def _done(self, token: str, *, ok: bool) -> None:
         pin = self._pins.pop(token, None)
         if pin is None:  # perhaps a READ's pin still on its way (a pin message): remembered a while
+            self._early.pop(token, None)  # re-added at the end: the dict stays in time order for the purge
             self._early[token] = (ok, time.monotonic())
             while len(self._early) > _MAX_EARLY:
                 del self._early[next(iter(self._early))]

@@ -413,7 +413,7 @@ class NIXLTransport:
             raise
         if confirm is not None:
             try:
-                answer = await self._confirmed(conn, confirm)
+                answer = await conn.answer(*confirm, "pin", self.config.request_timeout_s)
             except BaseException:
                 conn.forget(confirm[0])
                 raise
@@ -425,17 +425,6 @@ class NIXLTransport:
         if state != "DONE":
             raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
         return into.numel() * into.element_size()
-
-    async def _confirmed(self, conn: _Conn, confirm: tuple[int, asyncio.Future[dict[str, Any]]]) -> dict[str, Any]:
-        fut = confirm[1]
-        if fut.done():
-            return fut.result()
-        try:
-            with anyio.fail_after(self.config.request_timeout_s):
-                return await fut
-        except TimeoutError:
-            raise PeerClosed(f"{conn.peer} did not answer a pin within {self.config.request_timeout_s}s",
-                             peer=conn.peer) from None
 
     async def _read(self, conn: _Conn, request_id: str, token: str, raw_blocks: Any, kv_slice: KVSlice, into: torch.Tensor,
                     landing: Landing, blame_peer: bool) -> str:
