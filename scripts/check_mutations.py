@@ -141,6 +141,7 @@ M = [
  ("19 etcd lease kept alive", "examples/two_node/membership.py", "            await anyio.sleep(self.ttl_s / 3)\n", "            await anyio.sleep(self.ttl_s * 3)\n", "tests/test_etcd_membership.py -k join"),
  ("19 a non-streamed request outlives its GEN", "examples/serve/_app.py", 'err.code not in ("gen_unavailable", "generation_failed")', "True", "tests/test_front_cluster.py -k 'alternate or mid_stream or outlives'"),
  ("19 drain finishes live work", "examples/two_node/membership.py", "            if self.busy():\n", "            if False:\n", "tests/test_etcd_membership.py -k drain"),
+ ("report stats reach every rank", "examples/two_node/gen.py", "isinstance(command, list) and command[0] == gen_tp.REPORT_STATS", "isinstance(command, tuple) and command[0] == gen_tp.REPORT_STATS", "tests/test_tp_two_node.py -k 'equals_a_single_process and 2'"),
  # issue 17, item 2: NIXL READ posted at once from the prefill reply's block ids, its pin beside it
  ("17 pin answer vouches for the READ", "transports/nixl.py", '            if answer.get("t") == "error":  # the bytes read cannot be vouched for: not used\n', '            if False:\n', "tests/test_nixl_handoff.py -k refused"),
  ("17 pin checks the blocks", "transports/_nixl_server.py", '        if msg.get("blocks") != blocks:\n', '        if False:\n', "tests/test_nixl_handoff.py -k refused"),

@@ -35,6 +35,10 @@ def test_ctx_tp1_to_gen_tp_equals_a_single_process(tp: int) -> None:
     check(report, 12)  # tokens equal the reference; every (block, head) checksum equals the CTX's
     assert report["gen"]["tp"]["world_size"] == tp
     same_admissions(report["gen"]["tp"], 12)
+    # every rank answered rank 0's last statistics request (not a stale once-a-second report)
+    loops = report["gen"]["tp"]["rank_loop"]
+    assert sorted(loops) == [str(r) for r in range(tp)] and loops["0"]["seq"] > 0
+    assert all(v["seq"] == loops["0"]["seq"] for v in loops.values()), {r: v["seq"] for r, v in loops.items()}
 
 
 def test_backpressure_at_tp4_defers_and_admits_the_same_requests_on_every_rank() -> None:

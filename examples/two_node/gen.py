@@ -163,7 +163,8 @@ class GenNode:
         assert self.loop is not None and self.engine is not None
         if command == gen_tp.RESET_STATS:
             self.loop.reset_statistics()
-        elif self.rank != 0 and isinstance(command, tuple) and command[0] == gen_tp.REPORT_STATS:  # rank 0 waits
+        elif self.rank != 0 and isinstance(command, list) and command[0] == gen_tp.REPORT_STATS:  # rank 0 waits
+            # (a list: commands cross the step exchange as JSON, where a tuple arrives as a list)
             self._report_seq = int(command[1])
             stats, notes = self._loop_stats(), self.notes
             if notes is not None:
@@ -177,7 +178,7 @@ class GenNode:
             return
         self._report_seq += 1
         seq = self._report_seq
-        engine.broadcast((gen_tp.REPORT_STATS, seq))
+        engine.broadcast([gen_tp.REPORT_STATS, seq])
         with anyio.move_on_after(timeout_s):
             while any(self.rank_loops.get(r, {}).get("seq", -1) < seq for r in range(1, engine.world_size)):
                 engine.wakeup.set()  # an idle rank 0 steps once a second: the answers ride the next steps
