@@ -142,6 +142,11 @@ M = [
  ("19 a non-streamed request outlives its GEN", "examples/serve/_app.py", 'err.code not in ("gen_unavailable", "generation_failed")', "True", "tests/test_front_cluster.py -k 'alternate or mid_stream or outlives'"),
  ("19 drain finishes live work", "examples/two_node/membership.py", "            if self.busy():\n", "            if False:\n", "tests/test_etcd_membership.py -k drain"),
  ("report stats reach every rank", "examples/two_node/gen.py", "isinstance(command, list) and command[0] == gen_tp.REPORT_STATS", "isinstance(command, tuple) and command[0] == gen_tp.REPORT_STATS", "tests/test_tp_two_node.py -k 'equals_a_single_process and 2'"),
+ # issue 17, item 3: the lean ucxx pull (a zero-copy PULL served in the CTX's read loop; the PULL_OK matched without a decode)
+ ("17 inline serve unpins", "transports/_ucx_server.py", "            checkout.close()  # UCX is done with the view: both sends ended\n", "", "tests/test_ucx_transport.py -k zero_copy"),
+ ("17 inline serve releases", "transports/_ucx_server.py", "            if msg.release:\n                self.store.release(msg.request_id, handle=msg.handle)\n            log.debug(\"kv_pull_served\"", "            log.debug(\"kv_pull_served\"", "tests/test_ucx_transport.py -k zero_copy"),
+ ("17 inline serve checks the shape", "transports/_ucx_server.py", "        if (msg.dtype, msg.shape) != (self._dtype, layout.wire_shape(num_blocks, msg.kv_slice)):\n            return False\n", "", "tests/test_ucx_transport.py -k zero_copy"),
+ ("17 PULL_OK shortcut matches all but the tail", "transports/wire.py", "frame[:t] != want[:t] or frame[t + 1 :] != want[t + 1 :]", "frame[:t] != want[:t]", "tests/test_wire.py -k shortcut"),
  # issue 17, item 2: NIXL READ posted at once from the prefill reply's block ids, its pin beside it
  ("17 pin answer vouches for the READ", "transports/nixl.py", '            if answer.get("t") == "error":  # the bytes read cannot be vouched for: not used\n', '            if False:\n', "tests/test_nixl_handoff.py -k refused"),
  ("17 pin checks the blocks", "transports/_nixl_server.py", '        if msg.get("blocks") != blocks:\n', '        if False:\n', "tests/test_nixl_handoff.py -k refused"),

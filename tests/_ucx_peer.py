@@ -6,7 +6,9 @@ It fills a deterministic KV pool (``make_pool``), holds ``--requests`` requests 
 answers stdin commands, one JSON line each: ``stats`` (store statistics and held ids),
 ``put <id>`` (hold one more request). The secret comes from ``KVO_SHARED_SECRET``; ``--insecure``
 serves without one. ``--gather-delay S`` makes every gather sleep S seconds (to kill it mid-pull),
-``--send-delay S`` sleeps after READY (to cancel a pull whose receive is posted).
+``--send-delay S`` sleeps after READY (to cancel a pull whose receive is posted). ``--runs`` holds
+each request in one ascending run of blocks, which the UCX server sends from a zero-copy view of its
+pool in its read loop (the scattered default takes its gather path).
 ``--corrupt short|long|foreign`` (UCX only) answers pulls of ``req-1`` with a right PULL_OK and then
 half the KV, the KV and 64 more bytes, or a PULL_OK that names another pull (and then the KV): a CTX bug
 that GEN must catch.
@@ -37,8 +39,11 @@ def make_pool(layout: KVLayout, num_blocks: int, seed: int = 1234) -> torch.Tens
     return torch.randn((num_blocks, *layout.block_shape), generator=g, dtype=torch.float32).to(layout.dtype)
 
 
-def block_ids(index: int, blocks: int, total: int) -> torch.Tensor:
-    """Request ``index``'s blocks: a scattered, reversed run so that gather order matters."""
+def block_ids(index: int, blocks: int, total: int, *, runs: bool = False) -> torch.Tensor:
+    """Request ``index``'s blocks: a scattered, reversed run so that gather order matters; with
+    ``runs``, one ascending run (what the CTX sends as a zero-copy view of its pool, in its read loop)."""
+    if runs:
+        return torch.arange(index * blocks, (index + 1) * blocks)
     perm = torch.randperm(total, generator=torch.Generator().manual_seed(99))
     return perm[index * blocks : (index + 1) * blocks].flip(0)
 
@@ -71,7 +76,7 @@ async def _main(args: argparse.Namespace) -> None:
     store = _SlowStore(LAYOUT, pool)
     store.delay_s = args.gather_delay
     for i in range(args.requests):
-        store.put(f"req-{i}", block_ids(i, args.blocks, total), num_tokens=args.blocks * LAYOUT.block_size,
+        store.put(f"req-{i}", block_ids(i, args.blocks, total, runs=args.runs), num_tokens=args.blocks * LAYOUT.block_size,
                   lease_s=args.lease, handle=handle_for(f"req-{i}"))
     secret = None if args.insecure else load_secret()
     config = UCXConfig(secret=secret, allow_insecure=args.insecure, expire_interval_s=0.2,
@@ -79,7 +84,7 @@ async def _main(args: argparse.Namespace) -> None:
                        max_gathers_per_request=args.max_gathers,
                        handshake_timeout_s=args.handshake_timeout)
 
-    class Server(UCXKVServer):
+    class Slowed(UCXKVServer):  # only when asked: otherwise the server as it ships (zero-copy pulls in its read loop)
         async def _before_send(self, msg: object) -> None:
             if args.send_delay:
                 await anyio.sleep(args.send_delay)
@@ -104,6 +109,8 @@ async def _main(args: argparse.Namespace) -> None:
             buf = _ucx_buffer(sent)
             reply, data = post_send(ep, frame, 2 * msg.txid), post_send(ep, buf, msg.tag)
             await asyncio.shield(asyncio.gather(reply.future, data.future))
+
+    Server = Slowed if args.send_delay or args.corrupt else UCXKVServer
 
     if args.backend == "nixl":  # the same store behind a NIXL server; both delays hold up the lookup
         from transports.nixl import NIXLConfig, NIXLKVServer
@@ -133,9 +140,10 @@ async def _main(args: argparse.Namespace) -> None:
                 s = store.statistics()
                 held = sorted(store._held)  # test helper: peek at the ids still held
                 out = {"held": held, "released": s.released, "expired": s.expired, "max_gathers": store.max_gathering,
+                       "open_pins": s.open_pins,
                        **vars(server.statistics())}
             elif cmd == "put":
-                store.put(arg, block_ids(0, args.blocks, total), num_tokens=16, lease_s=args.lease, handle=handle_for(arg))
+                store.put(arg, block_ids(0, args.blocks, total, runs=args.runs), num_tokens=16, lease_s=args.lease, handle=handle_for(arg))
                 out = {"ok": True}
             else:
                 out = {"error": f"unknown command {cmd!r}"}
@@ -156,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--corrupt", choices=["short", "long", "foreign"], default=None)
+    p.add_argument("--runs", action="store_true", help="hold each request in one ascending run of blocks (zero-copy sends)")
     p.add_argument("--backend", choices=["ucx", "nixl"], default="ucx", help="serve with UCXKVServer or NIXLKVServer")
     args = p.parse_args(argv)
     import anyio

@@ -325,6 +325,62 @@ async def test_release(peer: Peer, transport: UCXTransport) -> None:
             await transport.pull(peer.address, "req-27", LAYOUT.full_slice(), empty())
 
 
+@pytest.fixture(scope="module")
+def run_peer() -> Iterator[Peer]:
+    """A UCX CTX whose requests each sit in one ascending run of blocks: it serves their whole-layout
+    pulls from a zero-copy view of its pool, in its read loop (no task per pull)."""
+    p = Peer("--runs")
+    yield p
+    p.stop()
+
+
+async def wait_unpinned(peer: Peer, *released: str) -> dict:
+    """The peer's statistics once ``released`` are gone and no send pins a block (a pull ends here
+    when its KV lands, a moment before the CTX sees its send end)."""
+    with anyio.fail_after(5):
+        while True:
+            stats = await peer.astats()
+            if not set(released) & set(stats["held"]) and stats["open_pins"] == 0:
+                return stats
+            await anyio.sleep(0.02)
+
+
+@pytest.mark.anyio
+async def test_zero_copy_pulls_served_in_the_read_loop(run_peer: Peer) -> None:
+    """The CTX's read-loop path (a whole-layout pull of one run of blocks) checks, pins, sends,
+    unpins and releases like the task path: exact KV, KEEP honoured, refusals keep the entry, and
+    afterwards no block stays pinned."""
+    pool = make_pool(LAYOUT, TOTAL)
+
+    def want(i: int) -> torch.Tensor:
+        return pool[block_ids(i, BLOCKS, TOTAL, runs=True)]
+
+    async with make_transport("ucx", connect_timeout_s=5) as t:
+        with anyio.fail_after(30):
+            into = empty()
+            assert await t.pull(run_peer.address, "req-0", LAYOUT.full_slice(), into) == into.nbytes
+            assert torch.equal(into, want(0))
+            kept = empty()
+            await t.pull(run_peer.address, "req-1", LAYOUT.full_slice(), kept, release=False)
+            assert torch.equal(kept, want(1))
+            stats = await wait_unpinned(run_peer, "req-0")
+            assert "req-1" in stats["held"]  # KEEP: a chunk leaves the entry held
+            out = {i: empty() for i in range(2, 12)}
+            async with anyio.create_task_group() as tg:
+                for i in out:
+                    tg.start_soon(functools.partial(t.pull, run_peer.address, f"req-{i}", LAYOUT.full_slice(), out[i]))
+            assert all(torch.equal(out[i], want(i)) for i in out)
+            wrong = empty(blocks=BLOCKS - 1)  # refused before a byte moves; the entry stays
+            with pytest.raises(ProtocolViolation, match="SHAPE_MISMATCH"):
+                await t.pull(run_peer.address, "req-12", LAYOUT.full_slice(), wrong)
+            assert torch.isnan(wrong).all()
+            with pytest.raises(UnknownRequest):
+                await t.pull(run_peer.address, "req-0", LAYOUT.full_slice(), empty())
+            stats = await wait_unpinned(run_peer, "req-0", *(f"req-{i}" for i in out))
+            assert {"req-1", "req-12"} <= set(stats["held"])
+            assert stats["pulls_served"] == 2 + len(out) and t.statistics().endpoints == 1
+
+
 @pytest.mark.anyio
 async def test_concurrent_pulls_of_one_request_and_cancel(slow_peer: Peer, transport: UCXTransport, backend: str) -> None:
     results: dict[str, object] = {}

@@ -208,3 +208,20 @@ def test_macs_are_mutual_and_role_bound() -> None:
     assert not _auth.verify(c, _auth.client_mac(b"x" * 32, ns, nc))
     assert not _auth.verify(c, _auth.client_mac(k, nc, ns))
     assert not _auth.verify(c, c[:-1])
+
+
+def test_pull_ok_shortcut_accepts_exactly_the_matching_reply() -> None:
+    """``pull_ok_tail`` (the GEN's shortcut past a full decode) returns the tail of the one PULL_OK
+    that answers the PULL, and None when any other byte of the frame differs."""
+    pull = wire.Pull(7, "req-1", "a" * 32, KVSlice(0, 2, 0, 4), "float16", (8, 2, 2, 4, 16, 64), 8 * 2 * 2 * 4 * 16 * 64 * 2, 15)
+    ok = wire.encode_frame(wire.PullOk(7, 15, "float16", pull.shape, pull.nbytes, 0xA5))
+    assert wire.pull_ok_tail(ok, pull) == 0xA5
+    tail_at = wire._PULL_OK_TAIL
+    assert ok[tail_at] == 0xA5
+    for i in range(len(ok)):
+        if i == tail_at:
+            continue
+        bad = bytearray(ok)
+        bad[i] ^= 0x01
+        assert wire.pull_ok_tail(bad, pull) is None, i
+    assert wire.pull_ok_tail(ok[:-1], pull) is None

@@ -13,6 +13,7 @@ request's blocks in pool order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -78,10 +79,10 @@ class KVLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
-    @property
-    def block_bytes(self) -> int:
+    @functools.cached_property
+    def block_bytes(self) -> int:  # on every pull's path: computed once (the layout is frozen)
         return math.prod(self.block_shape) * self.element_size
 
     def full_slice(self) -> KVSlice:

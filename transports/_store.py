@@ -72,6 +72,7 @@ class KVStoreStatistics:
     held_blocks: int
     released: int
     expired: int
+    open_pins: int = 0  # checkouts and pins not closed yet (a released entry's blocks are freed when it is 0)
 
 
 class KVStore:
@@ -83,6 +84,7 @@ class KVStore:
         self._held: dict[str, _Held] = {}
         self._released = 0
         self._expired = 0
+        self._pins = 0  # open checkouts and pins, of held and released entries
 
     def put(
         self,
@@ -127,6 +129,7 @@ class KVStore:
         with self._lock:
             held = self._get_locked(request_id, handle)
             held.pins += 1
+            self._pins += 1
             blocks = [int(b) for b in held.block_ids.tolist()]
         return blocks, Checkout(self, held, None)  # type: ignore[arg-type]
 
@@ -157,6 +160,7 @@ class KVStore:
         with self._lock:
             held = self._get_locked(request_id, handle)
             held.pins += 1
+            self._pins += 1
         try:
             view = whole_run_view(self.pool, held.block_ids, kv_slice)
             tensor = view if view is not None else self.gather(request_id, kv_slice, handle=handle)
@@ -175,11 +179,13 @@ class KVStore:
             if view is None:
                 return None
             held.pins += 1
+            self._pins += 1
         return Checkout(self, held, view)
 
     def _unpin(self, held: _Held) -> None:
         with self._lock:
             held.pins -= 1
+            self._pins -= 1
             free_now = held.pins == 0 and held.released
         if free_now and held.on_release is not None:
             held.on_release()
@@ -221,4 +227,5 @@ class KVStore:
                 held_blocks=sum(int(h.block_ids.numel()) for h in self._held.values()),
                 released=self._released,
                 expired=self._expired,
+                open_pins=self._pins,
             )

@@ -145,11 +145,12 @@ class _KVReceive:
     """The KV message of one pull: ``into`` is busy (its ``Landing``) from the PULL until the receive
     posted into it ends, or until it is known that none will be posted (``end``, idempotent)."""
 
-    __slots__ = ("conn", "into", "tag", "landing", "frame", "posted", "reaping", "_ended")
+    __slots__ = ("conn", "into", "tag", "landing", "frame", "posted", "reaping", "_ended", "_buf")
 
     def __init__(self, conn: _Endpoint, into: torch.Tensor, tag: int, landing: Landing, frame: bytearray) -> None:
         self.conn, self.into, self.tag, self.landing, self.frame = conn, into, tag, landing, frame
         self.posted: asyncio.Future[Any] | None = None
+        self._buf: Any = None  # the bytes of `into` that UCX writes (once posted)
         self.reaping = False  # a background task ends it now
         self._ended = False
         landing.begin()
@@ -162,7 +163,7 @@ class _KVReceive:
     def post(self, tail: int | None) -> None:
         """Post the KV receive into ``into``, its last byte first set to differ from ``tail`` (the
         CTX's last byte): a short message leaves it, so ``verify`` sees it."""
-        buf = _ucx_buffer(self.into)
+        buf = self._buf = _ucx_buffer(self.into)
         if tail is not None:
             buf[-1] = tail ^ 0xFF
         try:
@@ -173,6 +174,6 @@ class _KVReceive:
         self.posted.add_done_callback(self.end)
 
     def verify(self, tail: int) -> None:
-        if last_byte(self.into) != tail:
+        if (int(self._buf[-1]) if self._buf is not None else last_byte(self.into)) != tail:
             raise ProtocolViolation(f"{self.conn.peer} sent a KV message shorter than its PULL_OK said "
                                     f"({self.into.numel() * self.into.element_size()} B)", peer=self.conn.peer)

@@ -125,6 +125,12 @@ class UCXKVServer:
         self._eps: set[Any] = set()
         self._handshaking = 0
         self._gathers: dict[str, tuple[anyio.Semaphore, list[int]]] = {}  # request id -> (slots, [users])
+        # pulls served in the read loop (``_serve_now``) whose sends have not ended: (endpoint, txid) ->
+        # (checkout, what UCX sends from); a subclass that overrides a send seam takes the task path
+        self._sending: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._inline_ok = (type(self)._before_send is UCXKVServer._before_send
+                           and type(self)._send_checked_out is UCXKVServer._send_checked_out)
+        self._dtype = dtype_name(store.layout.dtype)
         self._served = self._refused = self._bytes = self._auth_failures = self._malformed = 0
         self._since = (0, 0, 0)  # served, refused, bytes at the last summary
         layout = store.layout
@@ -175,6 +181,9 @@ class UCXKVServer:
                 self._listener.close()
             for ep in list(self._eps):  # first: UCX ends every send in flight, before a checkout closes
                 ep.abort(period=10**8)
+            for checkout, *_ in list(self._sending.values()):  # sends served in the read loop: ended by the aborts
+                checkout.close()
+            self._sending.clear()
             assert self._tg is not None
             self._tg.cancel_scope.cancel()
             return await self._tg.__aexit__(*exc)
@@ -303,7 +312,8 @@ class UCXKVServer:
                     tg.start_soon(self._refuse, ep, msg.txid, msg.request_id, wire.Status.BUSY, "too many pulls in flight")
                     continue
                 in_flight.add(msg.txid)
-                tg.start_soon(self._serve_pull, ep, peer, msg, in_flight)
+                if not (self._inline_ok and self._serve_now(ep, peer, msg, in_flight)):
+                    tg.start_soon(self._serve_pull, ep, peer, msg, in_flight)
             elif isinstance(msg, wire.Release):
                 released = self.store.release(msg.request_id, handle=msg.handle)
                 log.debug("kv_released", request_id=msg.request_id, held=released)
@@ -340,6 +350,69 @@ class UCXKVServer:
         self._refused += 1
         log.debug("kv_pull_refused", request_id=request_id, reason=status.name)
         await self._send_quietly(ep, wire.PullErr(txid, status, reason[:120]), 2 * txid)
+
+    def _serve_now(self, ep: Any, peer: str | None, msg: wire.Pull, in_flight: set[int]) -> bool:
+        """Serve a zero-copy PULL here, in the read loop, without a task: check it, pin a view of the
+        pool, post PULL_OK and the KV; their completion (a callback) unpins, counts and releases.
+        False (nothing done) when the PULL needs the task path: a refusal, a gather, a failed post."""
+        layout = self.store.layout
+        try:
+            num_blocks = self.store.num_blocks(msg.request_id, handle=msg.handle)
+            layout.check_slice(msg.kv_slice)
+        except (UnknownRequest, ValueError):
+            return False
+        if (msg.dtype, msg.shape) != (self._dtype, layout.wire_shape(num_blocks, msg.kv_slice)):
+            return False
+        self.store.touch(msg.request_id, self._lease_s, handle=msg.handle)  # a started pull renews the lease
+        try:
+            checkout = self.store.checkout_view(msg.request_id, msg.kv_slice, handle=msg.handle)
+        except UnknownRequest:
+            return False
+        if checkout is None:
+            return False
+        staged = checkout.tensor
+        frame = wire.encode_frame(wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, last_byte(staged)))
+        buf = _ucx_buffer(staged)
+        try:
+            reply = post_send(ep, frame, 2 * msg.txid)
+            data = post_send(ep, buf, msg.tag)
+        except Exception as exc:  # the endpoint broke: its reader sees it too
+            checkout.close()
+            in_flight.discard(msg.txid)
+            log.info("kv_pull_failed", peer=peer, request_id=msg.request_id, reason=f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):
+                ep.abort(period=10**8)
+            return True
+        key = (id(ep), msg.txid)
+        pending = [2]
+        failed: list[BaseException] = []
+
+        def ended(fut: asyncio.Future[Any]) -> None:  # on the loop, once per send
+            if fut.cancelled():
+                failed.append(RuntimeError("send cancelled"))
+            elif fut.exception() is not None:
+                failed.append(fut.exception())  # type: ignore[arg-type]
+            pending[0] -= 1
+            if pending[0] or self._sending.pop(key, None) is None:  # the other send; or the server closed it
+                return
+            in_flight.discard(msg.txid)
+            checkout.close()  # UCX is done with the view: both sends ended
+            if failed:
+                log.info("kv_pull_failed", peer=peer, request_id=msg.request_id, reason=f"{type(failed[0]).__name__}: {failed[0]}")
+                with contextlib.suppress(Exception):
+                    ep.abort(period=10**8)
+                return
+            self._served += 1
+            self._bytes += msg.nbytes
+            if msg.release:
+                self.store.release(msg.request_id, handle=msg.handle)
+            log.debug("kv_pull_served", request_id=msg.request_id, bytes=msg.nbytes, released=msg.release)
+
+        # the frame, the buffer and both requests stay referenced until the sends end (ucxx keeps none)
+        self._sending[key] = (checkout, frame, buf, reply, data)
+        reply.future.add_done_callback(ended)
+        data.future.add_done_callback(ended)
+        return True
 
     async def _serve_pull(self, ep: Any, peer: str | None, msg: wire.Pull, in_flight: set[int]) -> None:
         """Serve one PULL. Pulls of the same request may run at once (tensor-parallel GEN ranks each

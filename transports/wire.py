@@ -340,6 +340,21 @@ def encode_frame(msg: Message) -> bytearray:
     return frame
 
 
+_PULL_OK_TAIL = HEADER_BYTES + _PULL_OK_FIXED.size - 1  # offset of PULL_OK's tail byte in its frame
+
+
+def pull_ok_tail(frame: bytes | bytearray, pull: Pull) -> int | None:
+    """The tail of ``frame`` when it is, byte for byte, a PULL_OK answering ``pull`` (its txid, tag,
+    dtype, shape and length; zero padding); None for anything else (decode it to learn what). A
+    shortcut past ``decode_frame`` for the one frame a pull expects: it accepts exactly what the
+    full decode of a matching PULL_OK accepts."""
+    want = encode_frame(PullOk(pull.txid, pull.tag, pull.dtype, pull.shape, pull.nbytes, 0))
+    t = _PULL_OK_TAIL
+    if len(frame) != FRAME_BYTES or frame[:t] != want[:t] or frame[t + 1 :] != want[t + 1 :]:
+        return None
+    return frame[t]
+
+
 def _check_len(name: str, value: bytes, n: int) -> None:
     if len(value) != n:
         raise ValueError(f"{name} must be {n} bytes, got {len(value)}")

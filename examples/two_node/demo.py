@@ -99,8 +99,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         t0 = time.perf_counter()
         result, gen_stats = anyio.run(drive, backend="asyncio")
         connected = f'"{args.kv_transport}_connected"' in gen.log_tail(10_000)  # the GEN really used it
-        ctx_stats = [anyio.run(lambda a=a: control.call(a, {"op": "stats"}, secret=secret), backend="asyncio")
-                     for a in ctx_addrs]
+        ctx_stats = [anyio.run(_ctx_at_rest, a, secret, backend="asyncio") for a in ctx_addrs]
         load_s = time.perf_counter() - t0
     summary = client.summarize(result)
     reference = reference_tokens(prompts, args.osl)
@@ -145,11 +144,25 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         "ctx": {"nodes": len(ctx_stats), "prefills": [c["prefills"] for c in ctx_stats],
                 "tp": [c.get("tp", {}).get("world_size", 1) for c in ctx_stats],
                 "held_requests_after": sum(c["store"]["held_requests"] for c in ctx_stats),
+                # checkouts still open: a released request's blocks are freed when its last one closes
+                "open_pins_after": sum(c["store"]["open_pins"] for c in ctx_stats),
                 # NIXL: pulls that had to ask for the block ids first (the prefill reply names them)
                 "kv_lookups": sum(r.get("kv_server", {}).get("lookups", 0) for c in ctx_stats for r in c["tp"]["ranks"])},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "wall_s": load_s,
     }
+
+
+async def _ctx_at_rest(addr: str, secret: bytes | None, wait_s: float = 2.0) -> dict[str, Any]:
+    """A CTX node's statistics once it holds nothing and no send pins a block (a pull ends on the GEN
+    when its KV lands, a moment before the CTX sees its send end), or as they are after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        stats = await control.call(addr, {"op": "stats"}, secret=secret)
+        store = stats["store"]
+        if (store["held_requests"] == 0 and store["open_pins"] == 0) or time.monotonic() > deadline:
+            return stats
+        await anyio.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,10 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
-    ok = report["failures"] == 0 and report["parity"] and not g["rest_problems"] and report["ctx"]["held_requests_after"] == 0
+    c = report["ctx"]
+    ok = (report["failures"] == 0 and report["parity"] and not g["rest_problems"] and c["held_requests_after"] == 0
+          and c["open_pins_after"] == 0)
     if not ok:
         print("FAILED: " + ", ".join(
             m for m, bad in [("failures", report["failures"]), ("parity", not report["parity"]),
-                             ("GEN not at rest", g["rest_problems"]), ("CTX still holds KV", report["ctx"]["held_requests_after"])]
+                             ("GEN not at rest", g["rest_problems"]), ("CTX still holds KV", c["held_requests_after"]),
+                             ("CTX blocks still pinned", c["open_pins_after"])]
             if bad), file=sys.stderr)
     return 0 if ok else 1
