@@ -95,7 +95,7 @@ async def _main(args: argparse.Namespace) -> None:
             import asyncio
 
             from transports import wire
-            from transports._ucx_common import _ucx_buffer, last_byte, post_send
+            from transports._ucx_common import _ucx_buffer, kv_crc32, last_byte, post_send
 
             flat = staged.reshape(-1)
             txid = msg.txid
@@ -105,7 +105,9 @@ async def _main(args: argparse.Namespace) -> None:
                 sent = torch.cat([flat, torch.zeros(32, dtype=flat.dtype)])
             else:
                 sent, txid = flat, msg.txid + 1000
-            frame = wire.encode_frame(wire.PullOk(txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, last_byte(staged)))
+            tail = last_byte(staged)  # right, and the CRC of the whole KV when GEN needs it: only the length is wrong
+            crc = kv_crc32(staged) if tail == msg.sentinel else 0
+            frame = wire.encode_frame(wire.PullOk(txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, tail, crc))
             buf = _ucx_buffer(sent)
             reply, data = post_send(ep, frame, 2 * msg.txid), post_send(ep, buf, msg.tag)
             await asyncio.shield(asyncio.gather(reply.future, data.future))

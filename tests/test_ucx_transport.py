@@ -355,6 +355,7 @@ async def test_zero_copy_pulls_served_in_the_read_loop(run_peer: Peer) -> None:
     def want(i: int) -> torch.Tensor:
         return pool[block_ids(i, BLOCKS, TOTAL, runs=True)]
 
+    served = (await run_peer.astats())["pulls_served"]  # other tests share this peer
     async with make_transport("ucx", connect_timeout_s=5) as t:
         with anyio.fail_after(30):
             into = empty()
@@ -378,7 +379,7 @@ async def test_zero_copy_pulls_served_in_the_read_loop(run_peer: Peer) -> None:
                 await t.pull(run_peer.address, "req-0", LAYOUT.full_slice(), empty())
             stats = await wait_unpinned(run_peer, "req-0", *(f"req-{i}" for i in out))
             assert {"req-1", "req-12"} <= set(stats["held"])
-            assert stats["pulls_served"] == 2 + len(out) and t.statistics().endpoints == 1
+            assert stats["pulls_served"] - served == 2 + len(out) and t.statistics().endpoints == 1
 
 
 @pytest.mark.anyio
@@ -636,8 +637,9 @@ def test_pull_across_network_namespaces() -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # UCX wire frames
 async def test_a_malformed_frame_fails_its_request_only(peer: Peer, transport: UCXTransport) -> None:
-    """A PULL whose request id breaks the rule gets PULL_ERR and nothing on its data tag; a RELEASE of
-    such an id gets RELEASE_OK(False); pulls sharing the endpoint go on, the endpoint survives."""
+    """A PULL whose request id breaks the rule gets PULL_ERR and one empty message on its data tag (it
+    ends the KV receive a GEN posts with its PULL), nothing more; a RELEASE of such an id gets
+    RELEASE_OK(False); pulls sharing the endpoint go on, the endpoint survives."""
     with anyio.fail_after(20):
         await transport.connect(peer.address)
         conn = transport._eps[peer.address]
@@ -645,6 +647,7 @@ async def test_a_malformed_frame_fails_its_request_only(peer: Peer, transport: U
                                            LAYOUT.wire_shape(BLOCKS), LAYOUT.wire_bytes(BLOCKS), 2 * 9001 + 1))
         bad = bytearray(good.replace(b"req-30", "ré-30".encode()[:6]))  # same length, non-ASCII id
         reply = conn.post(reply_frame := bytearray(wire.FRAME_BYTES), 2 * 9001)
+        data = conn.post(data_buf := bytearray(b"\x55" * 64), 2 * 9001 + 1)
         release_reply = conn.post(release_frame := bytearray(wire.FRAME_BYTES), 2 * 9002)
         bad_release = bytearray(wire.encode_frame(wire.Release(9002, "req-31", handle_for("req-31"))).replace(b"req-31", b"req 31"))
         neighbours = {i: empty() for i in (32, 33)}
@@ -655,9 +658,11 @@ async def test_a_malformed_frame_fails_its_request_only(peer: Peer, transport: U
             await conn.ep.send(bad_release, tag=0)
             await reply
             await release_reply
+            await data
         answer = wire.decode_frame(reply_frame, wire.WireLimits())
         assert isinstance(answer, wire.PullErr) and answer.status is wire.Status.BAD_REQUEST
-        assert not ucxx_probe(conn, 2 * 9001 + 1)  # a refusal sends nothing on the data tag
+        assert data_buf == b"\x55" * 64  # the data message was empty
+        assert not ucxx_probe(conn, 2 * 9001 + 1)  # and nothing else follows on the data tag
         assert wire.decode_frame(release_frame, wire.WireLimits()) == wire.ReleaseOk(9002, False)
         for i, buf in neighbours.items():
             assert torch.equal(buf, expected(i))
@@ -861,6 +866,40 @@ async def test_a_wrong_kv_message_fails_its_pull_only(transport: UCXTransport, c
                 assert await transport.pull(bad.address, f"req-{i}", LAYOUT.full_slice(), b) == b.numel() * 2
                 assert torch.equal(b, expected(i))
             assert transport.statistics().endpoints == 1
+    finally:
+        bad.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # the ucxx pull's sentinel
+async def test_a_sentinel_equal_to_the_kv_tail_is_checked_by_crc(peer: Peer, run_peer: Peer, transport: UCXTransport,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the random sentinel GEN writes last in ``into`` equals the KV's last byte (1 pull in 256),
+    a short message would leave a right-looking last byte: the PULL_OK then carries the KV's CRC-32
+    and GEN checks it. Forced here: the pull of a gathered and of a zero-copy request still lands
+    exactly, and a CTX that sends half the KV is caught."""
+    from transports import _ucx_endpoint
+
+    def tail_of(t: torch.Tensor) -> int:
+        return int(_ucx_buffer(t.contiguous())[-1])
+
+    pool = make_pool(LAYOUT, TOTAL)
+    want_gathered, want_run = expected(35), pool[block_ids(13, BLOCKS, TOTAL, runs=True)]
+    bad = Peer("--corrupt", "short")
+    try:
+        with anyio.fail_after(30):
+            for address, rid, want in ((peer.address, "req-35", want_gathered), (run_peer.address, "req-13", want_run),
+                                       (bad.address, "req-1", expected(1))):
+                monkeypatch.setattr(_ucx_endpoint.random, "getrandbits", lambda _bits, t=tail_of(want): t)
+                into, landing = empty(), Landing()
+                if address == bad.address:
+                    with pytest.raises(ProtocolViolation, match="shorter"):
+                        await transport.pull(address, rid, LAYOUT.full_slice(), into, landing=landing)
+                else:
+                    await transport.pull(address, rid, LAYOUT.full_slice(), into, landing=landing)
+                    assert torch.equal(into, want)
+                await wait_idle(landing)
+            assert transport.statistics().endpoints == 3 and transport.statistics().pulls_ok == 2
     finally:
         bad.stop()
 

@@ -215,7 +215,8 @@ def test_pull_ok_shortcut_accepts_exactly_the_matching_reply() -> None:
     that answers the PULL, and None when any other byte of the frame differs."""
     pull = wire.Pull(7, "req-1", "a" * 32, KVSlice(0, 2, 0, 4), "float16", (8, 2, 2, 4, 16, 64), 8 * 2 * 2 * 4 * 16 * 64 * 2, 15)
     ok = wire.encode_frame(wire.PullOk(7, 15, "float16", pull.shape, pull.nbytes, 0xA5))
-    assert wire.pull_ok_tail(ok, pull) == 0xA5
+    want = wire.pull_ok_frame(pull)
+    assert wire.pull_ok_tail(ok, want) == 0xA5
     tail_at = wire._PULL_OK_TAIL
     assert ok[tail_at] == 0xA5
     for i in range(len(ok)):
@@ -223,5 +224,7 @@ def test_pull_ok_shortcut_accepts_exactly_the_matching_reply() -> None:
             continue
         bad = bytearray(ok)
         bad[i] ^= 0x01
-        assert wire.pull_ok_tail(bad, pull) is None, i
-    assert wire.pull_ok_tail(ok[:-1], pull) is None
+        assert wire.pull_ok_tail(bad, want) is None, i
+    assert wire.pull_ok_tail(ok[:-1], want) is None
+    with_crc = wire.encode_frame(wire.PullOk(7, 15, "float16", pull.shape, pull.nbytes, 0xA5, 0x1234))
+    assert wire.pull_ok_tail(with_crc, want) is None  # a CRC to check: decoded in full

@@ -1,11 +1,14 @@
 """The GEN side's ucxx endpoint (``transports.ucx.UCXTransport``): one authenticated endpoint per CTX
 peer, the requests posted on it (each a ucxx request whose future ends with it, its ucxx error
-mapped: a broken endpoint fails, a truncated KV message fails its pull only), and one pull's KV
-receive (``_KVReceive``: the ``Landing`` of ``into``, the sentinel and the length check)."""
+mapped: a broken endpoint fails, a truncated KV message fails its pull only), and one pull's
+messages (``_PullIO``: its two receives and the PULL, posted together; the ``Landing`` of ``into``,
+the sentinel and the length check; one wake-up of the pulling task)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
 from typing import Any
 
 import anyio
@@ -15,7 +18,7 @@ import torch
 from . import wire
 from ._errors import PeerClosed, ProtocolViolation, TransportError
 from ._protocol import Landing
-from ._ucx_common import CONTROL_TAG, _ucx_buffer, last_byte, post_recv, post_send
+from ._ucx_common import CONTROL_TAG, _ucx_buffer, kv_crc32, post_recv, post_send
 
 log = structlog.get_logger("transports.ucx")
 
@@ -28,6 +31,13 @@ def _consume(task: asyncio.Future[Any]) -> None:
     """Retrieve a finished task's outcome so that asyncio does not report it as never retrieved."""
     if not task.cancelled():
         task.exception()
+
+
+def _outcome(fut: asyncio.Future[Any]) -> BaseException | None:
+    """How a ucxx request's future ended: None when it succeeded, else its error (retrieved)."""
+    if fut.cancelled():
+        return RuntimeError("request cancelled")
+    return fut.exception()
 
 
 class _NothingMoved(Exception):
@@ -72,10 +82,10 @@ class _Endpoint:
         self.fail(err)
         return err
 
-    def _settled(self, req: Any, buf: Any, *, data: bool = False) -> asyncio.Future[Any]:
-        """A future that ends with the ucxx request ``req``, its ucxx error mapped (a broken
-        endpoint fails; a truncated KV message fails only its pull); its outcome is always retrieved.
-        ``req`` and its buffer ``buf`` stay referenced until then (ucxx keeps neither)."""
+    def _settled(self, req: Any, buf: Any) -> asyncio.Future[Any]:
+        """A future that ends with the ucxx request ``req``, a ucxx error mapped (the endpoint
+        fails); its outcome is always retrieved. ``req`` and its buffer ``buf`` stay referenced until
+        then (ucxx keeps neither)."""
         out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         def done(fut: asyncio.Future[Any], req: Any = req, buf: Any = buf) -> None:
@@ -86,9 +96,6 @@ class _Endpoint:
                 out.set_exception(self._broke(RuntimeError("request cancelled")))
             elif exc is None:
                 out.set_result(None)
-            elif data and "truncated" in str(exc).lower():
-                out.set_exception(ProtocolViolation(f"{self.peer} sent a KV message longer than its PULL_OK said",
-                                                    peer=self.peer))
             else:
                 out.set_exception(self._broke(exc))
 
@@ -96,13 +103,23 @@ class _Endpoint:
         req.future.add_done_callback(done)
         return out
 
-    def post(self, buf: Any, tag: int, *, data: bool = False) -> asyncio.Future[Any]:
+    def post(self, buf: Any, tag: int) -> asyncio.Future[Any]:
         """Post a receive now; the returned future ends when UCX ends it."""
         self._check()
         try:
-            return self._settled(post_recv(self.ep, buf, tag), buf, data=data)
+            return self._settled(post_recv(self.ep, buf, tag), buf)
         except Exception as exc:
             raise self._broke(exc) from exc
+
+    def watch_send(self, req: Any, buf: Any) -> None:
+        """A posted send nobody waits for: its failure fails the endpoint; ``buf`` stays referenced
+        until it ends."""
+        def ended(fut: asyncio.Future[Any], req: Any = req, buf: Any = buf) -> None:  # both referenced till then
+            exc = _outcome(fut)
+            if exc is not None:
+                self._broke(exc)
+
+        req.future.add_done_callback(ended)
 
     def post_send(self, msg: wire.Message) -> asyncio.Future[Any]:
         """Send a control frame without waiting for it: a failed send fails the endpoint (and so
@@ -141,39 +158,134 @@ class _Endpoint:
             self.error = PeerClosed(f"endpoint to {self.peer} closed", peer=self.peer)
 
 
-class _KVReceive:
-    """The KV message of one pull: ``into`` is busy (its ``Landing``) from the PULL until the receive
-    posted into it ends, or until it is known that none will be posted (``end``, idempotent)."""
+class _PullIO:
+    """One pull's messages on its endpoint, posted together before its PULL leaves: the receive of
+    the reply (``frame``, tag 2*txid) and of the KV (into ``into``, tag 2*txid+1, a random sentinel
+    first written into its last byte: a short message leaves it there), then the PULL itself.
 
-    __slots__ = ("conn", "into", "tag", "landing", "frame", "posted", "reaping", "_ended", "_buf")
+    ``into`` is busy (its ``Landing``) until UCX ends the KV receive; a KV receive that ends without a
+    KV message (failed, cancelled, or the empty message that follows a PULL_ERR) first puts back the
+    byte the sentinel replaced, so ``into`` is as it was. ``woken`` is the pulling task's only wait:
+    it ends when the reply has ended and either the KV receive has too or the reply is not the
+    PULL_OK the pull expects; it is the task's own future, so cancelling it cancels nothing posted.
+    Errors are mapped as they end: a broken endpoint fails (``_Endpoint.fail``), a KV message longer
+    than ``into`` fails this pull alone. Everything UCX reads or writes stays referenced until it
+    has ended (ucxx keeps none of it)."""
 
-    def __init__(self, conn: _Endpoint, into: torch.Tensor, tag: int, landing: Landing, frame: bytearray) -> None:
-        self.conn, self.into, self.tag, self.landing, self.frame = conn, into, tag, landing, frame
-        self.posted: asyncio.Future[Any] | None = None
-        self._buf: Any = None  # the bytes of `into` that UCX writes (once posted)
-        self.reaping = False  # a background task ends it now
-        self._ended = False
+    __slots__ = ("conn", "into", "txid", "tag", "landing", "frame", "want", "sentinel", "woken", "kv_future",
+                 "reply_error", "kv_error", "reaping", "_reply_done", "_kv_done", "_ended", "_buf", "_saved", "_reqs")
+
+    def __init__(self, conn: _Endpoint, into: torch.Tensor, txid: int, landing: Landing) -> None:
+        self.conn, self.into, self.txid, self.tag, self.landing = conn, into, txid, 2 * txid + 1, landing
+        self.frame = bytearray(wire.FRAME_BYTES)
+        self.want = b""  # the PULL_OK this pull expects, tail 0 (``wire.pull_ok_frame``)
+        self.sentinel = 0
+        self.woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.kv_future: asyncio.Future[Any] | None = None  # ucxx's, of the KV receive
+        self.reply_error: TransportError | None = None
+        self.kv_error: TransportError | None = None
+        self.reaping = False  # a background task waits for the KV receive to end
+        self._reply_done = self._kv_done = self._ended = False
+        self._buf: Any = None  # the bytes of `into` that UCX writes
+        self._saved = 0  # the byte the sentinel replaced
+        self._reqs: list[Any] = []  # ucxx cancels a request whose object is collected: kept with this
         landing.begin()
 
-    def end(self, *_: object) -> None:
+    def post(self, template: wire.Pull) -> wire.Pull:
+        """Post both receives and send the PULL, with no await in between; the PULL sent. A failure
+        fails the endpoint (``PeerClosed``), which ends whatever was posted."""
+        conn = self.conn
+        try:
+            conn._check()
+            buf = self._buf = _ucx_buffer(self.into)
+            self._saved = int(buf[-1])  # a device sync for CUDA
+            self.sentinel = random.getrandbits(8)
+            buf[-1] = self.sentinel
+            if isinstance(buf, torch.Tensor) and buf.is_cuda:  # the write lands before UCX's may
+                torch.cuda.current_stream(buf.device).synchronize()
+        except BaseException:
+            self.end()
+            raise
+        msg = dataclasses.replace(template, txid=self.txid, tag=self.tag, sentinel=self.sentinel)
+        self.want = wire.pull_ok_frame(msg)
+        pull = wire.encode_frame(msg)
+        try:
+            kv = post_recv(conn.ep, buf, self.tag)
+        except Exception as exc:
+            buf[-1] = self._saved
+            self.end()
+            raise conn._broke(exc) from exc
+        self._reqs = [kv]
+        self.kv_future = kv.future
+        self.kv_future.add_done_callback(self._kv_ended)
+        try:
+            reply = post_recv(conn.ep, self.frame, 2 * self.txid)
+            self._reqs.append(reply)
+            reply.future.add_done_callback(self._reply_ended)
+            conn.watch_send(post_send(conn.ep, pull, CONTROL_TAG), pull)
+        except Exception as exc:
+            raise conn._broke(exc) from exc
+        return msg
+
+    def _reply_ended(self, fut: asyncio.Future[Any]) -> None:
+        exc = _outcome(fut)
+        if exc is not None:
+            self.reply_error = self.conn._broke(exc)
+        self._reply_done = True
+        self._wake()
+
+    def _kv_ended(self, fut: asyncio.Future[Any]) -> None:
+        exc = _outcome(fut)
+        if exc is not None or self.frame[5] == wire.MsgType.PULL_ERR:  # its type byte: no KV message came
+            self._buf[-1] = self._saved
+        if exc is not None:
+            self.kv_error = (ProtocolViolation(f"{self.conn.peer} sent a KV message longer than its PULL_OK said",
+                                               peer=self.conn.peer)
+                             if "truncated" in str(exc).lower() else self.conn._broke(exc))
+        self._kv_done = True
+        self.end()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.woken.done() or not self._reply_done:
+            return
+        if self._kv_done or self.reply_error is not None or wire.pull_ok_tail(self.frame, self.want) is None:
+            self.woken.set_result(None)
+
+    @property
+    def kv_done(self) -> bool:
+        return self._kv_done
+
+    async def wait_kv(self) -> None:
+        """Until UCX ends the KV receive (cancelling this wait cancels nothing posted)."""
+        if not self._kv_done:
+            assert self.kv_future is not None
+            await asyncio.wait([self.kv_future])
+
+    def end(self) -> None:
         if not self._ended:
             self._ended = True
             self.landing.end()
 
-    def post(self, tail: int | None) -> None:
-        """Post the KV receive into ``into``, its last byte first set to differ from ``tail`` (the
-        CTX's last byte): a short message leaves it, so ``verify`` sees it."""
-        buf = self._buf = _ucx_buffer(self.into)
-        if tail is not None:
-            buf[-1] = tail ^ 0xFF
-        try:
-            self.posted = self.conn.post(buf, self.tag, data=True)
-        except BaseException:
-            self.end()
-            raise
-        self.posted.add_done_callback(self.end)
+    def needs_crc(self, answer: wire.PullOk) -> bool:
+        """The CTX's last byte is the sentinel: only the CRC-32 tells whether all of it landed."""
+        return answer.tail == self.sentinel
 
-    def verify(self, tail: int) -> None:
-        if (int(self._buf[-1]) if self._buf is not None else last_byte(self.into)) != tail:
-            raise ProtocolViolation(f"{self.conn.peer} sent a KV message shorter than its PULL_OK said "
-                                    f"({self.into.numel() * self.into.element_size()} B)", peer=self.conn.peer)
+    def verify(self, answer: wire.PullOk) -> None:
+        """The whole KV message landed: its last byte is the CTX's ``tail`` (a short message left the
+        sentinel there, which differs from ``tail`` unless ``needs_crc``)."""
+        if self.kv_error is not None:
+            raise self.kv_error
+        if int(self._buf[-1]) != answer.tail:
+            raise self._short()
+
+    def verify_crc(self, answer: wire.PullOk) -> None:
+        """The CRC-32 of ``into`` is the PULL_OK's (a worker thread runs it for large messages)."""
+        if self.kv_error is not None:
+            raise self.kv_error
+        if kv_crc32(self.into) != answer.crc:
+            raise self._short()
+
+    def _short(self) -> ProtocolViolation:
+        return ProtocolViolation(f"{self.conn.peer} sent a KV message shorter than its PULL_OK said "
+                                 f"({self.into.numel() * self.into.element_size()} B)", peer=self.conn.peer)

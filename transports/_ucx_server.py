@@ -5,15 +5,18 @@ are closed at once); the mutual HMAC handshake comes first (nothing is served be
 and tells GEN this node's KV layout, head range, pull limit and lease. Then a reader loop takes
 GEN's control frames:
 
-    PULL     served in its own task: validate against the limits, the layout and the handle,
+    PULL     validate against the limits, the layout and the handle,
              check the entry out of the store (pinned, so a RELEASE or the lease cannot free it
-             mid-send; the lease is renewed): a zero-copy view when its blocks form one run (on
-             the event loop), else a gathered copy (in a worker thread above 1 MiB; at most
-             ``max_gathers_per_request`` copies of one request at once, the others wait); post
-             PULL_OK (with the KV's last byte, which GEN checks) on the reply tag and the KV on
-             the data tag together, then release the entry if asked.
+             mid-send; the lease is renewed): a zero-copy view when its blocks form one run (served
+             in the read loop itself, no task), else a gathered copy (in a worker thread above
+             1 MiB; at most ``max_gathers_per_request`` copies of one request at once, the others
+             wait); post PULL_OK (with the KV's last byte, which GEN checks, and its CRC-32 when
+             that byte is the PULL's sentinel) on the reply tag and the KV on the data tag
+             together, then release the entry if asked.
              A refusal (unknown request, wrong handle, bad slice or shape, busy, malformed) is a
-             PULL_ERR on the reply tag and nothing else.
+             PULL_ERR on the reply tag and an empty message on the data tag (GEN posted its KV
+             receive before the PULL; this ends it). A PULL that reuses a txid in flight or names
+             a foreign data tag gets the PULL_ERR alone.
     RELEASE  frees the entry if the handle matches; RELEASE_OK says whether it was held.
     HOLD     renews the leases of the listed requests (no reply).
 
@@ -50,6 +53,7 @@ from ._ucx_common import (
     _ucx_buffer,
     _ucx_release,
     apply_ucx_defaults,
+    kv_crc32,
     last_byte,
     post_send,
 )
@@ -298,13 +302,14 @@ class UCXKVServer:
                 msg = wire.decode_frame(frame, self._limits)
             except ProtocolViolation as exc:
                 self._malformed += 1
-                self._answer_malformed(ep, peer, tg, exc)
+                self._answer_malformed(ep, peer, tg, exc, in_flight)
                 continue
             if isinstance(msg, wire.Pull):
-                if msg.tag != 2 * msg.txid + 1 or msg.txid in in_flight:
+                if msg.tag != 2 * msg.txid + 1 or msg.txid in in_flight:  # no data message: the tag may be live
                     self._malformed += 1
                     log.warning("ucx_protocol_violation", peer=peer, reason=f"PULL {msg.txid}: reused txid or foreign tag")
-                    tg.start_soon(self._refuse, ep, msg.txid, msg.request_id, wire.Status.BAD_REQUEST, "reused txid or foreign tag")
+                    tg.start_soon(self._refuse, ep, msg.txid, msg.request_id, wire.Status.BAD_REQUEST,
+                                  "reused txid or foreign tag", False)
                     continue
                 # GEN keeps below max_pulls, but its pull ends when the KV lands, a moment before this
                 # node sees the send end: the same number again may be finishing here
@@ -325,14 +330,15 @@ class UCXKVServer:
                 self._malformed += 1
                 log.warning("ucx_protocol_violation", peer=peer, reason=f"unexpected {type(msg).__name__} from a client")
 
-    def _answer_malformed(self, ep: Any, peer: str | None, tg: anyio.abc.TaskGroup, exc: ProtocolViolation) -> None:
+    def _answer_malformed(self, ep: Any, peer: str | None, tg: anyio.abc.TaskGroup, exc: ProtocolViolation,
+                          in_flight: set[int]) -> None:
         """Fail the one request a malformed frame names; drop a frame that names none."""
         kind, txid = getattr(exc, "kind", None), getattr(exc, "txid", None)
         log.warning("ucx_protocol_violation", peer=peer, message=kind.name if kind else None, txid=txid, reason=str(exc))
         if txid is None:
             return
-        if kind is wire.MsgType.PULL:
-            tg.start_soon(self._refuse, ep, txid, None, wire.Status.BAD_REQUEST, str(exc))
+        if kind is wire.MsgType.PULL:  # its data tag is 2*txid+1 (unless that pull is in flight)
+            tg.start_soon(self._refuse, ep, txid, None, wire.Status.BAD_REQUEST, str(exc), txid not in in_flight)
         elif kind is wire.MsgType.RELEASE:
             tg.start_soon(self._send_quietly, ep, wire.ReleaseOk(txid, False), 2 * txid)
 
@@ -345,11 +351,15 @@ class UCXKVServer:
         except Exception as exc:
             log.info("ucx_send_failed", reason=f"{type(exc).__name__}: {exc}")
 
-    async def _refuse(self, ep: Any, txid: int, request_id: str | None, status: wire.Status, reason: str) -> None:
-        """PULL_ERR on the reply tag, and nothing on the data tag (GEN posts no KV receive for it)."""
+    async def _refuse(self, ep: Any, txid: int, request_id: str | None, status: wire.Status, reason: str,
+                      data: bool = True) -> None:
+        """PULL_ERR on the reply tag, then (``data``) an empty message on the data tag: it ends the KV
+        receive GEN posted with its PULL."""
         self._refused += 1
         log.debug("kv_pull_refused", request_id=request_id, reason=status.name)
         await self._send_quietly(ep, wire.PullErr(txid, status, reason[:120]), 2 * txid)
+        if data:
+            await self._send_quietly(ep, bytearray(), 2 * txid + 1)
 
     def _serve_now(self, ep: Any, peer: str | None, msg: wire.Pull, in_flight: set[int]) -> bool:
         """Serve a zero-copy PULL here, in the read loop, without a task: check it, pin a view of the
@@ -371,7 +381,11 @@ class UCXKVServer:
         if checkout is None:
             return False
         staged = checkout.tensor
-        frame = wire.encode_frame(wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, last_byte(staged)))
+        tail = last_byte(staged)
+        if tail == msg.sentinel:  # its PULL_OK carries a CRC: computed on the task path
+            checkout.close()
+            return False
+        frame = wire.encode_frame(wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, tail))
         buf = _ucx_buffer(staged)
         try:
             reply = post_send(ep, frame, 2 * msg.txid)
@@ -490,7 +504,11 @@ class UCXKVServer:
     async def _send_checked_out(self, ep: Any, msg: wire.Pull, staged: torch.Tensor) -> None:
         """PULL_OK and the KV, posted together (the KV does not wait for the PULL_OK to be sent)."""
         await self._before_send(msg)
-        frame = wire.encode_frame(wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, last_byte(staged)))
+        tail, crc = last_byte(staged), 0
+        if tail == msg.sentinel:  # GEN cannot tell a short message by its last byte: the CRC tells
+            crc = (await anyio.to_thread.run_sync(kv_crc32, staged) if msg.nbytes > _INLINE_GATHER_BYTES
+                   else kv_crc32(staged))
+        frame = wire.encode_frame(wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, tail, crc))
         buf = _ucx_buffer(staged)
         reply = post_send(ep, frame, 2 * msg.txid)
         data = post_send(ep, buf, msg.tag)

@@ -7,13 +7,14 @@ one tagged message straight into the caller's ``into`` tensor (CPU or CUDA). Tag
     GEN -> CTX   tag 0          every control frame (AUTH_RESPONSE, PULL, RELEASE, HOLD)
     CTX -> GEN   tag 0          handshake frames (AUTH_CHALLENGE, AUTH_OK, AUTH_FAIL)
     CTX -> GEN   tag 2*txid     the reply to the GEN request ``txid`` (PULL_OK/PULL_ERR/RELEASE_OK)
-    CTX -> GEN   tag 2*txid+1   the KV of pull ``txid`` (only after a PULL_OK)
+    CTX -> GEN   tag 2*txid+1   the KV of pull ``txid`` (after a PULL_OK), or an empty message (after a PULL_ERR)
 
-A pull is one message before the data: GEN posts the receive of the reply, then sends PULL; CTX
-answers with the reply and the KV at once; GEN posts the KV's receive into ``into`` when the
-PULL_OK arrives (UCX holds the early message), then checks that all of it landed (``wire`` draws
-it: ucxx reports no length, so a sentinel in the last byte does). Sends and receives are posted
-as ucxx requests whose futures end with them (``_ucx_common``): no task per message.
+A pull is one message before the data: GEN posts the receives of the reply and of the KV (into
+``into``, a random sentinel in its last byte), then sends PULL; CTX answers with the reply and the
+KV at once; GEN checks that all of it landed (``wire`` draws it: ucxx reports no length, so the
+sentinel does, or a CRC when the KV's last byte happens to equal it). Sends and receives are posted
+as ucxx requests whose futures end with them (``_ucx_common``): no task per message, and the
+pulling task wakes once (``_ucx_endpoint._PullIO``).
 
 Life cycle of a GEN endpoint::
 
@@ -73,7 +74,9 @@ from ._ucx_common import (
     _ucx_release,
     apply_ucx_defaults as apply_ucx_defaults,
 )
-from ._ucx_endpoint import _cancelled, _consume, _Endpoint, _KVReceive, _NothingMoved
+from ._ucx_endpoint import _cancelled, _consume, _Endpoint, _NothingMoved, _PullIO
+
+_INLINE_CRC_BYTES = 1 << 20  # a CRC check (1 pull in 256) above this runs in a worker thread
 
 log = structlog.get_logger("transports.ucx")
 
@@ -290,115 +293,100 @@ class UCXTransport:
         peer = conn.peer
         assert conn.slots is not None
         async with conn.slots:
-            txid = next(self._txids)
-            msg = dataclasses.replace(template, txid=txid, tag=2 * txid + 1)
-            frame = bytearray(wire.FRAME_BYTES)
-            kv = _KVReceive(conn, into, msg.tag, landing, frame)  # `into` is busy from here until kv.end()
-            try:  # posted and sent with no await in between: cancellation cannot split them
-                conn.pulls += 1
-                reply = conn.post(frame, 2 * txid)
-                conn.post_send(msg)  # a failed send fails the endpoint, which ends `reply`
+            io = _PullIO(conn, into, next(self._txids), landing)  # `into` is busy from here until its receive ends
+            conn.pulls += 1
+            try:
+                msg = io.post(template)
             except PeerClosed as exc:
-                kv.end()
                 raise _NothingMoved(exc) from None
             try:
-                try:
-                    await asyncio.shield(reply)
-                except PeerClosed as exc:
-                    raise _NothingMoved(exc) from None  # the reply comes before any KV
-                answer = self._answer(conn, frame, msg, kv)
-                if isinstance(answer, TransportError):
-                    raise answer
-                await asyncio.shield(kv.posted)  # type: ignore[arg-type]
-                kv.verify(answer.tail)
+                await io.woken
+                if io.reply_error is not None:
+                    raise _NothingMoved(io.reply_error)  # the reply comes before any KV
+                tail = wire.pull_ok_tail(io.frame, io.want)
+                if tail is not None:  # byte for byte the PULL_OK it expects (then the KV receive ended too)
+                    answer = wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, tail)
+                else:
+                    answer = self._answer(conn, msg, io)
+                    if isinstance(answer, wire.PullErr):
+                        await self._refused(io)
+                        raise _pull_error(answer, peer, msg.request_id)
+                    if isinstance(answer, TransportError):
+                        raise answer
+                    await io.wait_kv()
+                if not io.needs_crc(answer):
+                    io.verify(answer)
+                elif msg.nbytes <= _INLINE_CRC_BYTES:
+                    io.verify_crc(answer)
+                else:
+                    await anyio.to_thread.run_sync(io.verify_crc, answer)
             except _cancelled():
-                self._reap(kv, reply)
+                self._reap(io)
                 raise
             finally:
-                if kv.posted is None and not kv.reaping:
-                    kv.end()  # no KV receive was posted (refused, failed): nothing can land in `into`
                 if conn.error is not None and self._eps.get(peer) is conn:
                     del self._eps[peer]
         log.debug("ucx_pull_done", peer=peer, request_id=msg.request_id, bytes=msg.nbytes)
         return msg.nbytes
 
-    def _answer(self, conn: _Endpoint, frame: bytearray, msg: wire.Pull, kv: _KVReceive) -> wire.PullOk | TransportError:
-        """The PULL_OK of ``msg`` (its KV receive posted), or the error that fails the pull.
+    def _answer(self, conn: _Endpoint, msg: wire.Pull, io: _PullIO) -> wire.PullOk | wire.PullErr | TransportError:
+        """A reply that is not byte for byte the expected PULL_OK: a PULL_OK with a CRC, the PULL_ERR,
+        or the error that fails the pull.
 
-        A refusal is followed by nothing. Any PULL_OK is followed by its KV message, which is received
-        (into ``into``, which this pull owns) also when the PULL_OK does not match the PULL: that
-        fails the pull alone. A reply that is not a PULL_OK or PULL_ERR fails the endpoint: what
-        follows it is unknown."""
+        A PULL_OK is followed by its KV message, which is received also when the PULL_OK does not
+        match the PULL: that fails the pull alone (its receive is reaped in the background). A reply
+        that is not a PULL_OK or PULL_ERR fails the endpoint (which ends the receive): what follows it
+        is unknown."""
         peer = conn.peer
-        tail = wire.pull_ok_tail(frame, msg)
-        if tail is not None:  # byte for byte the PULL_OK this PULL expects: no decode needed
-            kv.post(tail)
-            return wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, tail)
         try:
-            answer = wire.decode_frame(frame, self.config.limits)
+            answer = wire.decode_frame(io.frame, self.config.limits)
         except ProtocolViolation as exc:
             conn.fail(exc)
             return exc
         if isinstance(answer, wire.PullErr) and answer.txid == msg.txid:
-            return _pull_error(answer, peer, msg.request_id)
+            return answer
         if not isinstance(answer, wire.PullOk):
             err = ProtocolViolation(f"unexpected reply to PULL {msg.txid}: {answer!r}", peer=peer)
             conn.fail(err)
             return err
-        match = (answer.txid, answer.tag, answer.dtype, answer.shape, answer.nbytes) == (
-            msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes)
-        kv.post(answer.tail if match else None)
-        if match:
-            return answer
-        self._reap(kv, None)  # its KV still comes: receive it in the background
+        if (answer.txid, answer.tag, answer.dtype, answer.shape, answer.nbytes) == (
+                msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes):
+            return answer  # a PULL_OK with a CRC (its tail is the sentinel)
+        self._reap(io)  # its KV still comes: receive it in the background
         return ProtocolViolation(
             f"PULL_OK {answer.txid} {answer.dtype}{list(answer.shape)} ({answer.nbytes} B) does not match "
             f"PULL {msg.txid} {msg.dtype}{list(msg.shape)} ({msg.nbytes} B)", peer=peer)
 
-    def _reap(self, kv: _KVReceive, reply: asyncio.Future[Any] | None) -> None:
-        """A pull ended early (cancelled, or a mismatched PULL_OK) while its reply or KV may still
-        come: give the CTX ``cancel_grace_s`` to answer and send (it always does; a PULL_OK's KV is
-        received into ``into``), then close the endpoint, which cancels what is still posted."""
-        conn = kv.conn
-        if kv.posted is not None and kv.posted.done():
+    async def _refused(self, io: _PullIO) -> None:
+        """After a PULL_ERR: the empty message the CTX sends next ends the KV receive (and ``into``
+        is as it was). A CTX that does not send it within ``cancel_grace_s`` costs the endpoint
+        (which ends the receive)."""
+        with anyio.move_on_after(self.config.cancel_grace_s):
+            await io.wait_kv()
+        if not io.kv_done:
+            io.conn.fail(PeerClosed(f"{io.conn.peer} refused a pull without ending its data message", peer=io.conn.peer))
+
+    def _reap(self, io: _PullIO) -> None:
+        """A pull ended early (cancelled, or a mismatched PULL_OK) while its KV receive may still be
+        posted: give the CTX ``cancel_grace_s`` to send what ends it (the KV, or the empty message
+        after a refusal), then close the endpoint, which cancels what is still posted. ``into``
+        stays busy (its landing) until then."""
+        if io.kv_future is None or io.kv_done or io.reaping:
             return
-        if kv.posted is None and (reply is None or reply.done() and not self._reply_is_ok(reply)):
-            kv.end()
-            return
-        kv.reaping = True
+        io.reaping = True
+        conn = io.conn
 
         async def reap() -> None:
-            try:
-                with anyio.move_on_after(self.config.cancel_grace_s):
-                    if kv.posted is None:
-                        assert reply is not None
-                        await asyncio.wait([reply])
-                        if not self._reply_is_ok(reply):
-                            return  # the endpoint failed: nothing was posted into `into`
-                        try:
-                            answer = wire.decode_frame(kv.frame, self.config.limits)
-                        except ProtocolViolation as exc:
-                            conn.fail(exc)
-                            return
-                        if not isinstance(answer, wire.PullOk):
-                            return  # a refusal: no KV follows
-                        kv.post(None)
-                    await asyncio.wait([kv.posted])  # type: ignore[list-item]
-                    return
-                conn.fail(PeerClosed(f"a pull from {conn.peer} was still unanswered {self.config.cancel_grace_s}s "
-                                     "after it ended early; endpoint dropped", peer=conn.peer))
-            finally:
-                if kv.posted is None:
-                    kv.end()
+            with anyio.move_on_after(self.config.cancel_grace_s):
+                await io.wait_kv()
+                return
+            conn.fail(PeerClosed(f"a pull from {conn.peer} was still unanswered {self.config.cancel_grace_s}s "
+                                 "after it ended early; endpoint dropped", peer=conn.peer))
 
         task = asyncio.ensure_future(reap())
         task.add_done_callback(_consume)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    @staticmethod
-    def _reply_is_ok(reply: asyncio.Future[Any]) -> bool:
-        return not reply.cancelled() and reply.exception() is None
 
     async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
         """Best effort: tell ``peer`` to free ``request_id``; failures are logged, not raised."""
