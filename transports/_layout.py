@@ -85,6 +85,10 @@ class KVLayout:
     def block_bytes(self) -> int:  # on every pull's path: computed once (the layout is frozen)
         return math.prod(self.block_shape) * self.element_size
 
+    def is_whole(self, kv_slice: KVSlice) -> bool:
+        """Whether ``kv_slice`` covers every layer and KV head of this layout."""
+        return kv_slice.num_layers == self.num_layers and kv_slice.num_heads == self.num_kv_heads
+
     def full_slice(self) -> KVSlice:
         return KVSlice(0, self.num_layers, 0, self.num_kv_heads)
 
@@ -108,16 +112,21 @@ class KVLayout:
         return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
 
 
+def run_start(block_ids: torch.Tensor) -> int | None:
+    """The first id when ``block_ids`` are one ascending run (``[k, k+1, ...]``); None otherwise."""
+    n = int(block_ids.numel())
+    if n == 0 or (n > 1 and not bool((block_ids[1:] - block_ids[:-1] == 1).all())):
+        return None
+    return int(block_ids[0])
+
+
 def whole_run_view(pool: torch.Tensor, block_ids: torch.Tensor, kv_slice: KVSlice) -> torch.Tensor | None:
     """``pool[block_ids]`` as a zero-copy view when ``kv_slice`` covers whole blocks and the ids are
     one ascending run (then the wire form *is* that region of the pool); None otherwise."""
-    n = int(block_ids.numel())
-    if n == 0 or kv_slice.num_layers != pool.shape[1] or kv_slice.num_heads != pool.shape[3]:
+    if kv_slice.num_layers != pool.shape[1] or kv_slice.num_heads != pool.shape[3]:
         return None
-    if n > 1 and not bool((block_ids[1:] - block_ids[:-1] == 1).all()):
-        return None
-    first = int(block_ids[0])
-    return pool[first : first + n]
+    first = run_start(block_ids)
+    return None if first is None else pool[first : first + int(block_ids.numel())]
 
 
 def gather(pool: torch.Tensor, block_ids: torch.Tensor, kv_slice: KVSlice) -> torch.Tensor:

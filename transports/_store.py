@@ -32,7 +32,7 @@ import torch
 
 from ._errors import UnknownRequest
 from ._ids import check_handle, check_request_id, new_handle
-from ._layout import KVLayout, KVSlice, gather, whole_run_view
+from ._layout import KVLayout, KVSlice, gather, run_start
 
 
 @dataclasses.dataclass
@@ -42,6 +42,7 @@ class _Held:
     expires_at: float
     on_release: Callable[[], None] | None
     handle: str
+    run_start: int | None = None  # the first block when the blocks are one ascending run (a zero-copy view)
     pins: int = 0
     released: bool = False
 
@@ -104,7 +105,8 @@ class KVStore:
         with self._lock:
             if request_id in self._held:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            self._held[request_id] = _Held(block_ids.clone(), num_tokens, self._clock() + lease_s, on_release, handle)
+            self._held[request_id] = _Held(block_ids.clone(), num_tokens, self._clock() + lease_s, on_release, handle,
+                                           run_start(block_ids))
         return handle
 
     def _get_locked(self, request_id: str, handle: str | None) -> _Held:
@@ -162,7 +164,7 @@ class KVStore:
             held.pins += 1
             self._pins += 1
         try:
-            view = whole_run_view(self.pool, held.block_ids, kv_slice)
+            view = self._view(held, kv_slice)
             tensor = view if view is not None else self.gather(request_id, kv_slice, handle=handle)
         except BaseException:
             self._unpin(held)
@@ -175,12 +177,19 @@ class KVStore:
         self.layout.check_slice(kv_slice)
         with self._lock:
             held = self._get_locked(request_id, handle)
-            view = whole_run_view(self.pool, held.block_ids, kv_slice)
+            view = self._view(held, kv_slice)
             if view is None:
                 return None
             held.pins += 1
             self._pins += 1
         return Checkout(self, held, view)
+
+    def _view(self, held: _Held, kv_slice: KVSlice) -> torch.Tensor | None:
+        """The entry's wire form as a zero-copy view of the pool: a whole-layout slice of blocks that
+        form one ascending run (found once, at ``put``); None when it needs a gather."""
+        if held.run_start is None or not self.layout.is_whole(kv_slice):
+            return None
+        return self.pool[held.run_start : held.run_start + held.block_ids.numel()]
 
     def _unpin(self, held: _Held) -> None:
         with self._lock:

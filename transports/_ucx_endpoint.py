@@ -58,7 +58,7 @@ class _Endpoint:
         self.error: TransportError | None = None
         self.info: wire.PeerInfo | None = None
         self.slots: anyio.Semaphore | None = None  # pulls in flight, at most what the CTX serves
-        self.pulls = 0  # pulls started on it (a reused endpoint may have gone stale)
+        self.served = 0  # pulls it completed (an endpoint that served before may have gone stale since)
 
     def watch_close(self) -> None:
         """Fail this endpoint when UCX reports the peer gone (the callback may run on any thread)."""

@@ -380,13 +380,12 @@ class UCXKVServer:
             return False
         if checkout is None:
             return False
-        staged = checkout.tensor
-        tail = last_byte(staged)
+        buf = _ucx_buffer(checkout.tensor)
+        tail = int(buf[-1])
         if tail == msg.sentinel:  # its PULL_OK carries a CRC: computed on the task path
             checkout.close()
             return False
         frame = wire.encode_frame(wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, tail))
-        buf = _ucx_buffer(staged)
         try:
             reply = post_send(ep, frame, 2 * msg.txid)
             data = post_send(ep, buf, msg.tag)

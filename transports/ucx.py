@@ -269,7 +269,7 @@ class UCXTransport:
 
     async def _pull(self, peer: str, template: wire.Pull, into: torch.Tensor, landing: Landing) -> int:
         conn = await self._endpoint(peer)
-        reused = conn.pulls > 0  # it served before: the peer may have restarted since
+        reused = conn.served > 0  # it served before: the peer may have restarted since
         try:
             return await self._pull_once(conn, template, into, landing)
         except _NothingMoved as nothing:
@@ -291,10 +291,14 @@ class UCXTransport:
 
     async def _pull_once(self, conn: _Endpoint, template: wire.Pull, into: torch.Tensor, landing: Landing) -> int:
         peer = conn.peer
-        assert conn.slots is not None
-        async with conn.slots:
+        slots = conn.slots
+        assert slots is not None
+        try:
+            slots.acquire_nowait()  # no checkpoint when a slot is free (FIFO: fails while others wait)
+        except anyio.WouldBlock:
+            await slots.acquire()
+        try:
             io = _PullIO(conn, into, next(self._txids), landing)  # `into` is busy from here until its receive ends
-            conn.pulls += 1
             try:
                 msg = io.post(template)
             except PeerClosed as exc:
@@ -326,6 +330,9 @@ class UCXTransport:
             finally:
                 if conn.error is not None and self._eps.get(peer) is conn:
                     del self._eps[peer]
+        finally:
+            slots.release()
+        conn.served += 1
         log.debug("ucx_pull_done", peer=peer, request_id=msg.request_id, bytes=msg.nbytes)
         return msg.nbytes
 

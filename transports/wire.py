@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import re
 import struct
@@ -442,7 +443,8 @@ def decode_frame(frame: bytes | bytearray | memoryview, limits: WireLimits) -> M
     try:
         end = HEADER_BYTES + body_len
         view = memoryview(frame)
-        if bytes(view[end:]).lstrip(b"\0"):
+        padding = FRAME_BYTES - end
+        if (frame.count(0, end) if isinstance(frame, (bytes, bytearray)) else bytes(view[end:]).count(0)) != padding:
             raise _bad(f"{kind.name}: non-zero bytes after the declared length")
         return _decode_body(kind, flags, txid, view[HEADER_BYTES:end], limits)
     except ProtocolViolation as exc:
@@ -480,7 +482,7 @@ def _dtype_and_shape(r: _Reader, dtype_len: int, rank: int, nbytes: int, limits:
         raise _bad(f"{what}: dtype name is not ascii") from None
     if dtype not in _ITEMSIZE:
         raise _bad(f"{what}: unknown dtype {dtype!r}")
-    shape = tuple(r.unpack(_DIM)[0] for _ in range(rank))
+    shape = r.unpack(_dims(rank))
     for i, d in enumerate(shape):
         if not 0 < d <= limits.max_dim:
             raise _bad(f"{what}: dim {i} = {d} outside 1..{limits.max_dim}")
@@ -490,6 +492,11 @@ def _dtype_and_shape(r: _Reader, dtype_len: int, rank: int, nbytes: int, limits:
     if nbytes > limits.max_transfer_bytes:
         raise _bad(f"{what}: transfer of {nbytes} bytes exceeds max_transfer_bytes {limits.max_transfer_bytes}")
     return dtype, shape
+
+
+@functools.lru_cache(maxsize=None)
+def _dims(rank: int) -> struct.Struct:
+    return struct.Struct(f"!{rank}Q")
 
 
 def _reason(r: _Reader, limits: WireLimits) -> tuple[Status, str]:
