@@ -26,7 +26,8 @@ between two network namespaces joined by a veth pair; root only, the sockets bas
 too). Every server and client is a fresh process, because UCX reads its environment once per
 process.
 
-Per size it reports GB/s (median), and the client's CPU (all its threads, from ``getrusage``)
+Every mode runs ``--rounds`` times (3), the modes interleaved, and each figure is the median over
+the rounds (load on a shared machine moves between runs). Per size it reports GB/s (median), and the client's CPU (all its threads, from ``getrusage``)
 divided by the number of transfers: the CPU a GEN spends per pull. After the transfers each client
 keeps its connection open and idles; the CPU both processes burn meanwhile is the idle CPU of a
 node. ``--json PATH`` writes the raw numbers and the checks against the targets of issue 17 (each
@@ -116,7 +117,22 @@ def _env(ucx: dict[str, str] | None, extra_path: str | None = None) -> dict[str,
 
 
 def _reps(nbytes: int, budget_s: float) -> int:
-    return max(3, min(30, int(budget_s * 1.5e9 / nbytes)))
+    return max(3, min(400, int(budget_s * 1.5e9 / nbytes)))
+
+
+def _combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's rounds as one result: the median of every figure (per size, and the idle CPU);
+    the rounds themselves are kept under ``rounds``."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out: dict[str, Any] = {}
+    for key, first in rounds[0].items():
+        if isinstance(first, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in rounds) for k in first}
+        elif isinstance(first, (int, float)):
+            out[key] = statistics.median(r[key] for r in rounds if key in r)
+    out["rounds"] = rounds
+    return out
 
 
 def _cpu_s() -> float:
@@ -745,10 +761,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="sockets,ucx-raw,ucx-pull,ucx-pull-v1,nixl-read,nixl-pull,memcpy,gather")
     p.add_argument("--variants", action="store_true", help="also run the UCX configs the defaults were chosen against")
     p.add_argument("--nixl-variants", action="store_true", help="also run nixl-read under the NIXL knobs probed")
-    p.add_argument("--quick", action="store_true", help="tiny budget and idle time (a smoke test)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="run every mode this many times, interleaved, and report medians (load moves between runs)")
+    p.add_argument("--quick", action="store_true", help="tiny budget and idle time, one round (a smoke test)")
     args = p.parse_args(argv)
     if args.quick:
-        args.budget, args.idle = 0.02, 0.5
+        args.budget, args.idle, args.rounds = 0.02, 0.5, 1
     configs = {**CONFIGS, **VARIANTS, **NIXL_VARIANTS}
     names = [n for n in args.configs.split(",") if n] + (sorted(VARIANTS) if args.variants else [])
     modes = args.modes.split(",")
@@ -773,28 +791,32 @@ def main(argv: list[str] | None = None) -> int:
         if "ucx-pull-v1" in modes and v1 is None:
             modes.remove("ucx-pull-v1")
             notes.append(f"ucx-pull-v1 skipped: no git history with {V1_COMMIT}")
-        results: dict[str, dict[str, Any]] = {}
+        per_round: dict[str, list[dict[str, Any]]] = {}
 
         def run(label: str, kind: str, cfg: dict[str, str] | None, **kw: Any) -> None:
             t0 = time.perf_counter()
             try:
-                results[label] = _pair(kind, cfg, args.budget, args.idle, **kw)
+                per_round.setdefault(label, []).append(_pair(kind, cfg, args.budget, args.idle, **kw))
             except Exception as exc:  # one broken path must not lose the others' figures
                 notes.append(f"{label} failed: {exc}")
             print(f"done: {label} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
 
-        if "sockets" in modes:
-            run("sockets", "sockets", None)
-            if netns:
-                run("sockets [netns]", "sockets", None, net=Net(netns))
-        for kind in PAIR_MODES[1:]:
-            if kind not in modes:
-                continue
-            for cfg in names + (sorted(NIXL_VARIANTS) if kind == "nixl-read" and args.nixl_variants else []):
-                if cfg in NIXL_VARIANTS and kind != "nixl-read":
+        for rnd in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {rnd + 1} of {args.rounds} (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+            if "sockets" in modes:
+                run("sockets", "sockets", None)
+                if netns:
+                    run("sockets [netns]", "sockets", None, net=Net(netns))
+            for kind in PAIR_MODES[1:]:
+                if kind not in modes:
                     continue
-                net = Net(netns) if cfg == "netns" else None
-                run(f"{kind} [{cfg}]", kind, configs[cfg], net=net, cwd=v1 if kind == "ucx-pull-v1" else None)
+                for cfg in names + (sorted(NIXL_VARIANTS) if kind == "nixl-read" and args.nixl_variants else []):
+                    if cfg in NIXL_VARIANTS and kind != "nixl-read":
+                        continue
+                    net = Net(netns) if cfg == "netns" else None
+                    run(f"{kind} [{cfg}]", kind, configs[cfg], net=net, cwd=v1 if kind == "ucx-pull-v1" else None)
+        results: dict[str, dict[str, Any]] = {label: _combine(r) for label, r in per_round.items()}
     if "memcpy" in modes:
         results["memcpy (1 thread)"] = _memcpy(args.budget)
     if "gather" in modes:
@@ -807,7 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     if args.json:
         meta = {"cpus": os.cpu_count(), "configs": {n: configs[n] for n in names}, "sizes_mib": SIZES_MIB,
-                "nixl": NIXL_DEFAULTS, "v1_commit": V1_COMMIT, "budget_s": args.budget, "notes": notes,
+                "nixl": NIXL_DEFAULTS, "v1_commit": V1_COMMIT, "budget_s": args.budget, "rounds": args.rounds,
+                "notes": notes,
                 "loadavg": os.getloadavg()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "targets": checks}, indent=2))
