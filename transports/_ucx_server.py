@@ -364,14 +364,9 @@ class UCXKVServer:
     def _serve_now(self, ep: Any, peer: str | None, msg: wire.Pull, in_flight: set[int]) -> bool:
         """Serve a zero-copy PULL here, in the read loop, without a task: check it, pin a view of the
         pool, post PULL_OK and the KV; their completion (a callback) unpins, counts and releases.
-        False (nothing done) when the PULL needs the task path: a refusal, a gather, a failed post."""
-        layout = self.store.layout
-        try:
-            num_blocks = self.store.num_blocks(msg.request_id, handle=msg.handle)
-            layout.check_slice(msg.kv_slice)
-        except (UnknownRequest, ValueError):
-            return False
-        if (msg.dtype, msg.shape) != (self._dtype, layout.wire_shape(num_blocks, msg.kv_slice)):
+        False (nothing done) when the PULL needs the task path: a refusal (which that path sends), a
+        gather, a CRC to compute."""
+        if self._refusal(msg) is not None:
             return False
         self.store.touch(msg.request_id, self._lease_s, handle=msg.handle)  # a started pull renews the lease
         try:
@@ -443,22 +438,27 @@ class UCXKVServer:
         finally:
             in_flight.discard(msg.txid)
 
-    async def _serve_pull_locked(self, ep: Any, msg: wire.Pull) -> None:
+    def _refusal(self, msg: wire.Pull) -> tuple[wire.Status, str] | None:
+        """Why this node refuses ``msg`` (a status and a reason), or None: the entry is held under
+        this handle, the slice fits the layout, and the dtype and shape are those of what it holds."""
         layout = self.store.layout
         try:
             num_blocks = self.store.num_blocks(msg.request_id, handle=msg.handle)
         except UnknownRequest:
-            await self._refuse(ep, msg.txid, msg.request_id, wire.Status.UNKNOWN_REQUEST, "no KV held for this request")
-            return
+            return wire.Status.UNKNOWN_REQUEST, "no KV held for this request"
         try:
             layout.check_slice(msg.kv_slice)
         except ValueError as exc:
-            await self._refuse(ep, msg.txid, msg.request_id, wire.Status.BAD_REQUEST, str(exc))
-            return
-        want = (dtype_name(layout.dtype), layout.wire_shape(num_blocks, msg.kv_slice))
+            return wire.Status.BAD_REQUEST, str(exc)
+        want = (self._dtype, layout.wire_shape(num_blocks, msg.kv_slice))
         if (msg.dtype, msg.shape) != want:
-            reason = f"have {want[0]}{list(want[1])}, asked {msg.dtype}{list(msg.shape)}"
-            await self._refuse(ep, msg.txid, msg.request_id, wire.Status.SHAPE_MISMATCH, reason)
+            return wire.Status.SHAPE_MISMATCH, f"have {want[0]}{list(want[1])}, asked {msg.dtype}{list(msg.shape)}"
+        return None
+
+    async def _serve_pull_locked(self, ep: Any, msg: wire.Pull) -> None:
+        refusal = self._refusal(msg)
+        if refusal is not None:
+            await self._refuse(ep, msg.txid, msg.request_id, *refusal)
             return
         self.store.touch(msg.request_id, self._lease_s, handle=msg.handle)  # a started pull renews the lease
         try:  # pinned: neither a RELEASE nor the lease can free the blocks while they are sent
