@@ -267,7 +267,15 @@ async def _segment(mode: str, ctx: Node, gen: Node, cfg: dict[str, Any], prompts
     for key in _COUNTERS:
         eng[key] = {k: v - (before.get(key) or {}).get(k, 0) for k, v in (eng.get(key) or {}).items()}
     eng["inline_fallbacks"] = eng.get("inline_fallbacks", 0) - before.get("inline_fallbacks", 0)
+    got, had = eng.get("receive_seconds") or {}, before.get("receive_seconds") or {}  # cumulative histograms
+    eng["receives"] = {"count": (got.get("counts") or [0])[-1] - (had.get("counts") or [0])[-1],
+                       "sum_s": got.get("sum", 0.0) - had.get("sum", 0.0)}
     return result, stats, cpu
+
+
+def _mean_receive_ms(engines: list[dict[str, Any]]) -> float | None:
+    n = sum((e.get("receives") or {}).get("count", 0) for e in engines)
+    return 1e3 * sum((e.get("receives") or {}).get("sum_s", 0.0) for e in engines) / n if n else None
 
 
 def _aggregate(rounds: list[tuple[Any, dict[str, Any], dict[str, float]]], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -321,6 +329,8 @@ def _aggregate(rounds: list[tuple[Any, dict[str, Any], dict[str, float]]], cfg: 
         "peak_staging_bytes": max(e.get("peak_staging_bytes", 0) for e in engines),
         "transfer_budget_bytes": engines[0].get("transfer_budget_bytes", cfg["transfer_budget_bytes"]),
         "inline_fallbacks": sum(e.get("inline_fallbacks", 0) for e in engines),
+        # a receive from its start (after admission) to its KV in place, on this loaded GEN (rank 0)
+        "receive_ms_mean": _mean_receive_ms(engines),
         "gen_failed": {k: v for k, v in total("failed").items() if v},
         "failures": s["failures"],
         "failure_reasons": s["failure_reasons"],
