@@ -144,7 +144,7 @@ M = [
  ("report stats reach every rank", "examples/two_node/gen.py", "isinstance(command, list) and command[0] == gen_tp.REPORT_STATS", "isinstance(command, tuple) and command[0] == gen_tp.REPORT_STATS", "tests/test_tp_two_node.py -k 'equals_a_single_process and 2'"),
  # issue 17, item 3: the lean ucxx pull (a zero-copy PULL served in the CTX's read loop; the PULL_OK matched without a decode)
  ("17 inline serve unpins", "transports/_ucx_server.py", "            checkout.close()  # UCX is done with the view: both sends ended\n", "", "tests/test_ucx_transport.py -k zero_copy"),
- ("17 inline serve releases", "transports/_ucx_server.py", "            if msg.release:\n                self.store.release(msg.request_id, handle=msg.handle)\n            log.debug(\"kv_pull_served\"", "            log.debug(\"kv_pull_served\"", "tests/test_ucx_transport.py -k zero_copy"),
+ ("17 served pull releases", "transports/_ucx_server.py", "        if msg.release:\n            self.store.release(msg.request_id, handle=msg.handle)\n        log.debug(\"kv_pull_served\"", "        log.debug(\"kv_pull_served\"", "tests/test_ucx_transport.py -k zero_copy"),
  ("17 serve checks the shape", "transports/_ucx_server.py", "        if (msg.dtype, msg.shape) != want:\n", "        if False:\n", "tests/test_ucx_transport.py -k zero_copy"),
  ("17 PULL_OK shortcut matches all but the tail", "transports/wire.py", "frame[:t] != want[:t] or frame[t + 1 :] != want[t + 1 :]", "frame[:t] != want[:t]", "tests/test_wire.py -k shortcut"),
  # issue 17, item 3: wire v4, the KV receive posted with the PULL (a sentinel; a CRC when it equals the KV's tail)

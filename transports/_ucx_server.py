@@ -387,9 +387,7 @@ class UCXKVServer:
         except Exception as exc:  # the endpoint broke: its reader sees it too
             checkout.close()
             in_flight.discard(msg.txid)
-            log.info("kv_pull_failed", peer=peer, request_id=msg.request_id, reason=f"{type(exc).__name__}: {exc}")
-            with contextlib.suppress(Exception):
-                ep.abort(period=10**8)
+            self._pull_failed(ep, peer, msg, exc)
             return True
         key = (id(ep), msg.txid)
         pending = [2]
@@ -406,15 +404,9 @@ class UCXKVServer:
             in_flight.discard(msg.txid)
             checkout.close()  # UCX is done with the view: both sends ended
             if failed:
-                log.info("kv_pull_failed", peer=peer, request_id=msg.request_id, reason=f"{type(failed[0]).__name__}: {failed[0]}")
-                with contextlib.suppress(Exception):
-                    ep.abort(period=10**8)
-                return
-            self._served += 1
-            self._bytes += msg.nbytes
-            if msg.release:
-                self.store.release(msg.request_id, handle=msg.handle)
-            log.debug("kv_pull_served", request_id=msg.request_id, bytes=msg.nbytes, released=msg.release)
+                self._pull_failed(ep, peer, msg, failed[0])
+            else:
+                self._pull_served(msg)
 
         # the frame, the buffer and both requests stay referenced until the sends end (ucxx keeps none)
         self._sending[key] = (checkout, frame, buf, reply, data)
@@ -430,13 +422,24 @@ class UCXKVServer:
         try:
             await self._serve_pull_locked(ep, msg)
         except Exception as exc:  # ucxx: the endpoint broke mid-pull; the reader sees it too
-            log.info("kv_pull_failed", peer=peer, request_id=msg.request_id, reason=f"{type(exc).__name__}: {exc}")
-            try:
-                ep.abort(period=10**8)
-            except Exception:
-                pass
+            self._pull_failed(ep, peer, msg, exc)
         finally:
             in_flight.discard(msg.txid)
+
+    def _pull_served(self, msg: wire.Pull) -> None:
+        """Both sends of a pull ended: count it and release the entry unless the PULL said KEEP."""
+        self._served += 1
+        self._bytes += msg.nbytes
+        if msg.release:
+            self.store.release(msg.request_id, handle=msg.handle)
+        log.debug("kv_pull_served", request_id=msg.request_id, bytes=msg.nbytes, released=msg.release)
+
+    @staticmethod
+    def _pull_failed(ep: Any, peer: str | None, msg: wire.Pull, exc: BaseException) -> None:
+        """A send of a pull failed: the endpoint is broken (its reader sees it too); close it."""
+        log.info("kv_pull_failed", peer=peer, request_id=msg.request_id, reason=f"{type(exc).__name__}: {exc}")
+        with contextlib.suppress(Exception):
+            ep.abort(period=10**8)
 
     def _refusal(self, msg: wire.Pull) -> tuple[wire.Status, str] | None:
         """Why this node refuses ``msg`` (a status and a reason), or None: the entry is held under
@@ -515,8 +518,4 @@ class UCXKVServer:
         keep = (frame, buf, staged, reply, data)  # referenced until both sends ended (ucxx keeps neither
         sent.add_done_callback(lambda _: keep)  # buffer), also when this task is cancelled meanwhile
         await asyncio.shield(sent)
-        self._served += 1
-        self._bytes += msg.nbytes
-        if msg.release:
-            self.store.release(msg.request_id, handle=msg.handle)
-        log.debug("kv_pull_served", request_id=msg.request_id, bytes=msg.nbytes, released=msg.release)
+        self._pull_served(msg)
