@@ -172,13 +172,14 @@ class _PullIO:
     than ``into`` fails this pull alone. Everything UCX reads or writes stays referenced until it
     has ended (ucxx keeps none of it)."""
 
-    __slots__ = ("conn", "into", "txid", "tag", "landing", "frame", "want", "sentinel", "woken", "kv_future",
+    __slots__ = ("conn", "into", "txid", "tag", "landing", "frame", "want", "tail", "sentinel", "woken", "kv_future",
                  "reply_error", "kv_error", "reaping", "_reply_done", "_kv_done", "_ended", "_buf", "_saved", "_reqs")
 
     def __init__(self, conn: _Endpoint, into: torch.Tensor, txid: int, landing: Landing) -> None:
         self.conn, self.into, self.txid, self.tag, self.landing = conn, into, txid, 2 * txid + 1, landing
         self.frame = bytearray(wire.FRAME_BYTES)
         self.want = b""  # the PULL_OK this pull expects, tail 0 (``wire.pull_ok_frame``)
+        self.tail: int | None = None  # once the reply came: its tail if it is byte for byte that PULL_OK
         self.sentinel = 0
         self.woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.kv_future: asyncio.Future[Any] | None = None  # ucxx's, of the KV receive
@@ -231,6 +232,8 @@ class _PullIO:
         exc = _outcome(fut)
         if exc is not None:
             self.reply_error = self.conn._broke(exc)
+        else:
+            self.tail = wire.pull_ok_tail(self.frame, self.want)
         self._reply_done = True
         self._wake()
 
@@ -249,7 +252,7 @@ class _PullIO:
     def _wake(self) -> None:
         if self.woken.done() or not self._reply_done:
             return
-        if self._kv_done or self.reply_error is not None or wire.pull_ok_tail(self.frame, self.want) is None:
+        if self._kv_done or self.tail is None:  # a failed or unexpected reply wakes the task at once
             self.woken.set_result(None)
 
     @property

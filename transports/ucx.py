@@ -307,9 +307,8 @@ class UCXTransport:
                 await io.woken
                 if io.reply_error is not None:
                     raise _NothingMoved(io.reply_error)  # the reply comes before any KV
-                tail = wire.pull_ok_tail(io.frame, io.want)
-                if tail is not None:  # byte for byte the PULL_OK it expects (then the KV receive ended too)
-                    answer = wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, tail)
+                if io.tail is not None:  # byte for byte the PULL_OK it expects (then the KV receive ended too)
+                    answer = wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, io.tail)
                 else:
                     answer = self._answer(conn, msg, io)
                     if isinstance(answer, wire.PullErr):
