@@ -6,12 +6,12 @@ It fills a deterministic KV pool (``make_pool``), holds ``--requests`` requests 
 answers stdin commands, one JSON line each: ``stats`` (store statistics and held ids),
 ``put <id>`` (hold one more request). The secret comes from ``KVO_SHARED_SECRET``; ``--insecure``
 serves without one. ``--gather-delay S`` makes every gather sleep S seconds (to kill it mid-pull),
-``--send-delay S`` sleeps after READY (to cancel a pull whose receive is posted). ``--runs`` holds
+``--send-delay S`` sleeps before it sends (to cancel a pull whose receive is posted). ``--runs`` holds
 each request in one ascending run of blocks, which the UCX server sends from a zero-copy view of its
 pool in its read loop (the scattered default takes its gather path).
-``--corrupt short|long|foreign`` (UCX only) answers pulls of ``req-1`` with a right PULL_OK and then
-half the KV, the KV and 64 more bytes, or a PULL_OK that names another pull (and then the KV): a CTX bug
-that GEN must catch.
+``--corrupt short|long|foreign`` (UCX only) answers pulls of ``req-1`` with half the KV, the KV and
+64 more bytes, or no KV (the empty message) and a PULL_ERR that names another pull: a CTX bug that
+GEN must catch.
 """
 
 from __future__ import annotations
@@ -95,22 +95,21 @@ async def _main(args: argparse.Namespace) -> None:
             import asyncio
 
             from transports import wire
-            from transports._ucx_common import _ucx_buffer, kv_crc32, last_byte, post_send
+            from transports._ucx_common import _ucx_buffer, post_send
 
             flat = staged.reshape(-1)
-            txid = msg.txid
-            if args.corrupt == "short":
+            if args.corrupt == "foreign":  # no KV, and a PULL_ERR that names another pull
+                err = wire.encode_frame(wire.PullErr(msg.txid + 1000, wire.Status.INTERNAL, "not yours"))
+                reply = post_send(ep, err, 2 * msg.txid)
+                await asyncio.shield(reply.future)
+                sent = flat[:0]
+            elif args.corrupt == "short":
                 sent = flat[: flat.numel() // 2].clone()
-            elif args.corrupt == "long":
-                sent = torch.cat([flat, torch.zeros(32, dtype=flat.dtype)])
             else:
-                sent, txid = flat, msg.txid + 1000
-            tail = last_byte(staged)  # right, and the CRC of the whole KV when GEN needs it: only the length is wrong
-            crc = kv_crc32(staged) if tail == msg.sentinel else 0
-            frame = wire.encode_frame(wire.PullOk(txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, tail, crc))
+                sent = torch.cat([flat, torch.zeros(32, dtype=flat.dtype)])
             buf = _ucx_buffer(sent)
-            reply, data = post_send(ep, frame, 2 * msg.txid), post_send(ep, buf, msg.tag)
-            await asyncio.shield(asyncio.gather(reply.future, data.future))
+            data = post_send(ep, buf, msg.tag)
+            await asyncio.shield(data.future)
 
     Server = Slowed if args.send_delay or args.corrupt else UCXKVServer
 

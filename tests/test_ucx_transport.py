@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -849,14 +849,15 @@ async def test_peers_are_bounded(peer: Peer, backend: str) -> None:
 @pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # ucxx tag messages (NIXL: test_nixl_transport)
 @pytest.mark.parametrize("corrupt", ["short", "long", "foreign"])
 async def test_a_wrong_kv_message_fails_its_pull_only(transport: UCXTransport, corrupt: str) -> None:
-    """Invariant 12: a CTX that answers PULL_OK and then a short KV message (ucxx completes it into
-    the larger receive without a word), a long one, or a PULL_OK that does not match the PULL fails
-    that pull with ProtocolViolation; its landing ends, the endpoint and the other pulls go on."""
+    """Invariant 12: a CTX that answers a PULL with a short KV message (ucxx completes it into the
+    larger receive without a word) and no PULL_ERR, a long one, or no KV and a PULL_ERR that names
+    another pull fails that pull with ProtocolViolation; its landing ends, the endpoint and the other
+    pulls go on."""
     bad = Peer("--corrupt", corrupt)
     try:
         with anyio.fail_after(20):
             into, landing = empty(), Landing()
-            with pytest.raises(ProtocolViolation, match="shorter|longer|does not match"):
+            with pytest.raises(ProtocolViolation, match="shorter|longer|unexpected reply"):
                 await transport.pull(bad.address, "req-1", LAYOUT.full_slice(), into, landing=landing)
             await wait_idle(landing)
             conn = transport._eps[bad.address]
@@ -870,38 +871,46 @@ async def test_a_wrong_kv_message_fails_its_pull_only(transport: UCXTransport, c
         bad.stop()
 
 
-@pytest.mark.anyio
-@pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # the ucxx pull's sentinel
-async def test_a_sentinel_equal_to_the_kv_tail_is_checked_by_crc(peer: Peer, run_peer: Peer, transport: UCXTransport,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """When the random sentinel GEN writes last in ``into`` equals the KV's last byte (1 pull in 256),
-    a short message would leave a right-looking last byte: the PULL_OK then carries the KV's CRC-32
-    and GEN checks it. Forced here: the pull of a gathered and of a zero-copy request still lands
-    exactly, and a CTX that sends half the KV is caught."""
+@pytest.mark.anyio  # the ucxx pull's sentinel
+async def test_a_kv_ending_in_the_sentinel_fails_as_short_never_silently(run_peer: Peer,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sentinel GEN writes last in ``into`` is a random 64-bit value the CTX never sees; a KV
+    whose last 8 bytes equal it (1 pull in 2**64, forced here) is taken for a short message: no
+    PULL_ERR explains it, so the pull fails with ProtocolViolation after the grace, never a silent
+    success. The endpoint stays; the next pull lands. More than ``MAX_UNANSWERED`` such pulls cost
+    the endpoint (their reply receives stay posted), which a new pull replaces."""
     from transports import _ucx_endpoint
 
-    def tail_of(t: torch.Tensor) -> int:
-        return int(_ucx_buffer(t.contiguous())[-1])
-
     pool = make_pool(LAYOUT, TOTAL)
-    want_gathered, want_run = expected(35), pool[block_ids(13, BLOCKS, TOTAL, runs=True)]
-    bad = Peer("--corrupt", "short")
-    try:
+
+    def want(i: int) -> torch.Tensor:
+        return pool[block_ids(i, BLOCKS, TOTAL, runs=True)]
+
+    def sentinel_is_the_tail_of(i: int) -> Callable[[int], int]:
+        last8 = int.from_bytes(bytes(want(i).reshape(-1).view(torch.uint8)[-8:].tolist()), "little")
+        return lambda bits: last8 >> (64 - bits)
+
+    async with UCXTransport(UCXConfig(secret=SECRET, cancel_grace_s=0.2)) as t:
         with anyio.fail_after(30):
-            for address, rid, want in ((peer.address, "req-35", want_gathered), (run_peer.address, "req-13", want_run),
-                                       (bad.address, "req-1", expected(1))):
-                monkeypatch.setattr(_ucx_endpoint.random, "getrandbits", lambda _bits, t=tail_of(want): t)
+            with monkeypatch.context() as m:
+                m.setattr(_ucx_endpoint.random, "getrandbits", sentinel_is_the_tail_of(13))
                 into, landing = empty(), Landing()
-                if address == bad.address:
+                with pytest.raises(ProtocolViolation, match="shorter"):
+                    await t.pull(run_peer.address, "req-13", LAYOUT.full_slice(), into, landing=landing, release=False)
+                assert not landing.busy
+            conn = t._eps[run_peer.address]
+            assert conn.error is None and len(conn.unanswered) == 1
+            await t.pull(run_peer.address, "req-13", LAYOUT.full_slice(), into)
+            assert torch.equal(into, want(13))
+            with monkeypatch.context() as m:
+                m.setattr(_ucx_endpoint.random, "getrandbits", sentinel_is_the_tail_of(14))
+                for _ in range(_ucx_endpoint.MAX_UNANSWERED):
                     with pytest.raises(ProtocolViolation, match="shorter"):
-                        await transport.pull(address, rid, LAYOUT.full_slice(), into, landing=landing)
-                else:
-                    await transport.pull(address, rid, LAYOUT.full_slice(), into, landing=landing)
-                    assert torch.equal(into, want)
-                await wait_idle(landing)
-            assert transport.statistics().endpoints == 3 and transport.statistics().pulls_ok == 2
-    finally:
-        bad.stop()
+                        await t.pull(run_peer.address, "req-14", LAYOUT.full_slice(), empty(), release=False)
+            assert conn.error is not None and t.statistics().endpoints == 0  # 17 unanswered: the endpoint went
+            b = empty()
+            await t.pull(run_peer.address, "req-14", LAYOUT.full_slice(), b)
+            assert torch.equal(b, want(14))
 
 
 @pytest.mark.anyio

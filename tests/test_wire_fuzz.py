@@ -29,7 +29,6 @@ SEEDS += [
         wire.AuthOk(b"m" * 32, wire.PeerInfo(2, 4, 0, 4, 64, 16, "float16", 8, 1000)),
         wire.AuthFail(wire.Status.AUTH_FAILED, "no"),
         wire.Pull(7, "req-1", "cd" * 16, KVSlice(0, 2, 0, 4), "float16", (3, 2, 2, 4, 16, 64), 3 * 2 * 2 * 4 * 16 * 64 * 2, 15),
-        wire.PullOk(7, 15, "float32", (2, 3), 24),
         wire.PullErr(7, wire.Status.BUSY, "busy"),
         wire.Release(2, "req-2", "ef" * 16),
         wire.Hold(3, (("req-3", "01" * 16),)),

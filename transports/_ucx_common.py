@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-import zlib
 from typing import Any
 
 import structlog
@@ -136,14 +135,3 @@ def post_recv(ep: Any, buf: Any, tag: int) -> Any:
     from ucxx.types import TagMaskFull
 
     return ep._ep.tag_recv(Array(buf), _tag(ep, tag, "msg_recv"), TagMaskFull)
-
-
-def kv_crc32(t: torch.Tensor) -> int:
-    """CRC-32 (zlib) of a contiguous tensor's bytes (a copy to the host first for CUDA)."""
-    flat = t.detach().reshape(-1).view(torch.uint8)
-    return zlib.crc32((flat.cpu() if flat.is_cuda else flat).numpy())
-
-
-def last_byte(t: torch.Tensor) -> int:
-    """The last byte of a contiguous tensor's memory (a device sync for CUDA)."""
-    return int(_ucx_buffer(t)[-1])

@@ -1,24 +1,25 @@
 """The GEN side's ucxx endpoint (``transports.ucx.UCXTransport``): one authenticated endpoint per CTX
 peer, the requests posted on it (each a ucxx request whose future ends with it, its ucxx error
 mapped: a broken endpoint fails, a truncated KV message fails its pull only), and one pull's
-messages (``_PullIO``: its two receives and the PULL, posted together; the ``Landing`` of ``into``,
-the sentinel and the length check; one wake-up of the pulling task)."""
+messages (``_PullIO``: its KV receive and the PULL, posted together; the ``Landing`` of ``into``,
+the sentinel and the length check, the PULL_ERR received only when no KV came; one wake-up of the
+pulling task)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 from typing import Any
 
 import anyio
+import numpy as np
 import structlog
 import torch
 
 from . import wire
 from ._errors import PeerClosed, ProtocolViolation, TransportError
 from ._protocol import Landing
-from ._ucx_common import CONTROL_TAG, _ucx_buffer, kv_crc32, post_recv, post_send
+from ._ucx_common import CONTROL_TAG, _ucx_buffer, post_recv, post_send
 
 log = structlog.get_logger("transports.ucx")
 
@@ -59,6 +60,7 @@ class _Endpoint:
         self.info: wire.PeerInfo | None = None
         self.slots: anyio.Semaphore | None = None  # pulls in flight, at most what the CTX serves
         self.served = 0  # pulls it completed (an endpoint that served before may have gone stale since)
+        self.unanswered: set[_PullIO] = set()  # pulls failed short whose reply receive is still posted
 
     def watch_close(self) -> None:
         """Fail this endpoint when UCX reports the peer gone (the callback may run on any thread)."""
@@ -158,101 +160,150 @@ class _Endpoint:
             self.error = PeerClosed(f"endpoint to {self.peer} closed", peer=self.peer)
 
 
+SENTINEL_BYTES = 8  # a random 64-bit value GEN writes last in ``into``: a full KV message replaces it
+MAX_UNANSWERED = 16  # reply receives an endpoint keeps posted for short messages no PULL_ERR explained
+
+
 class _PullIO:
-    """One pull's messages on its endpoint, posted together before its PULL leaves: the receive of
-    the reply (``frame``, tag 2*txid) and of the KV (into ``into``, tag 2*txid+1, a random sentinel
-    first written into its last byte: a short message leaves it there), then the PULL itself.
+    """One pull's messages on its endpoint, posted before its PULL leaves: the receive of the KV
+    (into ``into``, tag 2*txid+1, a random sentinel first written into its last ``SENTINEL_BYTES``
+    bytes), then the PULL itself. No reply is posted: a CTX that serves the pull sends the KV alone.
 
-    ``into`` is busy (its ``Landing``) until UCX ends the KV receive; a KV receive that ends without a
-    KV message (failed, cancelled, or the empty message that follows a PULL_ERR) first puts back the
-    byte the sentinel replaced, so ``into`` is as it was. ``woken`` is the pulling task's only wait:
-    it ends when the reply has ended and either the KV receive has too or the reply is not the
-    PULL_OK the pull expects; it is the task's own future, so cancelling it cancels nothing posted.
-    Errors are mapped as they end: a broken endpoint fails (``_Endpoint.fail``), a KV message longer
-    than ``into`` fails this pull alone. Everything UCX reads or writes stays referenced until it
-    has ended (ucxx keeps none of it)."""
+    When the receive ends, the last bytes of ``into`` tell what came (ucxx reports no length): not
+    the sentinel, the whole KV (a long message fails its receive as truncated); still the sentinel,
+    no KV (the empty message that follows a PULL_ERR) or a short one. Only then is the reply (tag
+    2*txid) received: a PULL_ERR is the refusal; none within ``grace`` seconds, or anything else,
+    fails the pull as a short message (the endpoint keeps that receive posted, at most
+    ``MAX_UNANSWERED`` of them). The sentinel is the GEN's own (the CTX never sees it), so a whole
+    KV leaves it only when its last 8 bytes equal a random 64-bit value: 1 pull in 2**64, failed as
+    short, never a silent success.
 
-    __slots__ = ("conn", "into", "txid", "tag", "landing", "frame", "want", "tail", "sentinel", "woken", "kv_future",
-                 "reply_error", "kv_error", "reaping", "_reply_done", "_kv_done", "_ended", "_buf", "_saved", "_reqs")
+    ``into`` is busy (its ``Landing``) until UCX ends the KV receive; a receive that ends without
+    the whole KV first puts back the bytes the sentinel replaced, so a refused pull leaves ``into``
+    as it was. ``woken`` is the pulling task's only wait (its own future: cancelling it cancels
+    nothing posted). Everything UCX reads or writes stays referenced until it has ended."""
 
-    def __init__(self, conn: _Endpoint, into: torch.Tensor, txid: int, landing: Landing) -> None:
-        self.conn, self.into, self.txid, self.tag, self.landing = conn, into, txid, 2 * txid + 1, landing
-        self.frame = bytearray(wire.FRAME_BYTES)
-        self.want = b""  # the PULL_OK this pull expects, tail 0 (``wire.pull_ok_frame``)
-        self.tail: int | None = None  # once the reply came: its tail if it is byte for byte that PULL_OK
-        self.sentinel = 0
+    __slots__ = ("conn", "into", "txid", "tag", "landing", "grace", "woken", "kv_future", "error", "refusal",
+                 "reaping", "_kv_done", "_ended", "_buf", "_saved", "_sentinel", "_reqs", "_frame", "_timer")
+
+    def __init__(self, conn: _Endpoint, into: torch.Tensor, txid: int, landing: Landing, grace: float) -> None:
+        self.conn, self.into, self.txid, self.tag, self.landing, self.grace = conn, into, txid, 2 * txid + 1, landing, grace
         self.woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.kv_future: asyncio.Future[Any] | None = None  # ucxx's, of the KV receive
-        self.reply_error: TransportError | None = None
-        self.kv_error: TransportError | None = None
+        self.error: TransportError | None = None  # what failed the pull (the KV receive, or no KV and no PULL_ERR)
+        self.refusal: wire.PullErr | None = None  # the CTX's PULL_ERR
         self.reaping = False  # a background task waits for the KV receive to end
-        self._reply_done = self._kv_done = self._ended = False
+        self._kv_done = self._ended = False
         self._buf: Any = None  # the bytes of `into` that UCX writes
-        self._saved = 0  # the byte the sentinel replaced
+        self._saved = b""  # the bytes the sentinel replaced
+        self._sentinel = b""
         self._reqs: list[Any] = []  # ucxx cancels a request whose object is collected: kept with this
+        self._frame: bytearray | None = None  # the reply's, once posted
+        self._timer: asyncio.TimerHandle | None = None
         landing.begin()
 
-    def post(self, template: wire.Pull) -> wire.Pull:
-        """Post both receives and send the PULL, with no await in between; the PULL sent. A failure
-        fails the endpoint (``PeerClosed``), which ends whatever was posted."""
+    def post(self, msg: wire.Pull) -> None:
+        """Post the KV receive and send ``msg`` (the PULL, its txid and tag this pull's), with no await
+        in between. A failure fails the endpoint (``PeerClosed``), which ends whatever was posted."""
         conn = self.conn
         try:
             conn._check()
             buf = self._buf = _ucx_buffer(self.into)
-            self._saved = int(buf[-1])  # a device sync for CUDA
-            self.sentinel = random.getrandbits(8)
-            buf[-1] = self.sentinel
-            if isinstance(buf, torch.Tensor) and buf.is_cuda:  # the write lands before UCX's may
-                torch.cuda.current_stream(buf.device).synchronize()
+            n = min(SENTINEL_BYTES, int(buf.shape[0]))
+            self._saved = _tail(buf, n)  # a device sync for CUDA
+            self._sentinel = random.getrandbits(8 * n).to_bytes(n, "little")
+            _set_tail(buf, self._sentinel)  # for CUDA: synchronised, it lands before UCX's may
         except BaseException:
             self.end()
             raise
-        msg = dataclasses.replace(template, txid=self.txid, tag=self.tag, sentinel=self.sentinel)
-        self.want = wire.pull_ok_frame(msg)
         pull = wire.encode_frame(msg)
         try:
             kv = post_recv(conn.ep, buf, self.tag)
         except Exception as exc:
-            buf[-1] = self._saved
+            _set_tail(buf, self._saved)
             self.end()
             raise conn._broke(exc) from exc
         self._reqs = [kv]
         self.kv_future = kv.future
         self.kv_future.add_done_callback(self._kv_ended)
         try:
-            reply = post_recv(conn.ep, self.frame, 2 * self.txid)
-            self._reqs.append(reply)
-            reply.future.add_done_callback(self._reply_ended)
             conn.watch_send(post_send(conn.ep, pull, CONTROL_TAG), pull)
         except Exception as exc:
             raise conn._broke(exc) from exc
-        return msg
-
-    def _reply_ended(self, fut: asyncio.Future[Any]) -> None:
-        exc = _outcome(fut)
-        if exc is not None:
-            self.reply_error = self.conn._broke(exc)
-        else:
-            self.tail = wire.pull_ok_tail(self.frame, self.want)
-        self._reply_done = True
-        self._wake()
 
     def _kv_ended(self, fut: asyncio.Future[Any]) -> None:
         exc = _outcome(fut)
-        if exc is not None or self.frame[5] == wire.MsgType.PULL_ERR:  # its type byte: no KV message came
-            self._buf[-1] = self._saved
-        if exc is not None:
-            self.kv_error = (ProtocolViolation(f"{self.conn.peer} sent a KV message longer than its PULL_OK said",
-                                               peer=self.conn.peer)
-                             if "truncated" in str(exc).lower() else self.conn._broke(exc))
         self._kv_done = True
+        if exc is None and _tail(self._buf, len(self._sentinel)) != self._sentinel:  # the whole KV landed
+            self.end()
+            self._wake()
+            return
+        _set_tail(self._buf, self._saved)  # no whole KV: `into` as it was, but for what a short message wrote
         self.end()
+        if exc is not None:
+            self.error = (ProtocolViolation(f"{self.conn.peer} sent a KV message longer than its PULL asked",
+                                            peer=self.conn.peer)
+                          if "truncated" in str(exc).lower() else self.conn._broke(exc))
+            self._wake()
+            return
+        self._await_reply()  # no KV: the PULL_ERR says why (a CTX sends it before the empty message)
+
+    def _await_reply(self) -> None:
+        conn = self.conn
+        frame = self._frame = bytearray(wire.FRAME_BYTES)
+        try:
+            conn._check()
+            reply = post_recv(conn.ep, frame, 2 * self.txid)
+        except TransportError as err:
+            self.error = err
+            self._wake()
+            return
+        except Exception as exc:
+            self.error = conn._broke(exc)
+            self._wake()
+            return
+        self._reqs.append(reply)
+        reply.future.add_done_callback(self._reply_ended)
+        self._timer = asyncio.get_running_loop().call_later(self.grace, self._unanswered)
+
+    def _reply_ended(self, fut: asyncio.Future[Any]) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.conn.unanswered.discard(self)
+        exc = _outcome(fut)  # retrieved in any case
+        if self.woken.done():  # came after the grace (or the endpoint closed since): the pull already failed
+            return
+        if exc is not None:
+            self.error = self.conn._broke(exc)
+        else:
+            assert self._frame is not None
+            try:
+                reply = wire.decode_frame(self._frame, self.conn.limits)
+            except ProtocolViolation as err:
+                self.error = err
+            else:
+                if isinstance(reply, wire.PullErr) and reply.txid == self.txid:
+                    self.refusal = reply
+                else:
+                    self.error = ProtocolViolation(f"unexpected reply to PULL {self.txid}: {reply!r}", peer=self.conn.peer)
+        self._wake()
+
+    def _unanswered(self) -> None:
+        """No PULL_ERR ``grace`` seconds after a receive that ended without the whole KV: a short
+        message. Its reply receive stays posted (UCX cannot withdraw it) until the endpoint closes;
+        an endpoint with more than ``MAX_UNANSWERED`` of them is failed."""
+        if self.woken.done():
+            return
+        self.error = self.short()
+        conn = self.conn
+        conn.unanswered.add(self)
+        if len(conn.unanswered) > MAX_UNANSWERED:
+            conn.fail(PeerClosed(f"{conn.peer} sent {len(conn.unanswered)} short KV messages no PULL_ERR explained",
+                                 peer=conn.peer))
         self._wake()
 
     def _wake(self) -> None:
-        if self.woken.done() or not self._reply_done:
-            return
-        if self._kv_done or self.tail is None:  # a failed or unexpected reply wakes the task at once
+        if not self.woken.done():
             self.woken.set_result(None)
 
     @property
@@ -270,25 +321,22 @@ class _PullIO:
             self._ended = True
             self.landing.end()
 
-    def needs_crc(self, answer: wire.PullOk) -> bool:
-        """The CTX's last byte is the sentinel: only the CRC-32 tells whether all of it landed."""
-        return answer.tail == self.sentinel
+    def short(self) -> ProtocolViolation:
+        return ProtocolViolation(f"{self.conn.peer} sent a KV message shorter than its PULL asked "
+                                 f"({self.into.numel() * self.into.element_size()} B), or none, and no PULL_ERR",
+                                 peer=self.conn.peer)
 
-    def verify(self, answer: wire.PullOk) -> None:
-        """The whole KV message landed: its last byte is the CTX's ``tail`` (a short message left the
-        sentinel there, which differs from ``tail`` unless ``needs_crc``)."""
-        if self.kv_error is not None:
-            raise self.kv_error
-        if int(self._buf[-1]) != answer.tail:
-            raise self._short()
 
-    def verify_crc(self, answer: wire.PullOk) -> None:
-        """The CRC-32 of ``into`` is the PULL_OK's (a worker thread runs it for large messages)."""
-        if self.kv_error is not None:
-            raise self.kv_error
-        if kv_crc32(self.into) != answer.crc:
-            raise self._short()
+def _tail(buf: Any, n: int) -> bytes:
+    """The last ``n`` bytes of a byte view (``_ucx_buffer``: numpy, or a CUDA tensor: a device sync)."""
+    t = buf[-n:]
+    return (t.cpu().numpy() if isinstance(t, torch.Tensor) else t).tobytes()
 
-    def _short(self) -> ProtocolViolation:
-        return ProtocolViolation(f"{self.conn.peer} sent a KV message shorter than its PULL_OK said "
-                                 f"({self.into.numel() * self.into.element_size()} B)", peer=self.conn.peer)
+
+def _set_tail(buf: Any, data: bytes) -> None:
+    """Write ``data`` over the last bytes of a byte view (for CUDA, synchronised: it has landed on return)."""
+    if isinstance(buf, torch.Tensor):
+        buf[-len(data):] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(buf.device)
+        torch.cuda.current_stream(buf.device).synchronize()
+    else:
+        buf[-len(data):] = np.frombuffer(data, dtype=np.uint8)

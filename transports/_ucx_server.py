@@ -10,9 +10,8 @@ GEN's control frames:
              mid-send; the lease is renewed): a zero-copy view when its blocks form one run (served
              in the read loop itself, no task), else a gathered copy (in a worker thread above
              1 MiB; at most ``max_gathers_per_request`` copies of one request at once, the others
-             wait); post PULL_OK (with the KV's last byte, which GEN checks, and its CRC-32 when
-             that byte is the PULL's sentinel) on the reply tag and the KV on the data tag
-             together, then release the entry if asked.
+             wait); post the KV alone on the data tag (no reply: GEN checks its length), then
+             release the entry if asked.
              A refusal (unknown request, wrong handle, bad slice or shape, busy, malformed) is a
              PULL_ERR on the reply tag and an empty message on the data tag (GEN posted its KV
              receive before the PULL; this ends it). A PULL that reuses a txid in flight or names
@@ -53,8 +52,6 @@ from ._ucx_common import (
     _ucx_buffer,
     _ucx_release,
     apply_ucx_defaults,
-    kv_crc32,
-    last_byte,
     post_send,
 )
 
@@ -363,9 +360,8 @@ class UCXKVServer:
 
     def _serve_now(self, ep: Any, peer: str | None, msg: wire.Pull, in_flight: set[int]) -> bool:
         """Serve a zero-copy PULL here, in the read loop, without a task: check it, pin a view of the
-        pool, post PULL_OK and the KV; their completion (a callback) unpins, counts and releases.
-        False (nothing done) when the PULL needs the task path: a refusal (which that path sends), a
-        gather, a CRC to compute."""
+        pool, post the KV; its completion (a callback) unpins, counts and releases. False (nothing
+        done) when the PULL needs the task path: a refusal (which that path sends), a gather."""
         if self._refusal(msg) is not None:
             return False
         self.store.touch(msg.request_id, self._lease_s, handle=msg.handle)  # a started pull renews the lease
@@ -376,13 +372,7 @@ class UCXKVServer:
         if checkout is None:
             return False
         buf = _ucx_buffer(checkout.tensor)
-        tail = int(buf[-1])
-        if tail == msg.sentinel:  # its PULL_OK carries a CRC: computed on the task path
-            checkout.close()
-            return False
-        frame = wire.encode_frame(wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, tail))
         try:
-            reply = post_send(ep, frame, 2 * msg.txid)
             data = post_send(ep, buf, msg.tag)
         except Exception as exc:  # the endpoint broke: its reader sees it too
             checkout.close()
@@ -390,27 +380,20 @@ class UCXKVServer:
             self._pull_failed(ep, peer, msg, exc)
             return True
         key = (id(ep), msg.txid)
-        pending = [2]
-        failed: list[BaseException] = []
 
-        def ended(fut: asyncio.Future[Any]) -> None:  # on the loop, once per send
-            if fut.cancelled():
-                failed.append(RuntimeError("send cancelled"))
-            elif fut.exception() is not None:
-                failed.append(fut.exception())  # type: ignore[arg-type]
-            pending[0] -= 1
-            if pending[0] or self._sending.pop(key, None) is None:  # the other send; or the server closed it
+        def ended(fut: asyncio.Future[Any]) -> None:  # on the loop, when the send ends
+            if self._sending.pop(key, None) is None:  # the server closed it
                 return
             in_flight.discard(msg.txid)
-            checkout.close()  # UCX is done with the view: both sends ended
-            if failed:
-                self._pull_failed(ep, peer, msg, failed[0])
+            checkout.close()  # UCX is done with the view
+            exc = RuntimeError("send cancelled") if fut.cancelled() else fut.exception()
+            if exc is not None:
+                self._pull_failed(ep, peer, msg, exc)
             else:
                 self._pull_served(msg)
 
-        # the frame, the buffer and both requests stay referenced until the sends end (ucxx keeps none)
-        self._sending[key] = (checkout, frame, buf, reply, data)
-        reply.future.add_done_callback(ended)
+        # the buffer and the request stay referenced until the send ends (ucxx keeps neither)
+        self._sending[key] = (checkout, buf, data)
         data.future.add_done_callback(ended)
         return True
 
@@ -427,7 +410,7 @@ class UCXKVServer:
             in_flight.discard(msg.txid)
 
     def _pull_served(self, msg: wire.Pull) -> None:
-        """Both sends of a pull ended: count it and release the entry unless the PULL said KEEP."""
+        """A pull's send ended: count it and release the entry unless the PULL said KEEP."""
         self._served += 1
         self._bytes += msg.nbytes
         if msg.release:
@@ -504,18 +487,11 @@ class UCXKVServer:
         return 0 if entry is None else self.config.max_gathers_per_request - entry[0].value
 
     async def _send_checked_out(self, ep: Any, msg: wire.Pull, staged: torch.Tensor) -> None:
-        """PULL_OK and the KV, posted together (the KV does not wait for the PULL_OK to be sent)."""
+        """The KV, alone, on the pull's data tag (GEN checks its length by its sentinel)."""
         await self._before_send(msg)
-        tail, crc = last_byte(staged), 0
-        if tail == msg.sentinel:  # GEN cannot tell a short message by its last byte: the CRC tells
-            crc = (await anyio.to_thread.run_sync(kv_crc32, staged) if msg.nbytes > _INLINE_GATHER_BYTES
-                   else kv_crc32(staged))
-        frame = wire.encode_frame(wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, tail, crc))
         buf = _ucx_buffer(staged)
-        reply = post_send(ep, frame, 2 * msg.txid)
         data = post_send(ep, buf, msg.tag)
-        sent = asyncio.gather(reply.future, data.future)
-        keep = (frame, buf, staged, reply, data)  # referenced until both sends ended (ucxx keeps neither
-        sent.add_done_callback(lambda _: keep)  # buffer), also when this task is cancelled meanwhile
-        await asyncio.shield(sent)
+        keep = (buf, staged, data)  # referenced until the send ended (ucxx keeps neither the buffer
+        data.future.add_done_callback(lambda _: keep)  # nor the request), also when this task is cancelled
+        await asyncio.shield(data.future)
         self._pull_served(msg)

@@ -6,15 +6,15 @@ one tagged message straight into the caller's ``into`` tensor (CPU or CUDA). Tag
 
     GEN -> CTX   tag 0          every control frame (AUTH_RESPONSE, PULL, RELEASE, HOLD)
     CTX -> GEN   tag 0          handshake frames (AUTH_CHALLENGE, AUTH_OK, AUTH_FAIL)
-    CTX -> GEN   tag 2*txid     the reply to the GEN request ``txid`` (PULL_OK/PULL_ERR/RELEASE_OK)
-    CTX -> GEN   tag 2*txid+1   the KV of pull ``txid`` (after a PULL_OK), or an empty message (after a PULL_ERR)
+    CTX -> GEN   tag 2*txid     the reply to the GEN request ``txid`` (PULL_ERR, RELEASE_OK); none to a served pull
+    CTX -> GEN   tag 2*txid+1   the KV of pull ``txid``, or an empty message (after a PULL_ERR)
 
-A pull is one message before the data: GEN posts the receives of the reply and of the KV (into
-``into``, a random sentinel in its last byte), then sends PULL; CTX answers with the reply and the
-KV at once; GEN checks that all of it landed (``wire`` draws it: ucxx reports no length, so the
-sentinel does, or a CRC when the KV's last byte happens to equal it). Sends and receives are posted
-as ucxx requests whose futures end with them (``_ucx_common``): no task per message, and the
-pulling task wakes once (``_ucx_endpoint._PullIO``).
+A pull is two messages, as the library's own exchange: GEN posts the receive of the KV (into
+``into``, a random 8-byte sentinel in its last bytes), then sends PULL; CTX answers with the KV
+alone; GEN checks that all of it landed (``wire`` draws it: ucxx reports no length, so the sentinel
+does). Only a receive that ended without the whole KV makes GEN receive the reply, a PULL_ERR. Sends
+and receives are posted as ucxx requests whose futures end with them (``_ucx_common``): no task per
+message, and the pulling task wakes once (``_ucx_endpoint._PullIO``).
 
 Life cycle of a GEN endpoint::
 
@@ -22,15 +22,15 @@ Life cycle of a GEN endpoint::
         TCP probe (a refused port fails at once) -> create_endpoint -> handshake (mutual HMAC,
         the CTX's KV layout checked once) -> usable, at most ``max_pulls`` pulls in flight on it
         a failed connect marks the peer down for ``dead_peer_backoff_s``: pulls to it fail at once
-    usable  --ucxx error / close callback / bad reply--> failed: its pulls fail with PeerClosed, it
-            is dropped; a pull that fails on a reused endpoint before any KV moved (a CTX that
-            restarted while idle) reconnects once
+    usable  --ucxx error / close callback--> failed: its pulls fail with PeerClosed, it is
+            dropped; a pull that fails on a reused endpoint before its KV landed (a CTX that
+            restarted while idle) reconnects once, once its old receive has ended
     a cancelled pull returns at once; its KV may still come into ``into`` (a posted receive cannot
-    be withdrawn, and a PULL_OK's KV is always received), so its ``Landing`` stays busy until UCX
-    ends that: the CTX answers every PULL, and a pull whose reply or KV has not ended
-    ``cancel_grace_s`` later costs the endpoint (closing it cancels what is posted).
-    a short, long or mismatched KV message fails its pull alone (ProtocolViolation); the endpoint
-    stays.
+    be withdrawn), so its ``Landing`` stays busy until UCX ends that: the CTX answers every PULL
+    with one data message, and a pull whose KV receive has not ended ``cancel_grace_s`` later
+    costs the endpoint (closing it cancels what is posted).
+    a short or long KV message fails its pull alone (ProtocolViolation); the endpoint stays (unless
+    more than ``MAX_UNANSWERED`` short messages came without a PULL_ERR).
 
 ucxx reads its settings from the environment when its context is created, so ``apply_ucx_defaults``
 (called by both constructors) sets measured defaults with ``os.environ.setdefault``; a user's
@@ -75,8 +75,6 @@ from ._ucx_common import (
     apply_ucx_defaults as apply_ucx_defaults,
 )
 from ._ucx_endpoint import _cancelled, _consume, _Endpoint, _NothingMoved, _PullIO
-
-_INLINE_CRC_BYTES = 1 << 20  # a CRC check (1 pull in 256) above this runs in a worker thread
 
 log = structlog.get_logger("transports.ucx")
 
@@ -298,31 +296,16 @@ class UCXTransport:
         except anyio.WouldBlock:
             await slots.acquire()
         try:
-            io = _PullIO(conn, into, next(self._txids), landing)  # `into` is busy from here until its receive ends
+            txid = next(self._txids)
+            t = template
+            msg = wire.Pull(txid, t.request_id, t.handle, t.kv_slice, t.dtype, t.shape, t.nbytes, 2 * txid + 1, t.release)
+            io = _PullIO(conn, into, txid, landing, self.config.cancel_grace_s)  # `into` busy until its receive ends
             try:
-                msg = io.post(template)
+                io.post(msg)
             except PeerClosed as exc:
                 raise _NothingMoved(exc) from None
             try:
                 await io.woken
-                if io.reply_error is not None:
-                    raise _NothingMoved(io.reply_error)  # the reply comes before any KV
-                if io.tail is not None:  # byte for byte the PULL_OK it expects (then the KV receive ended too)
-                    answer = wire.PullOk(msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes, io.tail)
-                else:
-                    answer = self._answer(conn, msg, io)
-                    if isinstance(answer, wire.PullErr):
-                        await self._refused(io)
-                        raise _pull_error(answer, peer, msg.request_id)
-                    if isinstance(answer, TransportError):
-                        raise answer
-                    await io.wait_kv()
-                if not io.needs_crc(answer):
-                    io.verify(answer)
-                elif msg.nbytes <= _INLINE_CRC_BYTES:
-                    io.verify_crc(answer)
-                else:
-                    await anyio.to_thread.run_sync(io.verify_crc, answer)
             except _cancelled():
                 self._reap(io)
                 raise
@@ -331,52 +314,21 @@ class UCXTransport:
                     del self._eps[peer]
         finally:
             slots.release()
+        if io.refusal is not None:
+            raise _pull_error(io.refusal, peer, msg.request_id)
+        if io.error is not None:
+            if isinstance(io.error, PeerClosed):  # the endpoint broke before the KV landed
+                raise _NothingMoved(io.error)
+            raise io.error
         conn.served += 1
         log.debug("ucx_pull_done", peer=peer, request_id=msg.request_id, bytes=msg.nbytes)
         return msg.nbytes
 
-    def _answer(self, conn: _Endpoint, msg: wire.Pull, io: _PullIO) -> wire.PullOk | wire.PullErr | TransportError:
-        """A reply that is not byte for byte the expected PULL_OK: a PULL_OK with a CRC, the PULL_ERR,
-        or the error that fails the pull.
-
-        A PULL_OK is followed by its KV message, which is received also when the PULL_OK does not
-        match the PULL: that fails the pull alone (its receive is reaped in the background). A reply
-        that is not a PULL_OK or PULL_ERR fails the endpoint (which ends the receive): what follows it
-        is unknown."""
-        peer = conn.peer
-        try:
-            answer = wire.decode_frame(io.frame, self.config.limits)
-        except ProtocolViolation as exc:
-            conn.fail(exc)
-            return exc
-        if isinstance(answer, wire.PullErr) and answer.txid == msg.txid:
-            return answer
-        if not isinstance(answer, wire.PullOk):
-            err = ProtocolViolation(f"unexpected reply to PULL {msg.txid}: {answer!r}", peer=peer)
-            conn.fail(err)
-            return err
-        if (answer.txid, answer.tag, answer.dtype, answer.shape, answer.nbytes) == (
-                msg.txid, msg.tag, msg.dtype, msg.shape, msg.nbytes):
-            return answer  # a PULL_OK with a CRC (its tail is the sentinel)
-        self._reap(io)  # its KV still comes: receive it in the background
-        return ProtocolViolation(
-            f"PULL_OK {answer.txid} {answer.dtype}{list(answer.shape)} ({answer.nbytes} B) does not match "
-            f"PULL {msg.txid} {msg.dtype}{list(msg.shape)} ({msg.nbytes} B)", peer=peer)
-
-    async def _refused(self, io: _PullIO) -> None:
-        """After a PULL_ERR: the empty message the CTX sends next ends the KV receive (and ``into``
-        is as it was). A CTX that does not send it within ``cancel_grace_s`` costs the endpoint
-        (which ends the receive)."""
-        with anyio.move_on_after(self.config.cancel_grace_s):
-            await io.wait_kv()
-        if not io.kv_done:
-            io.conn.fail(PeerClosed(f"{io.conn.peer} refused a pull without ending its data message", peer=io.conn.peer))
-
     def _reap(self, io: _PullIO) -> None:
-        """A pull ended early (cancelled, or a mismatched PULL_OK) while its KV receive may still be
-        posted: give the CTX ``cancel_grace_s`` to send what ends it (the KV, or the empty message
-        after a refusal), then close the endpoint, which cancels what is still posted. ``into``
-        stays busy (its landing) until then."""
+        """A pull was cancelled while its KV receive may still be posted: give the CTX
+        ``cancel_grace_s`` to send what ends it (the KV, or the empty message after a refusal, whose
+        PULL_ERR ``_PullIO`` then receives), then close the endpoint, which cancels what is still
+        posted. ``into`` stays busy (its landing) until then."""
         if io.kv_future is None or io.kv_done or io.reaping:
             return
         io.reaping = True

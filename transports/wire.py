@@ -9,34 +9,34 @@ each message travels in one fixed-size frame of ``FRAME_BYTES`` (the message, ze
 receiver always posts a recv of exactly that size, so nothing is ever allocated from a field that a
 peer declared.
 
-Life cycle of one pull (after the handshake): one message before the data, both receives posted
-before it leaves ("push")::
+Life cycle of one pull (after the handshake): one message before the data, the KV's receive posted
+before it leaves, and nothing but the KV after it when all is well (as the libraries' own
+two-message exchange)::
 
     GEN                                                  CTX
-    writes a random sentinel byte into the last byte of ``into``, posts the receive of the reply
-    (tag 2*txid) and of the KV (into ``into``, tag 2*txid+1), then
-    PULL(txid, id, handle, slice, dtype, shape, nbytes, tag, sentinel[, KEEP]) ->
+    writes a random 8-byte sentinel into the last bytes of ``into`` (kept to itself), posts the
+    receive of the KV (into ``into``, tag 2*txid+1), then
+    PULL(txid, id, handle, slice, dtype, shape, nbytes, tag[, KEEP]) ->
                                           validates it (handle, slice, dtype, shape, bytes), then
-                                       <- PULL_OK(txid, ..., tail[, crc]) on the reply tag and the KV
-                                          on the data tag at once, then releases the entry (unless
-                                          FLAG_KEEP: a chunk)
-                                       or PULL_ERR(txid, status) on the reply tag and an empty message
-                                          on the data tag (it ends the posted KV receive)
-    once both end: the last byte of ``into`` must be ``tail``; when ``tail`` equals the sentinel
-    (1 pull in 256) the PULL_OK carries the CRC-32 of the KV instead, and ``into`` must match it.
-    After a refusal GEN puts the byte the sentinel replaced back: a refused pull leaves ``into`` as
-    it was.
+                                       <- the KV on the data tag, exactly ``nbytes``; then releases
+                                          the entry (unless FLAG_KEEP: a chunk)
+                                       or PULL_ERR(txid, status) on the reply tag (2*txid), then an
+                                          empty message on the data tag (it ends the posted receive)
+    once the receive ends: the last bytes of ``into`` are no longer the sentinel, or no KV came;
+    only then does GEN post the receive of the reply (tag 2*txid) and wait for the PULL_ERR. It puts
+    back the bytes the sentinel replaced: a refused pull leaves ``into`` as it was.
     RELEASE(txid, id, handle) ->       <- RELEASE_OK(txid, released)
     HOLD(txid, [(id, handle), ...]) ->    (no reply) renews the leases of requests GEN holds waiting
 
 Integrity (DESIGN invariant 12): ucxx (0.52) completes a message shorter than the posted buffer
 without reporting its length, so the length is checked through the data: a short message leaves
-the sentinel in the last byte, which differs from ``tail`` (or, when they are equal, the CRC
-differs); a long one fails its receive as truncated; either fails that pull alone. The data tag
-ties the message to its PULL (UCX hashes it with the endpoint's own tag). Every PULL that names its
-own data tag (2*txid+1) and a txid not in flight gets exactly one reply and exactly one data
-message, which GEN always receives (also when the pull was cancelled meanwhile), or the endpoint
-closes.
+the sentinel in the last bytes (a full one replaces it, unless the KV's last 8 bytes equal a random
+64-bit value the CTX never saw: 1 pull in 2**64, which then fails as short, never silently); a long
+one fails its receive as truncated; either fails that pull alone. The data tag ties the message to
+its PULL (UCX hashes it with the endpoint's own tag). Every PULL that names its own data tag
+(2*txid+1) and a txid not in flight gets exactly one data message (the KV, or the empty message
+after a PULL_ERR), which GEN always receives (also when the pull was cancelled meanwhile), or the
+endpoint closes.
 
 Handshake (mutual HMAC, see ``_auth``): CTX sends AUTH_CHALLENGE(nonce), GEN answers AUTH_RESPONSE
 (nonce, mac), CTX answers AUTH_OK(mac, PeerInfo: its KV layout, head range, pull limit, lease) or
@@ -59,17 +59,16 @@ from ._errors import ProtocolViolation
 from ._layout import KVSlice, _DTYPES
 
 MAGIC = b"KVOW"
-VERSION = 4  # 4: the KV receive is posted before the PULL (sentinel in PULL, CRC on a collision); a refusal ends it
+VERSION = 5  # 5: no PULL_OK; the KV alone answers a PULL (its length checked by a sentinel GEN keeps to itself)
 FRAME_BYTES = 1024
 NONCE_BYTES = 32
 MAC_BYTES = 32
 
 _HEADER = struct.Struct("!4sBBHIQ")
 HEADER_BYTES = _HEADER.size  # 20
-_PULL_FIXED = struct.Struct("!HBBIIIIQQB")  # id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag, sentinel (+ handle)
+_PULL_FIXED = struct.Struct("!HBBIIIIQQ")  # id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag (+ id, handle, shape)
 _INFO_FIXED = struct.Struct("!IIIIIIIIB")  # layers, total heads, h0, h1, head_dim, block_size, max_pulls, lease_ms, dtype_len
 HANDLE_BYTES = 32
-_PULL_OK_FIXED = struct.Struct("!BBQQBI")  # dtype_len, rank, nbytes, tag, tail (the KV's last byte), crc
 _ERR_FIXED = struct.Struct("!HH")  # status, reason_len
 _U16 = struct.Struct("!H")
 _U8 = struct.Struct("!B")
@@ -91,8 +90,7 @@ class MsgType(enum.IntEnum):
     AUTH_RESPONSE = 2
     AUTH_OK = 3
     AUTH_FAIL = 4
-    PULL = 10
-    PULL_OK = 11
+    PULL = 10  # 11 was PULL_OK (wire versions 1-4)
     PULL_ERR = 12
     RELEASE = 20
     RELEASE_OK = 21
@@ -195,18 +193,6 @@ class Pull:
     nbytes: int
     tag: int
     release: bool = True  # False: the CTX keeps the entry after this pull (FLAG_KEEP)
-    sentinel: int = 0  # the byte GEN wrote last in ``into`` before posting the KV receive
-
-
-@dataclasses.dataclass(frozen=True)
-class PullOk:
-    txid: int
-    tag: int
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    tail: int = 0  # the last byte of the KV message: GEN checks it landed (ucxx reports no length)
-    crc: int = 0  # CRC-32 of the KV message when ``tail`` equals the PULL's sentinel (else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +222,7 @@ class Hold:
     """(request id, handle) pairs whose leases GEN asks to renew."""
 
 
-Message = AuthChallenge | AuthResponse | AuthOk | AuthFail | Pull | PullOk | PullErr | Release | ReleaseOk | Hold
+Message = AuthChallenge | AuthResponse | AuthOk | AuthFail | Pull | PullErr | Release | ReleaseOk | Hold
 
 _HOLD_ITEM_OVERHEAD = 1 + HANDLE_BYTES  # id_len u8, handle
 
@@ -305,20 +291,17 @@ def encode(msg: Message) -> bytes:
             r = _reason_bytes(reason)
             body = _ERR_FIXED.pack(int(status), len(r)) + r
         case Pull(request_id=rid, handle=handle, kv_slice=s, dtype=dtype, shape=shape, nbytes=nbytes, tag=tag,
-                  release=release, sentinel=sentinel):
+                  release=release):
             r = rid.encode("ascii")
             flags = 0 if release else FLAG_KEEP
             body = (
                 _PULL_FIXED.pack(len(r), len(dtype), len(shape), s.layer_start, s.layer_end,
-                                 s.head_start, s.head_end, nbytes, tag, sentinel)
+                                 s.head_start, s.head_end, nbytes, tag)
                 + r
                 + _handle_bytes(handle)
                 + _shape_bytes(dtype, shape)
             )
             mtype = MsgType.PULL
-        case PullOk(tag=tag, dtype=dtype, shape=shape, nbytes=nbytes, tail=tail, crc=crc):
-            mtype = MsgType.PULL_OK
-            body = _PULL_OK_FIXED.pack(len(dtype), len(shape), nbytes, tag, tail, crc) + _shape_bytes(dtype, shape)
         case Release(request_id=rid, handle=handle):
             r = rid.encode("ascii")
             mtype, body = MsgType.RELEASE, _U16.pack(len(r)) + r + _handle_bytes(handle)
@@ -346,26 +329,6 @@ def encode_frame(msg: Message) -> bytearray:
     frame = bytearray(FRAME_BYTES)
     frame[: len(raw)] = raw
     return frame
-
-
-_PULL_OK_TAIL = HEADER_BYTES + _PULL_OK_FIXED.size - 5  # offset of PULL_OK's tail byte in its frame (crc follows)
-
-
-def pull_ok_frame(pull: Pull) -> bytearray:
-    """The frame of the PULL_OK that answers ``pull`` with tail 0 and no CRC: what ``pull_ok_tail``
-    compares a reply with (built once per pull, before the reply can come)."""
-    return encode_frame(PullOk(pull.txid, pull.tag, pull.dtype, pull.shape, pull.nbytes, 0))
-
-
-def pull_ok_tail(frame: bytes | bytearray, want: bytes | bytearray) -> int | None:
-    """The tail of ``frame`` when it is, byte for byte, ``want`` (``pull_ok_frame``: a PULL_OK
-    answering the pull, its txid, tag, dtype, shape and length, no CRC, zero padding) but for its tail;
-    None for anything else (decode it to learn what). A shortcut past ``decode_frame`` for the frame
-    a pull expects: it accepts exactly what the full decode of such a PULL_OK accepts."""
-    t = _PULL_OK_TAIL
-    if len(frame) != FRAME_BYTES or frame[:t] != want[:t] or frame[t + 1 :] != want[t + 1 :]:
-        return None
-    return frame[t]
 
 
 def _check_len(name: str, value: bytes, n: int) -> None:
@@ -536,7 +499,7 @@ def _decode_body(kind: MsgType, flags: int, txid: int, body: memoryview, limits:
         status, reason = _reason(r, limits)
         msg = AuthFail(status, reason, txid) if kind is MsgType.AUTH_FAIL else PullErr(txid, status, reason)
     elif kind is MsgType.PULL:
-        id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag, sentinel = r.unpack(_PULL_FIXED)
+        id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag = r.unpack(_PULL_FIXED)
         if not 0 <= l0 < l1 <= limits.max_layers:
             raise _bad(f"PULL: layer range {l0}:{l1} outside 0:{limits.max_layers}")
         if not 0 <= h0 < h1 <= limits.max_heads:
@@ -546,11 +509,7 @@ def _decode_body(kind: MsgType, flags: int, txid: int, body: memoryview, limits:
         rid = _request_id(r.take(id_len), limits, "PULL")
         handle = _handle(r)
         dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
-        msg = Pull(txid, rid, handle, KVSlice(l0, l1, h0, h1), dtype, shape, nbytes, tag, not flags & FLAG_KEEP, sentinel)
-    elif kind is MsgType.PULL_OK:
-        dtype_len, rank, nbytes, tag, tail, crc = r.unpack(_PULL_OK_FIXED)
-        dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
-        msg = PullOk(txid, tag, dtype, shape, nbytes, tail, crc)
+        msg = Pull(txid, rid, handle, KVSlice(l0, l1, h0, h1), dtype, shape, nbytes, tag, not flags & FLAG_KEEP)
     elif kind is MsgType.RELEASE:
         (id_len,) = r.unpack(_U16)
         if not 0 < id_len <= limits.max_request_id_len:
