@@ -156,6 +156,7 @@ M = [
  ("17 pin answer vouches for the READ", "transports/nixl.py", '            if answer.get("t") == "error":  # the bytes read cannot be vouched for: not used\n', '            if False:\n', "tests/test_nixl_handoff.py -k refused"),
  ("17 pin checks the blocks", "transports/_nixl_server.py", '        if msg.get("blocks") != blocks:\n', '        if False:\n', "tests/test_nixl_handoff.py -k refused"),
  ("17 early notification ends its pin", "transports/_nixl_server.py", "        if early is None:\n            self._pins[token] = pin", "        if True:\n            self._pins[token] = pin", "tests/test_nixl_handoff.py -k overtakes"),
+ ("17 nixl read-loop answer names its question", "transports/_nixl_server.py", '                        write_msg(writer, {**self._lookup_or_pin(msg), "id": msg.get("id")})\n', '                        write_msg(writer, self._lookup_or_pin(msg))\n', "tests/test_nixl_handoff.py"),
  ("17 handoff blocks checked at the GEN", "transports/nixl.py", "            blocks = self._check_blocks(conn, raw_blocks, kv_slice, into, blame_peer=blame_peer)\n", "            blocks = raw_blocks\n", "tests/test_nixl_handoff.py -k bad_block_list"),
  ("17 handoff blocks reach the pull", "orchestrator/_receiver.py", 'named = {} if part.blocks is None else {"remote_blocks": part.blocks}', "named = {}", "tests/test_fan_in.py -k named"),
  ("17 handoff blocks validated at submit", "orchestrator/_validate.py", "        _check_blocks(r.kv_blocks, prompt_blocks, \"kv_blocks\")\n", "", "tests/test_fan_in.py -k wrong_block_ids"),
