@@ -124,8 +124,13 @@ async def read_msg(reader: asyncio.StreamReader, limit: int) -> dict[str, Any]:
     (n,) = _HEAD.unpack(await reader.readexactly(_HEAD.size))
     if n > limit:
         raise ProtocolViolation(f"message of {n} bytes exceeds {limit}")
+    return parse_msg(await reader.readexactly(n))
+
+
+def parse_msg(body: bytes) -> dict[str, Any]:
+    """One message's JSON body: an object with a string ``t``, else ``ProtocolViolation``."""
     try:
-        msg = json.loads(await reader.readexactly(n))
+        msg = json.loads(body)
     except ValueError as exc:
         raise ProtocolViolation(f"malformed message: {exc}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):

@@ -1,5 +1,7 @@
 """The GEN side's control connection to one NIXL CTX (``transports.nixl.NIXLTransport``): requests
-matched to answers by id, a reader task, and the failure that ended it (if any)."""
+matched to answers by id, the answers read by the connection's protocol as they arrive (no reader
+task: the waiting pull is woken straight from the socket's callback), and the failure that ended it
+(if any)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import structlog
 
 from ._errors import PeerClosed, ProtocolViolation, TransportError
 from ._layout import KVLayout
-from ._nixl_common import _MAX_MESSAGE_BYTES, read_msg, write_msg
+from ._nixl_common import _HEAD, _MAX_MESSAGE_BYTES, parse_msg, write_msg
 
 log = structlog.get_logger("transports.nixl")
 
@@ -26,20 +28,24 @@ class _Conn:
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.error: TransportError | None = None
         self.ids = itertools.count(1)
-        self.reader_task: asyncio.Task[None] | None = None
         self.pin_s = max(float(info.get("pin_ms", 30_000)) / 1000, 0.01)  # the CTX's pin lease
 
-    async def read_loop(self) -> None:
-        try:
-            while True:
-                msg = await read_msg(self.reader, _MAX_MESSAGE_BYTES)
-                fut = self.waiting.pop(int(msg.get("id", -1)), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-                elif msg.get("t") == "found":  # its pull was cancelled or timed out: unpin at once
-                    self.send({"t": "unpin", "token": msg.get("token")})
-        except (OSError, asyncio.IncompleteReadError, ProtocolViolation) as exc:
-            self.fail(PeerClosed(f"control connection to {self.peer} ended: {type(exc).__name__}: {exc}", peer=self.peer))
+    def start(self) -> None:
+        """Read the answers from here on in the connection's own protocol (after the handshake, which
+        read through ``reader``): each is dispatched from the socket's callback, with no task."""
+        proto = _Answers(self)
+        transport = self.writer.transport
+        buffered = bytes(getattr(self.reader, "_buffer", b""))  # none expected: GEN asked nothing yet
+        transport.set_protocol(proto)
+        if buffered:
+            proto.data_received(buffered)
+
+    def dispatch(self, msg: dict[str, Any]) -> None:
+        fut = self.waiting.pop(int(msg.get("id", -1)) if isinstance(msg.get("id"), int) else -1, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+        elif msg.get("t") == "found":  # its pull was cancelled or timed out: unpin at once
+            self.send({"t": "unpin", "token": msg.get("token")})
 
     def fail(self, err: TransportError) -> None:
         if self.error is None:
@@ -84,3 +90,43 @@ class _Conn:
     def send(self, msg: dict[str, Any]) -> None:
         if self.error is None:
             write_msg(self.writer, msg)
+
+
+class _Answers(asyncio.Protocol):
+    """The connection's protocol once the handshake is done: frames (``_nixl_common``: a 4-byte
+    length, then one JSON object) parsed as bytes arrive, each answer handed to ``_Conn.dispatch``;
+    a malformed or oversized frame, or the connection's end, fails the connection."""
+
+    def __init__(self, conn: _Conn) -> None:
+        self.conn = conn
+        self.buf = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while len(buf) >= _HEAD.size and self.conn.error is None:
+            (n,) = _HEAD.unpack_from(buf)
+            if n > _MAX_MESSAGE_BYTES:
+                self._ended(ProtocolViolation(f"message of {n} bytes exceeds {_MAX_MESSAGE_BYTES}"))
+                return
+            if len(buf) < _HEAD.size + n:
+                return
+            body = bytes(buf[_HEAD.size:_HEAD.size + n])
+            del buf[:_HEAD.size + n]
+            try:
+                msg = parse_msg(body)
+            except ProtocolViolation as exc:
+                self._ended(exc)
+                return
+            self.conn.dispatch(msg)
+
+    def eof_received(self) -> bool:
+        self._ended(EOFError("the peer closed the connection"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended(exc or ConnectionResetError("connection lost"))
+
+    def _ended(self, exc: BaseException) -> None:
+        conn = self.conn
+        conn.fail(PeerClosed(f"control connection to {conn.peer} ended: {type(exc).__name__}: {exc}", peer=conn.peer))

@@ -204,8 +204,6 @@ class NIXLTransport:
 
     def _close_conn(self, conn: _Conn) -> None:
         conn.fail(PeerClosed("transport closed", peer=conn.peer))
-        if conn.reader_task is not None:
-            conn.reader_task.cancel()
 
     def _forget_agent(self, peer: str) -> None:
         """Forget what NIXL knew of ``peer``'s agent; one a READ still reads from goes when it ends."""
@@ -268,7 +266,7 @@ class NIXLTransport:
             raise
         self._agents[peer] = name
         conn = _Conn(peer, reader, writer, info, name, remote)
-        conn.reader_task = asyncio.ensure_future(conn.read_loop())
+        conn.start()
         log.info("nixl_connected", peer=peer, agent=name)
         return conn
 
