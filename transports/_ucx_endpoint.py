@@ -208,6 +208,7 @@ class _PullIO:
         conn = self.conn
         try:
             conn._check()
+            pull = wire.encode_frame(msg)  # before `into` is touched: nothing to undo if it fails
             buf = self._buf = _ucx_buffer(self.into)
             n = min(SENTINEL_BYTES, int(buf.shape[0]))
             self._saved = _tail(buf, n)  # a device sync for CUDA
@@ -216,7 +217,6 @@ class _PullIO:
         except BaseException:
             self.end()
             raise
-        pull = wire.encode_frame(msg)
         try:
             kv = post_recv(conn.ep, buf, self.tag)
         except Exception as exc:
