@@ -86,7 +86,7 @@ class UCXConfig:
     connect_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
     release_timeout_s: float = 2.0
-    cancel_grace_s: float = 2.0  # GEN: a cancelled pull's receive may stay posted this long before the endpoint goes
+    cancel_grace_s: float = 2.0  # GEN: a cancelled pull's receive may stay posted this long before the endpoint goes; a pull whose KV did not come waits this long for the PULL_ERR
     dead_peer_backoff_s: float = 1.0  # GEN: after a failed connect, pulls to that peer fail at once this long
     max_peers: int = 256  # GEN: distinct CTX peers with an endpoint (or a connect) at once
     expire_interval_s: float = 1.0  # CTX: lease expiry period
