@@ -120,12 +120,8 @@ class _Answers(asyncio.Protocol):
                 return
             self.conn.dispatch(msg)
 
-    def eof_received(self) -> bool:
-        self._ended(EOFError("the peer closed the connection"))
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._ended(exc or ConnectionResetError("connection lost"))
+    def connection_lost(self, exc: Exception | None) -> None:  # also after the peer's EOF (the transport closes)
+        self._ended(exc or EOFError("the peer closed the connection"))
 
     def _ended(self, exc: BaseException) -> None:
         conn = self.conn

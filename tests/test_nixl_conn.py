@@ -1,0 +1,138 @@
+"""The GEN's NIXL control connection after the handshake (``transports._nixl_conn``): answers are read
+by the connection's own protocol, each handed to the question that asked for it, over a real TCP
+connection to a peer that writes exactly the frames a test gives it (a 4-byte length, then JSON).
+
+A frame that is malformed or larger than ``_MAX_MESSAGE_BYTES``, or the peer's end, fails the
+connection and every question still open on it; an answer whose id is not a number, or names no open
+question, is dropped (a stray "found" is unpinned at once) and the connection goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+pytest.importorskip("nixl_cu12._api", reason="nixl-cu12 is not installed (pip install -c constraints.txt '.[nixl]')")
+
+from transports import KVLayout, PeerClosed  # noqa: E402
+from transports._nixl_common import _MAX_MESSAGE_BYTES  # noqa: E402
+from transports._nixl_conn import _Conn  # noqa: E402
+
+import torch  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float16)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def frame(msg: object) -> bytes:
+    body = json.dumps(msg).encode() if not isinstance(msg, bytes) else msg
+    return struct.pack("!I", len(body)) + body
+
+
+class Peer:
+    """The CTX end: what the GEN sent (parsed), and a way to write raw bytes back."""
+
+    def __init__(self) -> None:
+        self.writer: asyncio.StreamWriter | None = None
+        self.got: list[dict] = []
+        self.connected = asyncio.Event()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.connected.set()
+        try:
+            while True:
+                (n,) = struct.unpack("!I", await reader.readexactly(4))
+                self.got.append(json.loads(await reader.readexactly(n)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    async def send(self, data: bytes) -> None:
+        assert self.writer is not None
+        self.writer.write(data)
+        await self.writer.drain()
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[_Conn, Peer]]:
+    peer = Peer()
+    server = await asyncio.start_server(peer.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    conn = _Conn(f"127.0.0.1:{port}", reader, writer, {"pin_ms": 30_000}, "ctx-agent", LAYOUT)
+    conn.start()
+    await peer.connected.wait()
+    try:
+        yield conn, peer
+    finally:
+        writer.close()
+        if peer.writer is not None:
+            peer.writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        while not cond():
+            await asyncio.sleep(0.005)
+
+
+@pytest.mark.anyio
+async def test_answers_reach_their_questions_in_pieces_and_batches(pair: tuple[_Conn, Peer]) -> None:
+    conn, peer = pair
+    a, fa = conn.ask({"t": "lookup", "rid": "a"})
+    b, fb = conn.ask({"t": "lookup", "rid": "b"})
+    await _until(lambda: len(peer.got) == 2)
+    assert [m["id"] for m in peer.got] == [a, b]
+    both = frame({"t": "pinned", "id": b}) + frame({"t": "found", "token": "t" * 24, "blocks": [1], "id": a})
+    await peer.send(both[:3])  # a length cut in two, then the rest with a second frame
+    await asyncio.sleep(0.02)
+    assert not fa.done() and not fb.done()
+    await peer.send(both[3:])
+    assert (await conn.answer(b, fb, "pin", 5))["t"] == "pinned"
+    assert (await conn.answer(a, fa, "lookup", 5))["blocks"] == [1]
+    assert conn.error is None and not conn.waiting
+
+
+@pytest.mark.anyio
+async def test_an_answer_without_a_question_is_dropped_and_a_stray_pin_released(pair: tuple[_Conn, Peer]) -> None:
+    conn, peer = pair
+    rid, fut = conn.ask({"t": "lookup", "rid": "a"})
+    await peer.send(frame({"t": "found", "token": "s" * 24, "id": "x"}))  # not a number: no question of ours
+    await peer.send(frame({"t": "found", "token": "u" * 24, "id": 999}))  # names no open question
+    await _until(lambda: len([m for m in peer.got if m["t"] == "unpin"]) == 2)
+    assert {m["token"] for m in peer.got if m["t"] == "unpin"} == {"s" * 24, "u" * 24}
+    await peer.send(frame({"t": "pinned", "id": rid}))
+    assert (await conn.answer(rid, fut, "pin", 5))["t"] == "pinned"
+    assert conn.error is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("bad", ["oversized", "malformed", "no-type", "closed"])
+async def test_a_bad_frame_or_the_peers_end_fails_the_connection_and_its_questions(
+        pair: tuple[_Conn, Peer], bad: str) -> None:
+    conn, peer = pair
+    rid, fut = conn.ask({"t": "lookup", "rid": "a"})
+    if bad == "oversized":
+        await peer.send(struct.pack("!I", _MAX_MESSAGE_BYTES + 1))
+    elif bad == "malformed":
+        await peer.send(frame(b"{not json"))
+    elif bad == "no-type":
+        await peer.send(frame([1, 2]))
+    else:
+        assert peer.writer is not None
+        peer.writer.close()
+    with pytest.raises(PeerClosed):
+        await conn.answer(rid, fut, "lookup", 2)
+    assert conn.error is not None and not conn.waiting  # failed, not merely unanswered
+    with pytest.raises(PeerClosed):
+        conn.ask({"t": "lookup", "rid": "b"})
