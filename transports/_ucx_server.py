@@ -382,11 +382,11 @@ class UCXKVServer:
         key = (id(ep), msg.txid)
 
         def ended(fut: asyncio.Future[Any]) -> None:  # on the loop, when the send ends
+            exc = RuntimeError("send cancelled") if fut.cancelled() else fut.exception()  # retrieved in any case
             if self._sending.pop(key, None) is None:  # the server closed it
                 return
             in_flight.discard(msg.txid)
             checkout.close()  # UCX is done with the view
-            exc = RuntimeError("send cancelled") if fut.cancelled() else fut.exception()
             if exc is not None:
                 self._pull_failed(ep, peer, msg, exc)
             else:
