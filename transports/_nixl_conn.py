@@ -41,7 +41,8 @@ class _Conn:
             proto.data_received(buffered)
 
     def dispatch(self, msg: dict[str, Any]) -> None:
-        fut = self.waiting.pop(int(msg.get("id", -1)) if isinstance(msg.get("id"), int) else -1, None)
+        rid = msg.get("id")
+        fut = self.waiting.pop(rid, None) if isinstance(rid, int) else None  # no number: no question of ours
         if fut is not None and not fut.done():
             fut.set_result(msg)
         elif msg.get("t") == "found":  # its pull was cancelled or timed out: unpin at once

@@ -249,32 +249,25 @@ class _PullIO:
         self._await_reply()  # no KV: the PULL_ERR says why (a CTX sends it before the empty message)
 
     def _await_reply(self) -> None:
-        conn = self.conn
-        frame = self._frame = bytearray(wire.FRAME_BYTES)
+        self._frame = bytearray(wire.FRAME_BYTES)
         try:
-            conn._check()
-            reply = post_recv(conn.ep, frame, 2 * self.txid)
+            reply = self.conn.post(self._frame, 2 * self.txid)  # a ucxx error fails the endpoint, mapped
         except TransportError as err:
             self.error = err
             self._wake()
             return
-        except Exception as exc:
-            self.error = conn._broke(exc)
-            self._wake()
-            return
-        self._reqs.append(reply)
-        reply.future.add_done_callback(self._reply_ended)
+        reply.add_done_callback(self._reply_ended)
         self._timer = asyncio.get_running_loop().call_later(self.grace, self._unanswered)
 
     def _reply_ended(self, fut: asyncio.Future[Any]) -> None:
         if self._timer is not None:
             self._timer.cancel()
         self.conn.unanswered.discard(self)
-        exc = _outcome(fut)  # retrieved in any case
         if self.woken.done():  # came after the grace (or the endpoint closed since): the pull already failed
             return
+        exc = _outcome(fut)  # a ucxx error is already a PeerClosed (``_Endpoint.post``), the endpoint failed
         if exc is not None:
-            self.error = self.conn._broke(exc)
+            self.error = exc if isinstance(exc, TransportError) else self.conn._broke(exc)
         else:
             assert self._frame is not None
             try:
