@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,3 +51,54 @@ def test_double_free_and_foreign_blocks_are_errors() -> None:
     with pytest.raises(ValueError):
         pool.free(torch.tensor([99]))
     assert pool.statistics().free_blocks == 4
+
+
+def test_freed_blocks_come_back_in_order_so_a_request_gets_one_run_again() -> None:
+    """Freed ids return to the top of the stack first-id-first: after a free, the same request
+    size gets the same ascending run (a whole-run view needs no gather)."""
+    pool = KVBlockPool(LAYOUT, 8)
+    a = pool.allocate(3)
+    assert a.tolist() == [0, 1, 2]
+    b = pool.allocate(2)
+    pool.free(a)
+    assert pool.allocate(3).tolist() == [0, 1, 2]
+    assert b.tolist() == [3, 4]
+    pool.free(b)
+    assert pool.allocate(1).tolist() == [3]
+
+
+def test_a_free_naming_a_block_twice_changes_nothing() -> None:
+    pool = KVBlockPool(LAYOUT, 4)
+    ids = pool.allocate(2)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(torch.tensor([int(ids[0]), int(ids[0])]))
+    with pytest.raises(ValueError, match=r"\[-1\]"):
+        pool.free(torch.tensor([-1, int(ids[1])]))
+    with pytest.raises(ValueError, match=r"\[3\]"):  # in range, but never handed out
+        pool.free(torch.tensor([int(ids[1]), 3]))
+    assert pool.statistics().used_blocks == 2
+    pool.free(ids)
+    assert pool.statistics().free_blocks == 4
+
+
+def test_poisoned_pool_fills_freed_blocks_with_nan() -> None:
+    pool = KVBlockPool(LAYOUT, 4, poison_freed=True)
+    ids = pool.allocate(2)
+    pool.kv[ids] = 1.0
+    pool.free(ids)
+    assert torch.isnan(pool.kv[ids]).all() and not torch.isnan(pool.kv[2:]).any()
+
+
+def test_a_whole_run_view_only_for_one_ascending_run_of_whole_blocks() -> None:
+    from transports._layout import run_start, whole_run_view
+
+    pool = KVBlockPool(LAYOUT, 8)
+    whole = LAYOUT.full_slice()
+    view = whole_run_view(pool.kv, torch.tensor([3, 4, 5]), whole)
+    assert view is not None and view.data_ptr() == pool.kv[3].data_ptr() and view.shape[0] == 3
+    assert run_start(torch.tensor([6])) == 6
+    for ids in ([3, 5, 6], [3, 2, 5], [4, 4, 5], [5, 4, 3], []):  # a gap, out of order with the right ends, a repeat
+        assert run_start(torch.tensor(ids, dtype=torch.int64)) is None, ids
+    if LAYOUT.num_kv_heads > 1:
+        part = dataclasses.replace(whole, head_end=whole.head_end - 1)
+        assert whole_run_view(pool.kv, torch.tensor([3, 4]), part) is None

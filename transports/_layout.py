@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import math
 
+import numpy as np
 import torch
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -115,9 +116,13 @@ class KVLayout:
 def run_start(block_ids: torch.Tensor) -> int | None:
     """The first id when ``block_ids`` are one ascending run (``[k, k+1, ...]``); None otherwise."""
     n = int(block_ids.numel())
-    if n == 0 or (n > 1 and not bool((block_ids[1:] - block_ids[:-1] == 1).all())):
+    if n == 0:
         return None
-    return int(block_ids[0])
+    ids = block_ids.detach().cpu().numpy().reshape(-1)  # on every pull's path: numpy, not torch, for small arrays
+    first = int(ids[0])
+    if n > 1 and (int(ids[-1]) - first != n - 1 or not bool((np.diff(ids) == 1).all())):
+        return None
+    return first
 
 
 def whole_run_view(pool: torch.Tensor, block_ids: torch.Tensor, kv_slice: KVSlice) -> torch.Tensor | None:
