@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Sequence as Seq
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
@@ -84,6 +85,8 @@ from ._stats import (
 )
 from ._step import FINISH, Abort, Agreement, GroupBroken, Outcome, SoloAgreement, StepMessage, Submit, chain_crc, rows_crc
 from ._validate import validate_request
+
+_TOKEN = ~FINISH  # a step word's token bits
 
 log = structlog.get_logger("orchestrator.engine")
 
@@ -188,6 +191,8 @@ class GenEngine:
         self._quarantined_blocks = 0
         self._last_batch: list[Sequence] = []
         self._sampled: list[int] = []
+        self._batch_keys: tuple[list[int], list[int], np.ndarray] = ([], [], np.zeros(0, dtype=np.int64))
+        """The last batch's seq numbers, input tokens and token counts (for the digest and finish decisions)."""
         self._finished = 0
         self._aborted = 0
         self._failed = {r: 0 for r in FailureReason}
@@ -358,11 +363,13 @@ class GenEngine:
                     del self._unquiet[seq_no]
                     msg.quiet.append(seq_no)
         if self._last_batch:
-            batch = self._last_batch
-            msg.batch_digest = rows_crc([s.seq_no for s in batch], [s.tokens[-1] for s in batch], self._sampled)
-            if self.leads_steps:
-                done = self._done
-                msg.tokens = [token | (FINISH if done(seq, token) else 0) for seq, token in zip(batch, self._sampled)]
+            seq_nos, inputs, lengths = self._batch_keys
+            msg.batch_digest = rows_crc(seq_nos, inputs, self._sampled)
+            if self.leads_steps:  # does each request end with its new token? (``_done``, for a batch)
+                sampled = np.asarray(self._sampled, dtype=np.int64)
+                limits, eos = self._batch_limits()
+                ends = (lengths + 1 >= limits) | (sampled == eos)
+                msg.tokens = (sampled | np.where(ends, FINISH, 0)).tolist()
         return PreparedStep(msg, t0, c0)
 
     def apply_step(self, prepared: PreparedStep, messages: Seq[StepMessage]) -> StepReport:
@@ -436,16 +443,18 @@ class GenEngine:
         """Rank 0's tokens (and finish decisions) for the batch this rank decoded last step."""
         batch, self._last_batch, self._sampled = self._last_batch, [], []
         running = RequestState.RUNNING
-        emits = self.leads_steps  # only rank 0 emits: other ranks build no output per token
+        emit = self._emitter()  # only rank 0 emits: other ranks build no output per token
         for seq, word in zip(batch, tokens):
             if seq.state is not running:
                 continue
-            token = word & ~FINISH
-            seq.tokens.append(token)
             if word & FINISH:
+                token = word & _TOKEN
+                seq.tokens.append(token)
                 self._end(seq, RequestState.FINISHED, None, "", new_tokens=(token,))
-            elif emits:
-                self._emit(RequestOutput(seq.request_id, (token,), running))
+            else:
+                seq.tokens.append(word)
+                if emit is not None:
+                    emit(RequestOutput(seq.request_id, (word,), running))
 
     def _arrive(self, event: Submit) -> None:
         request = event.request
@@ -670,20 +679,33 @@ class GenEngine:
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self) -> None:
         seqs = list(self._running.values())
+        requests = [s.request for s in seqs]
+        histories = [s.tokens for s in seqs]
+        inputs = [t[-1] for t in histories]
+        lengths = np.array([len(t) for t in histories], dtype=np.int64)
+        prompts = np.array([r.prompt_len for r in requests], dtype=np.int64)
         batch = DecodeBatch(
-            request_ids=[s.request_id for s in seqs],
-            tokens=torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.int64),
-            positions=torch.tensor([s.position for s in seqs], dtype=torch.int64),
+            request_ids=[r.request_id for r in requests],
+            tokens=torch.from_numpy(np.array(inputs, dtype=np.int64)),
+            positions=torch.from_numpy(prompts + lengths - 1),  # ``Sequence.position``, for a batch
             block_tables=[s.block_ids for s in seqs],  # type: ignore[misc]
             kv=self.pool.kv,
-            requests=[s.request for s in seqs],
+            requests=requests,
         )
         new = self._step_fn(batch)
-        new_tokens = new.tolist() if isinstance(new, torch.Tensor) else list(new)
-        if len(new_tokens) != len(seqs):
-            raise RuntimeError(f"step function returned {len(new_tokens)} tokens for a batch of {len(seqs)}")
+        sampled = (new.detach().cpu().numpy() if isinstance(new, torch.Tensor) else np.asarray(list(new))).reshape(-1)
+        if sampled.size != len(seqs):
+            raise RuntimeError(f"step function returned {sampled.size} tokens for a batch of {len(seqs)}")
         self._last_batch = seqs
-        self._sampled = [int(t) & ~FINISH for t in new_tokens]  # emitted once the group agreed them
+        self._batch_keys = ([s.seq_no for s in seqs], inputs, lengths)
+        self._sampled = (sampled.astype(np.int64) & _TOKEN).tolist()  # emitted once the group agreed them
+
+    def _batch_limits(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each request of the last batch's ``max_tokens`` and EOS token (-1: none), as arrays."""
+        requests = [s.request for s in self._last_batch]
+        eos = [r.eos_token for r in requests]
+        return (np.array([r.max_tokens for r in requests], dtype=np.int64),
+                np.array([-1 if e is None else e for e in eos], dtype=np.int64))
 
     def _done(self, seq: Sequence, token: int | None = None) -> bool:
         """Does ``seq`` end with ``token`` appended (None: with the tokens it has)?"""
@@ -769,12 +791,14 @@ class GenEngine:
             self._end(seq, RequestState.FAILED, *failure)
 
     def _emit(self, output: RequestOutput) -> None:
+        if (emit := self._emitter()) is not None:
+            emit(output)
+
+    def _emitter(self) -> Callable[[RequestOutput], object] | None:
+        """Where this rank's outputs go (None: nowhere, off rank 0)."""
         if not self.leads_steps:
-            return
-        if self._on_output is not None:
-            self._on_output(output)
-        else:
-            self._outputs.put(output)
+            return None
+        return self._on_output if self._on_output is not None else self._outputs.put
 
     # -- event-loop thread -----------------------------------------------------------------------
     def _on_result(self, result: ReceiveResult) -> None:

@@ -166,7 +166,7 @@ class ReceiveResult:
         return self.failure is None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per token: slots make it cheaper to build
 class RequestOutput:
     """What the engine emits: new tokens of a request, and its state once it ends."""
 
@@ -181,7 +181,7 @@ class RequestOutput:
         return self.state.terminal
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Sequence:
     """The engine's record of one request (owned by the execution thread)."""
 

@@ -29,6 +29,16 @@ async def test_requests_receive_then_decode_exact_kv(harness_factory) -> None:
     assert h.peer.store.statistics().held_requests == 0  # CTX freed each copy after the pull
 
 
+async def test_a_request_ends_at_its_eos_token_or_its_max_tokens(harness_factory) -> None:
+    h = await harness_factory()
+    h.submit("eos", max_tokens=16, eos_token=10)
+    h.submit("no-eos", max_tokens=6)
+    await h.run_until_idle()
+    assert h.final("eos").state is RequestState.FINISHED and h.final("no-eos").state is RequestState.FINISHED
+    assert h.tokens("eos") == [8, 9, 10]  # 10 is the EOS: it is emitted, and nothing after it
+    assert h.tokens("no-eos") == [8, 9, 10, 11, 12]  # 7 from the CTX and 5 more: 6 tokens
+
+
 async def test_decode_continues_while_receives_are_slow_or_deferred(harness_factory) -> None:
     h = await harness_factory(make_config(transfer_budget_bytes=2 * BLOCK))
     h.submit("running", prompt_len=4, max_tokens=30)
