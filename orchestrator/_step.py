@@ -459,8 +459,14 @@ class LocalGroup:
             raise GroupBroken(f"a tensor-parallel rank did not join the step exchange within {self._timeout_s:g} s") from None
 
     @staticmethod
+    def prepare_all(engines: Seq[Any]) -> tuple[list[Any], list[StepMessage]]:
+        """Every rank's prepared step, and the messages they agree on (through the wire form): each
+        rank then applies them (``apply_step``), here or on a thread of its own."""
+        prepared = [e.prepare_step() for e in engines]
+        return prepared, [decode(encode(p.message)) for p in prepared]
+
+    @staticmethod
     def step_all(engines: Seq[Any]) -> list[Any]:
         """Step every rank once, in lockstep, from this thread."""
-        prepared = [e.prepare_step() for e in engines]
-        messages = [decode(encode(p.message)) for p in prepared]
+        prepared, messages = LocalGroup.prepare_all(engines)
         return [e.apply_step(p, messages) for e, p in zip(engines, prepared)]

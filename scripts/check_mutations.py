@@ -94,7 +94,7 @@ M = [
  ("16 batch digests compared every step", "orchestrator/_engine.py", "            if m.batch_digest != lead.batch_digest:", "            if False:", "tests/test_one_step.py -k eos"),
  ("16 admission digests compared every step", "orchestrator/_engine.py", "            if m.admitted != lead.admitted:", "            if False:", "tests/test_one_step.py -k admits_differently"),
  ("16 submits and aborts in one ordered list", "orchestrator/_engine.py", "            for item in _drain(self._inbox):\n", "            for item in sorted(_drain(self._inbox), key=lambda i: isinstance(i, str)):\n", "tests/test_one_step.py -k stale_abort"),
- ("16 rank 0's tokens are the group's", "orchestrator/_engine.py", "            token = word & ~FINISH\n", "            token = (word & ~FINISH) + 1\n", "tests/test_one_step.py -k exact_kv"),
+ ("16 rank 0's tokens are the group's", "orchestrator/_engine.py", "                seq.tokens.append(word)\n", "                seq.tokens.append(word + 1)\n", "tests/test_one_step.py -k exact_kv"),
  ("16 blocking waits bounded", "orchestrator/_engine.py", "        return wanted if limit is None else min(wanted, limit)", "        return wanted", "tests/test_one_step.py -k max_blocking_wait"),
  ("16 quarantine waits for every rank", "orchestrator/_engine.py", "seq.seq_no in self._ending and seq.quiet & everyone == everyone:", "seq.seq_no in self._ending and seq.quiet & 1:", "tests/test_one_step.py -k quarantined"),
  # issue 17: integrity on the wire (invariant 12), each protection removed once
@@ -129,6 +129,11 @@ M = [
   "                        len(self._waiting) - len(admitted) - deferred[DeferReason.KV_EXHAUSTED])\n                    break\n",
   "                        len(self._waiting) - len(admitted) - deferred[DeferReason.KV_EXHAUSTED])\n                    continue\n",
   "tests/test_sim.py -k 'invariants and orchestrated'"),
+ ("18 inline ranks wait side by side", "examples/sim/_virtual.py", "                        nursery.start_soon(serve)\n", "                        await serve()\n", "tests/test_sim.py -k side_by_side"),
+ ("pool refuses a block freed twice in one call", "orchestrator/_kvpool.py", "or _repeats(ids):", "or False:", "tests/test_kvpool.py -k twice"),
+ ("pool refuses a block never handed out", "orchestrator/_kvpool.py", "not self._owned[ids].all()", "not self._owned[ids].any()", "tests/test_kvpool.py -k 'double_free or twice'"),
+ ("16 an EOS ends its request (batch decision)", "orchestrator/_engine.py", "ends = (lengths + 1 >= limits) | (sampled == eos)", "ends = lengths + 1 >= limits", "tests/test_engine.py -k eos_token"),
+ ("16 max_tokens ends its request (batch decision)", "orchestrator/_engine.py", "ends = (lengths + 1 >= limits) | (sampled == eos)", "ends = (lengths + 2 >= limits) | (sampled == eos)", "tests/test_engine.py"),
  ("16 inline grant ends with its receive", "orchestrator/_engine.py", "dataclasses.replace(job, grant=grant, staging=staging,", "dataclasses.replace(job, grant=None, staging=staging,", "tests/test_engine.py -k woken_by_a_receive"),
  # issue 19: the serving front (routing, admission, disconnects, failures, sampling, etcd membership)
  ("19 ties round-robin within each role", "examples/serve/cluster.py", 'self.routers = {role: Router(policies.get(role, "least_loaded")) for role in ("ctx", "gen")}', '_r = Router(policies.get("ctx", "least_loaded")); self.routers = {"ctx": _r, "gen": _r}', "tests/test_front_routing.py -k round_robin_within"),

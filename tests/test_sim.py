@@ -13,6 +13,7 @@ import trio
 import trio.testing
 
 from examples.sim import ExecutionThread, ModelledLink, VirtualClock, quiet_logs, replay
+from examples.sim._virtual import call_all
 from examples.sim._model import SimParams, public_case, tiny
 from orchestrator import TransferBudget, WouldBlock
 from orchestrator._clock import REAL_CLOCK, RealClock, as_clock
@@ -89,6 +90,54 @@ def test_blocking_budget_wait_is_served_in_virtual_time() -> None:
     assert virtual == pytest.approx(0.325)
     assert waits == 2
     assert real < 2.0  # 0.325 virtual seconds, not a real wait that long... with room for a loaded machine
+
+
+def test_ranks_on_their_own_threads_wait_side_by_side_in_virtual_time() -> None:
+    """``call_all`` (the inline replay's GEN ranks): the ranks' blocking waits overlap, so a step
+    lasts its longest wait, not the sum of them, as on separate processes; a rank that times out
+    and one that is woken both resume; an error comes back (in rank order) after every call ended."""
+
+    async def scenario(clock, thread):
+        threads = [thread, ExecutionThread(clock)]
+        try:
+            budgets = [TransferBudget(100, clock=clock) for _ in threads]
+            held = [b.acquire_nowait(100) for b in budgets]
+
+            async def release_later(i, after):
+                await trio.sleep(after)
+                held[i] = held[i].release()
+
+            t0 = trio.current_time()
+            async with trio.open_nursery() as n:
+                n.start_soon(release_later, 0, 0.1)
+                n.start_soon(release_later, 1, 0.3)
+                grants = await call_all(threads, [lambda b=b: b.acquire_blocking(60, 1.0) for b in budgets])
+            woken = trio.current_time() - t0
+            for g in grants:
+                g.release()
+            held = [b.acquire_nowait(100) for b in budgets]
+            t0 = trio.current_time()
+            async with trio.open_nursery() as n:
+                n.start_soon(release_later, 1, 0.05)
+                with pytest.raises(WouldBlock):  # rank 0 times out after 0.2; rank 1 is woken at 0.05
+                    await call_all(threads, [lambda: budgets[0].acquire_blocking(60, 0.2),
+                                             lambda: budgets[1].acquire_blocking(60, 1.0)])
+            mixed = trio.current_time() - t0
+            in_use = [b.statistics().in_use for b in budgets]
+            t0 = trio.current_time()
+            with pytest.raises(WouldBlock):  # nobody releases: both time out, together
+                await call_all(threads, [lambda b=b: b.acquire_blocking(50, 0.25) for b in budgets])
+            timed_out = trio.current_time() - t0
+            return woken, mixed, timed_out, in_use, clock.blocked_waits
+        finally:
+            threads[1].close()
+
+    (woken, mixed, timed_out, in_use, waits), _, _ = _run(scenario)
+    assert woken == pytest.approx(0.3)
+    assert mixed == pytest.approx(0.2)
+    assert timed_out == pytest.approx(0.25)  # one after the other: 0.5
+    assert in_use == [100, 60]  # rank 1 got its grant although rank 0's call raised
+    assert waits == 6
 
 
 def test_a_blocking_wait_on_the_loop_thread_is_refused() -> None:
@@ -185,6 +234,8 @@ def test_replay_is_deterministic_for_a_seed() -> None:
     for mode in ("inline", "orchestrated"):
         a, b = replay(tiny(), mode), replay(tiny(), mode)
         assert _key(a) == _key(b)
+    a, b = replay(tiny(gen_tp=2), "inline"), replay(tiny(gen_tp=2), "inline")  # a thread per rank
+    assert _key(a) == _key(b) and a.blocked_steps > 0
     c = replay(tiny(seed=1), "orchestrated")
     assert _key(c) != _key(replay(tiny(), "orchestrated"))  # the seed draws other prompt lengths
 

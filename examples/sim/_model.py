@@ -261,10 +261,9 @@ class ModelledTransport:
     async def connect(self, peer: str) -> None:
         if peer not in self._links:
             raise PeerUnreachable(f"cannot reach {peer}", peer=peer)
-        if peer not in self._connected:
+        if peer not in self._connected:  # as the real transports: a connected peer costs no event-loop turn
             self._connected.add(peer)
             await trio.sleep(self._p.connect_ms / 1e3)
-        await trio.lowlevel.checkpoint()
 
     async def pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *,
                    handle: str | None = None, release: bool = True, landing: Landing | None = None) -> int:

@@ -4,9 +4,9 @@ project's own engines, in virtual time.
     client x concurrency ──> CTX (FIFO prefill slots) ──first token──> GEN rank 0 .submit()
     GEN: GenEngine (TP1) or TPGenEngine x gen_tp stepped by LocalGroup.step_all, each rank with its
          ModelledTransport (link) and a meta-device KV pool; their receive groups on the trio loop
-    execution loop (a trio task): step the engine(s) [on ExecutionThread in inline mode, whose
-         blocking waits the loop serves in virtual time] -> sleep step_s(batch) -> finished requests
-         wake their clients
+    execution loop (a trio task): step the engine(s) [in inline mode, a step that may wait runs each
+         rank on its own ExecutionThread, whose blocking waits the loop serves side by side in
+         virtual time] -> sleep step_s(batch) -> finished requests wake their clients
 
 Nothing here decides admission: the engine's ``Scheduler``, ``TransferBudget`` and ``KVBlockPool``
 do, inside ``step()``. The replay only supplies time (``VirtualClock``), the link, the CTX, the
@@ -16,6 +16,7 @@ model's step time and the load, and reads what the engine reports.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ import trio.testing
 from orchestrator import GenEngine, GenRequest, LocalGroup, Mode, OrchestratorConfig, RequestState, TPGenEngine
 
 from ._model import CTX_PEER, ModelledTransport, SimParams
-from ._virtual import ExecutionThread, VirtualClock, seed_scheduler
+from ._virtual import ExecutionThread, VirtualClock, call_all, one_cpu, seed_scheduler
 
 
 @dataclasses.dataclass
@@ -153,17 +154,26 @@ class _Replay:
     def _step_group(self) -> list[Any]:
         return LocalGroup.step_all(self.engines)  # type: ignore[arg-type]
 
+    async def _step_on_threads(self, threads: list[ExecutionThread]) -> list[Any]:
+        """A step that may wait (inline): each rank applies it on its own execution thread, so the
+        ranks' blocking waits overlap in virtual time, as on separate processes."""
+        if len(self.engines) == 1:
+            return await call_all(threads, [self.lead.step])
+        prepared, messages = LocalGroup.prepare_all(self.engines)
+        return await call_all(threads, [functools.partial(e.apply_step, p, messages)  # type: ignore[attr-defined]
+                                        for e, p in zip(self.engines, prepared)])
+
     # -- the execution loop ----------------------------------------------------------------------
     async def execution_loop(self) -> None:
-        thread = ExecutionThread(self.clock) if self.mode is Mode.INLINE else None
+        threads = [ExecutionThread(self.clock) for _ in self.engines] if self.mode is Mode.INLINE else []
         p = self.p
         idle = p.idle_poll_ms / 1e3
         try:
             while not (self.clients_done and not self.lead.live_requests):
-                may_block = thread is not None and self._may_block()
+                may_block = bool(threads) and self._may_block()
                 self._submitted = False  # submits from here on (also while this step waits) count for the next
                 if may_block:
-                    reports = await thread.call(self._step)  # type: ignore[union-attr]
+                    reports = await self._step_on_threads(threads)
                 else:  # a step that cannot wait needs no thread: run it here (a wait here would raise)
                     reports = self._step()
                 self.steps += 1
@@ -185,7 +195,7 @@ class _Replay:
                     self.activity = trio.Event()
                 self._settle()
         finally:
-            if thread is not None:
+            for thread in threads:
                 thread.close()
 
     def _settle(self) -> None:
@@ -276,7 +286,8 @@ def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False) -> Mo
         r._step()  # results published while stopping free their blocks here
 
     wall = time.perf_counter()
-    trio.run(main, clock=mock)
+    with one_cpu():
+        trio.run(main, clock=mock)
     wall = time.perf_counter() - wall
     r = holder["r"]
     return _result(r, mock.current_time(), wall)

@@ -8,6 +8,11 @@ whose blocking waits the event loop serves in that time.
                                                                to the loop (below); never on the loop's thread
     await ExecutionThread.call(fn)                            runs ``fn`` (an engine step) on its own
                                                                thread while the loop's thread waits for it
+    await call_all(threads, fns)                              ``fns[i]`` on ``threads[i]``, their waits
+                                                               overlapping in virtual time
+
+Several threads (``call_all``: one per rank of a GEN group) run side by side in virtual time, one
+at a time in real time. A replay pins itself to one CPU while it runs (``one_cpu``).
 
 The hand-over is strict: while ``fn`` runs, the loop's thread is parked *synchronously* inside
 ``call`` (not at an await), so the loop cannot run and virtual time cannot move while real Python
@@ -20,15 +25,42 @@ function of its inputs (and of trio's scheduling seed, which ``seed_scheduler`` 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Callable, Sequence as Seq
 from typing import Any, TypeVar
 
 import trio
 import trio.testing
 
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def one_cpu() -> Iterator[None]:
+    """Run this thread, and the execution threads it starts, on one CPU (restored after).
+
+    A replay runs one thread at a time by construction, so a second CPU buys nothing, while every
+    hand-over to an execution thread on another CPU costs a cross-CPU wake-up (on this project's
+    2-core virtual machine a thread round trip took 60-110 µs across CPUs, 15-20 µs on one; an
+    inline replay at GEN TP4 makes 8 per admission: 3,072 requests took 23 s unpinned, 14 s pinned)."""
+    getter, setter = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
+    if getter is None or setter is None:  # not Linux: as it is
+        yield
+        return
+    before = getter(0)
+    try:
+        setter(0, {min(before)})
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        setter(0, before)
 
 
 def seed_scheduler(seed: int) -> None:
@@ -73,7 +105,7 @@ class VirtualClock:
         self._mock = mock
         self.loop_thread: int | None = threading.get_ident()
         self._pending: list[VirtualEvent] = []
-        self._thread: ExecutionThread | None = None
+        self._threads: list[ExecutionThread] = []
         self.blocked_waits = 0
         """Blocking waits the execution thread handed to the loop (inline only)."""
 
@@ -92,19 +124,21 @@ class VirtualClock:
             event._trio.set()
 
     def _block(self, event: VirtualEvent, timeout: float | None) -> bool:
-        if self._thread is None or threading.get_ident() != self._thread.ident:
-            raise RuntimeError("a blocking wait outside the replay's execution thread (it would stop the event loop)")
+        me = threading.get_ident()
+        thread = next((t for t in self._threads if t.ident == me), None)
+        if thread is None:
+            raise RuntimeError("a blocking wait outside the replay's execution threads (it would stop the event loop)")
         self.blocked_waits += 1
-        return self._thread._block(event, timeout)
+        return thread._block(event, timeout)
 
 
 class ExecutionThread:
-    """One thread that runs the sync calls given to ``call``, one at a time, in lockstep with the loop."""
+    """One thread that runs the sync calls given to it, one at a time, in lockstep with the loop."""
 
     def __init__(self, clock: VirtualClock) -> None:
         self._clock = clock
         clock.loop_thread = threading.get_ident()
-        clock._thread = self
+        clock._threads.append(self)
         self._to_thread: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._to_loop: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="replay-execution", daemon=True)
@@ -127,25 +161,54 @@ class ExecutionThread:
         self._to_loop.put(("wait", event, timeout))
         return bool(self._to_thread.get())
 
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the execution thread; its virtual waits are served here, in virtual time."""
-        self._to_thread.put(fn)
-        while True:
-            kind, a, b = self._to_loop.get()  # the loop's thread parks here, synchronously
-            self._clock._flush()
-            if kind == "done":
-                if b is not None:
-                    raise b
-                return a  # type: ignore[no-any-return]
-            event: VirtualEvent = a
-            with trio.CancelScope(shield=True):  # the thread is parked mid-step: never abandon it
-                if b is None:
+    def _resume(self, payload: Any) -> tuple[str, Any, Any]:
+        """On the loop's thread: let this thread run (a call, or a wait's outcome) and park until it
+        parks again: it finished (``done``) or waits on a virtual event (``wait``)."""
+        self._to_thread.put(payload)
+        message = self._to_loop.get()  # the loop's thread parks here, synchronously
+        self._clock._flush()
+        return message
+
+    async def _serve(self, message: tuple[str, Any, Any]) -> tuple[str, Any, Any]:
+        """Serve this thread's waits in virtual time until it is done."""
+        while message[0] == "wait":
+            event: VirtualEvent = message[1]
+            timeout = message[2]
+            if timeout is None:
+                await event._trio.wait()
+            else:
+                with trio.move_on_after(max(0.0, timeout)):
                     await event._trio.wait()
-                else:
-                    with trio.move_on_after(max(0.0, b)):
-                        await event._trio.wait()
-            self._to_thread.put(event._flag)
+            message = self._resume(event._flag)
+        return message
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on this thread; its virtual waits are served here, in virtual time."""
+        return (await call_all([self], [fn]))[0]  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self._to_thread.put(None)
         self._thread.join(timeout=5)
+
+
+async def call_all(threads: Seq[ExecutionThread], fns: Seq[Callable[[], Any]]) -> list[Any]:
+    """Run ``fns[i]`` on ``threads[i]``, side by side in virtual time: as ranks of a group, each on its
+    own thread, whose blocking waits overlap (the step takes the longest, not the sum).
+
+    Deterministic: only one thread (or the loop) runs at a time. Each call runs until it parks, in
+    order; then every wait is served at once on the loop, and a thread whose event fires (or whose
+    timeout passes) runs, alone, until it parks again. Exceptions are raised in thread order, after
+    every call has ended (a thread is never abandoned mid-call)."""
+    messages = [t._resume(fn) for t, fn in zip(threads, fns)]
+    if any(m[0] == "wait" for m in messages):
+        with trio.CancelScope(shield=True):  # the threads are parked mid-call: never abandon them
+            async with trio.open_nursery() as nursery:
+                for i, (t, m) in enumerate(zip(threads, messages)):
+                    if m[0] == "wait":
+                        async def serve(i: int = i, t: ExecutionThread = t, m: tuple[str, Any, Any] = m) -> None:
+                            messages[i] = await t._serve(m)
+                        nursery.start_soon(serve)
+    for _, _, exc in messages:
+        if exc is not None:
+            raise exc
+    return [m[1] for m in messages]
