@@ -334,3 +334,21 @@ def test_shaped_link_caps_both_ends_and_leaves_nothing_behind() -> None:
         names = (ns.a, ns.b)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in listed for n in names)
+
+
+def test_a_replay_keeps_to_one_cpu_and_gives_the_others_back() -> None:
+    import os
+
+    from examples.sim._virtual import one_cpu
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    before = os.sched_getaffinity(0)
+    seen = []
+    with one_cpu():
+        seen.append(os.sched_getaffinity(0))
+        t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))  # a thread started inside inherits it
+        t.start()
+        t.join()
+    assert len(seen[0]) == 1 and seen[0] <= before and seen[1] == seen[0]
+    assert os.sched_getaffinity(0) == before
