@@ -209,7 +209,11 @@ class ModelledLink:
                 scope.deadline = now + max(0.0, float(flow[0])) * n / self.bandwidth  # type: ignore[union-attr,arg-type]
 
     async def transfer(self, nbytes: int) -> None:
-        async with self._slots:
+        try:  # a free slot is taken without a scheduling round (trio's acquire always yields once)
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self._slots.acquire()
+        try:
             self.bytes_in_flight += nbytes
             self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self.bytes_in_flight)
             try:
@@ -234,6 +238,8 @@ class ModelledLink:
                     self._reschedule(now)
             finally:
                 self.bytes_in_flight -= nbytes
+        finally:
+            self._slots.release()
 
 
 class ModelledTransport:
