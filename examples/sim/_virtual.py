@@ -210,6 +210,8 @@ async def call_all(threads: Seq[ExecutionThread], fns: Seq[Callable[[], Any]]) -
     order; then every wait is served at once on the loop, and a thread whose event fires (or whose
     timeout passes) runs, alone, until it parks again. Exceptions are raised in thread order, after
     every call has ended (a thread is never abandoned mid-call)."""
+    if len(fns) > len(threads):
+        raise ValueError(f"{len(fns)} calls for {len(threads)} execution threads")
     messages = [t._resume(fn) for t, fn in zip(threads, fns)]
     if any(m[0] == "wait" for m in messages):
         with trio.CancelScope(shield=True):  # the threads are parked mid-call: never abandon them
