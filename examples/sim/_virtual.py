@@ -29,8 +29,7 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Iterator
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Iterator, Sequence as Seq
 from typing import Any, TypeVar
 
 import trio
