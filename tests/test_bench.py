@@ -99,3 +99,14 @@ def test_tiny_bench_run(tmp_path, gen_tp: int, monkeypatch) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_step_benchmark_times_a_tensor_parallel_step_of_this_tree() -> None:
+    """``python -m examples.bench_step`` (host time per engine step, this tree against a baseline):
+    its worker steps a real group at the asked batch and reports a time per step for each."""
+    from examples import bench_step
+
+    out = bench_step._run(bench_step.ROOT, 2, "4,8", 30)
+    assert set(out) == {"4", "8"} and all(0 < us < 1e6 for us in out.values())
+    with pytest.raises(SystemExit, match="cannot read"):
+        bench_step._tree("no-such-revision", "/nonexistent")
