@@ -191,8 +191,10 @@ class GenEngine:
         self._quarantined_blocks = 0
         self._last_batch: list[Sequence] = []
         self._sampled: list[int] = []
-        self._batch_keys: tuple[list[int], list[int], np.ndarray] = ([], [], np.zeros(0, dtype=np.int64))
-        """The last batch's seq numbers, input tokens and token counts (for the digest and finish decisions)."""
+        self._batch_keys: tuple[list[int], list[int], np.ndarray, np.ndarray] = (
+            [], [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        """The last batch's seq numbers, input tokens, token counts and sampled tokens (``_sampled`` as an
+        array), for the digest and the finish decisions."""
         self._finished = 0
         self._aborted = 0
         self._failed = {r: 0 for r in FailureReason}
@@ -363,10 +365,9 @@ class GenEngine:
                     del self._unquiet[seq_no]
                     msg.quiet.append(seq_no)
         if self._last_batch:
-            seq_nos, inputs, lengths = self._batch_keys
+            seq_nos, inputs, lengths, sampled = self._batch_keys
             msg.batch_digest = rows_crc(seq_nos, inputs, self._sampled)
             if self.leads_steps:  # does each request end with its new token? (``_done``, for a batch)
-                sampled = np.asarray(self._sampled, dtype=np.int64)
                 limits, eos = self._batch_limits()
                 ends = (lengths + 1 >= limits) | (sampled == eos)
                 msg.tokens = (sampled | np.where(ends, FINISH, 0)).tolist()
@@ -697,8 +698,9 @@ class GenEngine:
         if sampled.size != len(seqs):
             raise RuntimeError(f"step function returned {sampled.size} tokens for a batch of {len(seqs)}")
         self._last_batch = seqs
-        self._batch_keys = ([s.seq_no for s in seqs], inputs, lengths)
-        self._sampled = (sampled.astype(np.int64) & _TOKEN).tolist()  # emitted once the group agreed them
+        tokens = sampled.astype(np.int64) & _TOKEN
+        self._batch_keys = ([s.seq_no for s in seqs], inputs, lengths, tokens)
+        self._sampled = tokens.tolist()  # emitted once the group agreed them
 
     def _batch_limits(self) -> tuple[np.ndarray, np.ndarray]:
         """Each request of the last batch's ``max_tokens`` and EOS token (-1: none), as arrays."""
