@@ -129,7 +129,7 @@ M = [
   "                        len(self._waiting) - len(admitted) - deferred[DeferReason.KV_EXHAUSTED])\n                    break\n",
   "                        len(self._waiting) - len(admitted) - deferred[DeferReason.KV_EXHAUSTED])\n                    continue\n",
   "tests/test_sim.py -k 'invariants and orchestrated'"),
- ("18 inline ranks wait side by side", "examples/sim/_virtual.py", "                        nursery.start_soon(serve)\n", "                        await serve()\n", "tests/test_sim.py -k side_by_side"),
+ ("18 inline ranks wait side by side", "examples/sim/_virtual.py", "                        nursery.start_soon(threads[i]._serve, messages, i)\n", "                        await threads[i]._serve(messages, i)\n", "tests/test_sim.py -k side_by_side"),
  ("pool refuses a block freed twice in one call", "orchestrator/_kvpool.py", "or _repeats(ids):", "or False:", "tests/test_kvpool.py -k twice"),
  ("pool refuses a block never handed out", "orchestrator/_kvpool.py", "not self._owned[ids].all()", "not self._owned[ids].any()", "tests/test_kvpool.py -k 'double_free or twice'"),
  ("16 an EOS ends its request (batch decision)", "orchestrator/_engine.py", "ends = (lengths + 1 >= limits) | (sampled == eos)", "ends = lengths + 1 >= limits", "tests/test_engine.py -k eos_token"),

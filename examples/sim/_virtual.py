@@ -179,8 +179,9 @@ class ExecutionThread:
         self._clock._flush()
         return message
 
-    async def _serve(self, message: tuple[str, Any, Any]) -> tuple[str, Any, Any]:
-        """Serve this thread's waits in virtual time until it is done."""
+    async def _serve(self, messages: list[tuple[str, Any, Any]], i: int) -> None:
+        """Serve this thread's waits in virtual time until it is done (``messages[i]``: its last message)."""
+        message = messages[i]
         while message[0] == "wait":
             event: VirtualEvent = message[1]
             timeout = message[2]
@@ -189,8 +190,7 @@ class ExecutionThread:
             else:
                 with trio.move_on_after(max(0.0, timeout)):
                     await event._trio.wait()
-            message = self._resume(event._flag)
-        return message
+            message = messages[i] = self._resume(event._flag)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on this thread; its virtual waits are served here, in virtual time."""
@@ -215,11 +215,9 @@ async def call_all(threads: Seq[ExecutionThread], fns: Seq[Callable[[], Any]]) -
     if any(m[0] == "wait" for m in messages):
         with trio.CancelScope(shield=True):  # the threads are parked mid-call: never abandon them
             async with trio.open_nursery() as nursery:
-                for i, (t, m) in enumerate(zip(threads, messages)):
+                for i, m in enumerate(messages):
                     if m[0] == "wait":
-                        async def serve(i: int = i, t: ExecutionThread = t, m: tuple[str, Any, Any] = m) -> None:
-                            messages[i] = await t._serve(m)
-                        nursery.start_soon(serve)
+                        nursery.start_soon(threads[i]._serve, messages, i)
     for _, _, exc in messages:
         if exc is not None:
             raise exc
