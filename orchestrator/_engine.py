@@ -58,6 +58,7 @@ import torch
 
 from transports import KVSlice, Transport, scatter
 
+from ._batch import RunningBatch
 from ._budget import TransferBudget
 from ._clock import Clock, as_clock
 from ._config import Mode, OrchestratorConfig
@@ -189,12 +190,12 @@ class GenEngine:
         self._ending: dict[int, Sequence] = {}  # ended for the client; blocks held until quiet everywhere
         self._unquiet: dict[int, Any] = {}  # this rank's reported receives whose landing is still busy
         self._quarantined_blocks = 0
-        self._last_batch: list[Sequence] = []
-        self._sampled: list[int] = []
-        self._batch_keys: tuple[list[int], list[int], np.ndarray, np.ndarray] = (
-            [], [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-        """The last batch's seq numbers, input tokens, token counts and sampled tokens (``_sampled`` as an
-        array), for the digest and the finish decisions."""
+        self._batch = RunningBatch()
+        """The RUNNING requests' columns (``_running``, for a decode step)."""
+        self._last: RunningBatch | None = None
+        """The batch the last decode stepped, and the tokens it sampled: the next step's digest,
+        finish decisions and agreed tokens are about it."""
+        self._sampled = np.zeros(0, dtype=np.int64)
         self._finished = 0
         self._aborted = 0
         self._failed = {r: 0 for r in FailureReason}
@@ -364,13 +365,11 @@ class GenEngine:
                 if not landing.busy:
                     del self._unquiet[seq_no]
                     msg.quiet.append(seq_no)
-        if self._last_batch:
-            seq_nos, inputs, lengths, sampled = self._batch_keys
-            msg.batch_digest = rows_crc(seq_nos, inputs, self._sampled)
-            if self.leads_steps:  # does each request end with its new token? (``_done``, for a batch)
-                limits, eos = self._batch_limits()
-                ends = (lengths + 1 >= limits) | (sampled == eos)
-                msg.tokens = (sampled | np.where(ends, FINISH, 0)).tolist()
+        if (last := self._last) is not None:
+            sampled = self._sampled
+            msg.batch_digest = rows_crc(last.seq_nos, last.inputs, sampled)
+            if self.leads_steps:  # does each request end with its new token?
+                msg.tokens = (sampled | np.where(last.ends(sampled), FINISH, 0)).tolist()
         return PreparedStep(msg, t0, c0)
 
     def apply_step(self, prepared: PreparedStep, messages: Seq[StepMessage]) -> StepReport:
@@ -430,7 +429,7 @@ class GenEngine:
                         f"admissions, rank 0 {lead.admitted[0]} (digests {m.admitted[1]:08x} / {lead.admitted[1]:08x})")
             if m.batch_digest != lead.batch_digest:
                 return (f"tensor-parallel ranks decoded different batches at step {self._steps - 1}: rank {rank}'s "
-                        f"requests or tokens differ from rank 0's ({len(self._last_batch)} requests)")
+                        f"requests or tokens differ from rank 0's ({len(self._last or ())} requests)")
         return None
 
     def _break(self, cause: str) -> None:
@@ -442,20 +441,28 @@ class GenEngine:
 
     def _apply_tokens(self, tokens: Seq[int]) -> None:
         """Rank 0's tokens (and finish decisions) for the batch this rank decoded last step."""
-        batch, self._last_batch, self._sampled = self._last_batch, [], []
+        batch, self._last = self._last, None
+        if batch is None or not tokens:
+            return
+        if len(tokens) != len(batch):  # the digests agreed on this batch: cannot happen
+            raise RuntimeError(f"{len(tokens)} agreed tokens for a decoded batch of {len(batch)}")
+        words = np.asarray(tokens, dtype=np.int64)
+        batch.advance(words & _TOKEN)
         running = RequestState.RUNNING
         emit = self._emitter()  # only rank 0 emits: other ranks build no output per token
-        for seq, word in zip(batch, tokens):
+        if emit is None:
+            for i in np.flatnonzero(words & FINISH).tolist():
+                seq = batch.seqs[i]
+                if seq.state is running:
+                    self._end(seq, RequestState.FINISHED, None, "", new_tokens=(tokens[i] & _TOKEN,))
+            return
+        for seq, word in zip(batch.seqs, tokens):  # in batch order, as the tokens came
             if seq.state is not running:
                 continue
             if word & FINISH:
-                token = word & _TOKEN
-                seq.tokens.append(token)
-                self._end(seq, RequestState.FINISHED, None, "", new_tokens=(token,))
+                self._end(seq, RequestState.FINISHED, None, "", new_tokens=(word & _TOKEN,))
             else:
-                seq.tokens.append(word)
-                if emit is not None:
-                    emit(RequestOutput(seq.request_id, (word,), running))
+                emit(RequestOutput(seq.request.request_id, (word,), running))
 
     def _arrive(self, event: Submit) -> None:
         request = event.request
@@ -468,7 +475,7 @@ class GenEngine:
             num_prompt_blocks=prompt_blocks,
             cost=layout.wire_bytes(prompt_blocks, request.kv_slice or self.config.kv_slice),
             seq_no=event.seq,
-            tokens=[request.first_token],
+            last_token=request.first_token,
         )
         self._next_seq = max(self._next_seq, event.seq + 1)
         if not self.leads_steps:  # rank 0 checked it at submit and holds it live already
@@ -679,42 +686,27 @@ class GenEngine:
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self) -> None:
-        seqs = list(self._running.values())
-        requests = [s.request for s in seqs]
-        histories = [s.tokens for s in seqs]
-        inputs = [t[-1] for t in histories]
-        lengths = np.array([len(t) for t in histories], dtype=np.int64)
-        prompts = np.array([r.prompt_len for r in requests], dtype=np.int64)
-        batch = DecodeBatch(
-            request_ids=[r.request_id for r in requests],
-            tokens=torch.from_numpy(np.array(inputs, dtype=np.int64)),
-            positions=torch.from_numpy(prompts + lengths - 1),  # ``Sequence.position``, for a batch
-            block_tables=[s.block_ids for s in seqs],  # type: ignore[misc]
+        b = self._batch.columns()
+        batch = DecodeBatch(  # copies: the step function may keep or change what it is given
+            request_ids=list(b.request_ids),
+            tokens=torch.from_numpy(b.inputs.copy()),
+            positions=torch.from_numpy(b.positions()),
+            block_tables=list(b.block_tables),
             kv=self.pool.kv,
-            requests=requests,
+            requests=list(b.requests),
         )
         new = self._step_fn(batch)
         sampled = (new.detach().cpu().numpy() if isinstance(new, torch.Tensor) else np.asarray(list(new))).reshape(-1)
-        if sampled.size != len(seqs):
-            raise RuntimeError(f"step function returned {sampled.size} tokens for a batch of {len(seqs)}")
-        self._last_batch = seqs
-        tokens = sampled.astype(np.int64) & _TOKEN
-        self._batch_keys = ([s.seq_no for s in seqs], inputs, lengths, tokens)
-        self._sampled = tokens.tolist()  # emitted once the group agreed them
+        if sampled.size != len(b):
+            raise RuntimeError(f"step function returned {sampled.size} tokens for a batch of {len(b)}")
+        self._last = b
+        self._sampled = sampled.astype(np.int64) & _TOKEN  # emitted once the group agreed them
 
-    def _batch_limits(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each request of the last batch's ``max_tokens`` and EOS token (-1: none), as arrays."""
-        requests = [s.request for s in self._last_batch]
-        eos = [r.eos_token for r in requests]
-        return (np.array([r.max_tokens for r in requests], dtype=np.int64),
-                np.array([-1 if e is None else e for e in eos], dtype=np.int64))
-
-    def _done(self, seq: Sequence, token: int | None = None) -> bool:
-        """Does ``seq`` end with ``token`` appended (None: with the tokens it has)?"""
+    @staticmethod
+    def _done(seq: Sequence) -> bool:
+        """Does ``seq`` end with the tokens it has (not RUNNING: its own count and token)?"""
         eos = seq.request.eos_token
-        n = len(seq.tokens) + (token is not None)
-        last = token if token is not None else seq.tokens[-1]
-        return n >= seq.request.max_tokens or (eos is not None and last == eos)
+        return seq.num_tokens >= seq.request.max_tokens or (eos is not None and seq.last_token == eos)
 
     def _run(self, seq: Sequence) -> None:
         """The request's KV is here: it waits (READY) for a decode slot."""
@@ -730,11 +722,13 @@ class GenEngine:
             seq = self._ready.pop(next(iter(self._ready)))
             seq.state = RequestState.RUNNING
             self._running[seq.request_id] = seq
+            self._batch.add(seq)
 
     # -- ending -----------------------------------------------------------------------------------
     def _end(self, seq: Sequence, state: RequestState, failure: FailureReason | None, message: str,
              new_tokens: tuple[int, ...] = (), *, keep_blocks: bool = False) -> None:
-        self._running.pop(seq.request_id, None)
+        if self._running.pop(seq.request_id, None) is not None:
+            self._batch.remove(seq)
         self._ready.pop(seq.request_id, None)
         self._receiving.pop(seq.request_id, None)
         seq.state = state

@@ -94,7 +94,7 @@ M = [
  ("16 batch digests compared every step", "orchestrator/_engine.py", "            if m.batch_digest != lead.batch_digest:", "            if False:", "tests/test_one_step.py -k eos"),
  ("16 admission digests compared every step", "orchestrator/_engine.py", "            if m.admitted != lead.admitted:", "            if False:", "tests/test_one_step.py -k admits_differently"),
  ("16 submits and aborts in one ordered list", "orchestrator/_engine.py", "            for item in _drain(self._inbox):\n", "            for item in sorted(_drain(self._inbox), key=lambda i: isinstance(i, str)):\n", "tests/test_one_step.py -k stale_abort"),
- ("16 rank 0's tokens are the group's", "orchestrator/_engine.py", "                seq.tokens.append(word)\n", "                seq.tokens.append(word + 1)\n", "tests/test_one_step.py -k exact_kv"),
+ ("16 rank 0's tokens are the group's", "orchestrator/_engine.py", "        batch.advance(words & _TOKEN)\n", "        batch.advance((words + 1) & _TOKEN)\n", "tests/test_one_step.py -k exact_kv"),
  ("16 blocking waits bounded", "orchestrator/_engine.py", "        return wanted if limit is None else min(wanted, limit)", "        return wanted", "tests/test_one_step.py -k max_blocking_wait"),
  ("16 quarantine waits for every rank", "orchestrator/_engine.py", "seq.seq_no in self._ending and seq.quiet & everyone == everyone:", "seq.seq_no in self._ending and seq.quiet & 1:", "tests/test_one_step.py -k quarantined"),
  # issue 17: integrity on the wire (invariant 12), each protection removed once
@@ -132,8 +132,11 @@ M = [
  ("18 inline ranks wait side by side", "examples/sim/_virtual.py", "                        nursery.start_soon(threads[i]._serve, messages, i)\n", "                        await threads[i]._serve(messages, i)\n", "tests/test_sim.py -k side_by_side"),
  ("pool refuses a block freed twice in one call", "orchestrator/_kvpool.py", "or _repeats(ids):", "or False:", "tests/test_kvpool.py -k twice"),
  ("pool refuses a block never handed out", "orchestrator/_kvpool.py", "not self._owned[ids].all()", "not self._owned[ids].any()", "tests/test_kvpool.py -k 'double_free or twice'"),
- ("16 an EOS ends its request (batch decision)", "orchestrator/_engine.py", "ends = (lengths + 1 >= limits) | (sampled == eos)", "ends = lengths + 1 >= limits", "tests/test_engine.py -k eos_token"),
- ("16 max_tokens ends its request (batch decision)", "orchestrator/_engine.py", "ends = (lengths + 1 >= limits) | (sampled == eos)", "ends = (lengths + 2 >= limits) | (sampled == eos)", "tests/test_engine.py"),
+ ("16 an EOS ends its request (batch decision)", "orchestrator/_batch.py", "return (self.cols[_LENGTH] + 1 >= self.cols[_LIMIT]) | (sampled == self.cols[_EOS])", "return self.cols[_LENGTH] + 1 >= self.cols[_LIMIT]", "tests/test_engine.py -k eos_token"),
+ ("16 max_tokens ends its request (batch decision)", "orchestrator/_batch.py", "return (self.cols[_LENGTH] + 1 >= self.cols[_LIMIT]) | (sampled == self.cols[_EOS])", "return (self.cols[_LENGTH] + 2 >= self.cols[_LIMIT]) | (sampled == self.cols[_EOS])", "tests/test_engine.py"),
+ ("16 a request that ends leaves the running batch", "orchestrator/_engine.py", "            self._batch.remove(seq)\n", "            pass\n", "tests/test_engine.py"),
+ ("16 the running batch applies its removals", "orchestrator/_batch.py", "                keep[index[id(seq)] if index is not None else self.seqs.index(seq)] = False\n", "                pass\n", "tests/test_batch.py"),
+ ("16 a join-and-leave between decodes never decodes", "orchestrator/_batch.py", "        if seq in self._added:  # joined and left between two decodes\n            self._added.remove(seq)\n        else:\n            self._removed.append(seq)\n", "        self._removed.append(seq)\n", "tests/test_batch.py"),
  ("16 inline grant ends with its receive", "orchestrator/_engine.py", "dataclasses.replace(job, grant=grant, staging=staging,", "dataclasses.replace(job, grant=None, staging=staging,", "tests/test_engine.py -k woken_by_a_receive"),
  # issue 19: the serving front (routing, admission, disconnects, failures, sampling, etcd membership)
  ("19 ties round-robin within each role", "examples/serve/cluster.py", 'self.routers = {role: Router(policies.get(role, "least_loaded")) for role in ("ctx", "gen")}', '_r = Router(policies.get("ctx", "least_loaded")); self.routers = {"ctx": _r, "gen": _r}', "tests/test_front_routing.py -k round_robin_within"),
