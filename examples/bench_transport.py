@@ -340,9 +340,9 @@ async def _pull_client(host: str, port: int, budget_s: float, idle_s: float) -> 
         # sees its send end and could re-hold a released entry for the next pull)
         extra = {"handle": _BENCH_HANDLE, "release": False} if _takes(t.pull, "handle") else {}
         await t.connect(peer)
+        arena = layout.new_pool(max(SIZES_MIB))  # a GEN pool: a full-slice pull lands in its blocks
         for mib in SIZES_MIB:
-            shape = getattr(layout, "wire_shape", None) or layout.staging_shape  # the v1 tree's name
-            into = torch.empty(shape(mib), dtype=layout.dtype)
+            into = arena[:mib]
             timer = _Timer(into.nbytes, budget_s)
             for _ in timer:
                 await t.pull(peer, f"r{mib}", layout.full_slice(), into, **extra)
@@ -399,8 +399,10 @@ def _recv_blob(conn: socket.socket) -> bytes:
 def _nixl_server() -> None:
     import torch
 
+    from transports._layout import host_memory
+
     agent = nixl_agent("ctx")
-    pool = torch.ones(max(SIZES_MIB) * MiB, dtype=torch.uint8)
+    pool = host_memory(max(SIZES_MIB) * MiB).fill_(1)  # huge pages, as our pools (and numpy's arrays)
     agent.register_memory(pool)
     srv = socket.create_server(("0.0.0.0", 0))
     print(json.dumps({"port": srv.getsockname()[1]}), flush=True)
@@ -428,8 +430,10 @@ def _nixl_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[s
 
     poll = os.environ.get("KVO_NIXL_POLL", "spin")
     op = os.environ.get("KVO_NIXL_OP", "READ")
+    from transports._layout import host_memory
+
     agent = nixl_agent("gen")
-    dst = torch.empty(max(SIZES_MIB) * MiB, dtype=torch.uint8)
+    dst = host_memory(max(SIZES_MIB) * MiB)
     agent.register_memory(dst)
     conn = socket.create_connection((host, port))
     info = json.loads(_recv_blob(conn))
@@ -499,7 +503,7 @@ async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float
     peer = f"{host}:{port}"
     out: dict[str, Any] = {}
     async with NIXLTransport(_nixl_config(NIXLConfig, load_secret()), layout=layout) as t:
-        arena = torch.empty(layout.wire_shape(max(SIZES_MIB)), dtype=layout.dtype)
+        arena = layout.new_pool(max(SIZES_MIB))  # a GEN pool: a full-slice pull lands in its blocks
         t.register(arena)  # the GEN registers its memory once
         await t.connect(peer)
         for mib in SIZES_MIB:
