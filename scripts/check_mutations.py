@@ -152,6 +152,8 @@ M = [
  ("report stats reach every rank", "examples/two_node/gen.py", "isinstance(command, list) and command[0] == gen_tp.REPORT_STATS", "isinstance(command, tuple) and command[0] == gen_tp.REPORT_STATS", "tests/test_tp_two_node.py -k 'equals_a_single_process and 2'"),
  ("17 host pools advised onto huge pages", "transports/_layout.py", "region.madvise(mmap.MADV_HUGEPAGE)", "region.madvise(mmap.MADV_NORMAL)", "tests/test_host_memory.py"),
  ("17 host pools on a private mapping", "transports/_layout.py", "flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)", "flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)", "tests/test_host_memory.py"),
+ ("17 the READ poller keeps each READ's deadline", "transports/_nixl_poller.py", "if state == \"PROC\" and now < deadline:", "if state == \"PROC\":", "tests/test_dataplane_nixl.py -k never_ends"),
+ ("17 the READ poller lets go of an ended READ", "transports/_nixl_poller.py", "                with self._cond:\n                    self._reads.remove(entry)\n", "                pass\n", "tests/test_dataplane_nixl.py -k one_thread"),
  # issue 17, item 3: the lean ucxx pull (a zero-copy PULL served in the CTX's read loop)
  ("17 inline serve unpins", "transports/_ucx_server.py", "            checkout.close()  # UCX is done with the view\n", "", "tests/test_ucx_transport.py -k zero_copy"),
  ("17 served pull releases", "transports/_ucx_server.py", "        if msg.release:\n            self.store.release(msg.request_id, handle=msg.handle)\n        log.debug(\"kv_pull_served\"", "        log.debug(\"kv_pull_served\"", "tests/test_ucx_transport.py -k zero_copy"),

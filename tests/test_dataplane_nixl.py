@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import gc
 import socket
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -287,3 +288,40 @@ async def test_a_reconnect_removes_the_old_agent_once_its_last_read_ends() -> No
             await reading
             await _until(lambda: old in removed and not landing.busy)
             assert second.agent.name not in removed
+
+
+@pytest.mark.anyio
+async def test_one_thread_watches_every_read_in_flight_beyond_the_worker_thread_limit() -> None:
+    """60 READs NIXL reports in progress at once (more than anyio's 40 worker threads): one poller
+    thread watches them all, each ends (its bytes landed, its landing over) once NIXL says DONE,
+    and nothing is left watched afterwards."""
+    async with _served() as (store, handle, server, peer, t):
+        await t.connect(peer)
+        real_transfer, real_state = t.agent.transfer, t.agent.check_xfer_state
+        done = False
+
+        def transfer(xfer, notif=b""):  # noqa: ANN001  (the copy happens; NIXL says it is still going)
+            real_transfer(xfer, notif) if notif else real_transfer(xfer)
+            return "PROC"
+
+        def state(xfer):  # noqa: ANN001
+            return real_state(xfer) if done else "PROC"
+
+        t.agent.transfer, t.agent.check_xfer_state = transfer, state
+        threads_before = threading.active_count()
+        want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+        intos = [_into() for _ in range(60)]
+        landings = [Landing() for _ in intos]
+        pulls = [asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, landing=landing,
+                                              release=False))
+                 for into, landing in zip(intos, landings)]
+        await _until(lambda: t._poller.in_flight == 60 or any(p.done() for p in pulls))
+        assert not any(p.done() for p in pulls), [p.exception() for p in pulls if p.done()]
+        assert sum(th.name == "nixl-read-poller" for th in threading.enumerate()) == 1
+        assert threading.active_count() - threads_before <= 1  # the poller: no thread per READ
+        done = True
+        results = await asyncio.wait_for(asyncio.gather(*pulls), 10)
+        assert results == [want.numel() * want.element_size()] * 60
+        assert all(torch.equal(into, want) for into in intos) and not any(landing.busy for landing in landings)
+        assert t._poller.in_flight == 0 and t._poller.watched >= 60
+        t.agent.check_xfer_state = real_state

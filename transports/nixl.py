@@ -29,9 +29,9 @@ nobody renewed, never on a timer alone.
 A READ cannot be withdrawn: a pull keeps ``landing`` busy until NIXL reports the transfer no longer
 in progress, also after the pull was cancelled. A READ that ``transfer()`` completed at once (one
 host: NIXL copies inline; over 1 MiB that call runs in a worker thread, off the event loop) needs
-no task; otherwise a watcher polls it from a worker thread (20 µs naps doubling to 1 ms; asyncio
-cannot sleep less than 1 ms) for at most ``read_timeout_s``, then drops the peer (which ends the
-READ). The NIXL progress thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API
+no task; otherwise one thread for the whole GEN (``_nixl_poller.ReadPoller``) polls every READ in
+progress (20 µs naps doubling to 1 ms; asyncio cannot sleep less than 1 ms), each for at most
+``read_timeout_s``, after which its watcher drops the peer (which ends the READ). The NIXL progress thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API
 would make it spin a core).
 
 Over TCP-only UCX a NIXL READ is emulated in software by UCX (the CTX's progress thread answers
@@ -84,6 +84,7 @@ from ._nixl_common import (
     write_msg as write_msg,
 )
 from ._nixl_conn import _Conn
+from ._nixl_poller import ReadPoller
 from ._peers import PeerConnections, check_layout
 from ._protocol import Landing, parse_peer
 
@@ -143,6 +144,7 @@ class NIXLTransport:
         self._pinned: dict[str, tuple[str, float]] = {}  # token -> (peer, pin lease): pins this GEN may READ from
         self._renewer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[Any]] = set()
+        self._poller = ReadPoller(self.agent)  # one thread watches every READ still in progress
         self._ok = self._failed = self._bytes = self._adhoc = self._retried = 0
         self._closed = False
 
@@ -483,7 +485,7 @@ class NIXLTransport:
             return state
         name = conn.agent_name
         self._reads[name] = self._reads.get(name, 0) + 1
-        watch = asyncio.ensure_future(self._watch(conn, token, xfer, landing, adhoc, nbytes, posting))
+        watch = asyncio.ensure_future(self._watch(conn, token, xfer, landing, adhoc, posting))
         watch.add_done_callback(lambda _: self._read_ended(name))
         try:
             return await asyncio.shield(watch)
@@ -538,12 +540,12 @@ class NIXLTransport:
             if name in self._stale:  # replaced by a reconnect while this READ ran
                 self._remove_agent(name)
 
-    async def _watch(self, conn: _Conn, token: str, xfer: Any, landing: Landing, adhoc: Any, nbytes: int,
+    async def _watch(self, conn: _Conn, token: str, xfer: Any, landing: Landing, adhoc: Any,
                      posting: asyncio.Future[str] | None = None) -> str:
-        """Wait for ``posting`` (a ``transfer()`` running in a worker thread) if any, then poll the
-        READ (in a worker thread: asyncio's sleeps are >= 1 ms) until it is no longer in progress, at
-        most ``read_timeout_s``; then drop its peer (closing NIXL's connection to it ends the READ)
-        and poll as long again. ``landing`` ends only once NIXL says the READ is over."""
+        """Wait for ``posting`` (a ``transfer()`` running in a worker thread) if any, then for the
+        GEN's poller to see the READ no longer in progress, at most ``read_timeout_s``; then drop its
+        peer (closing NIXL's connection to it ends the READ) and wait as long again. ``landing`` ends
+        only once NIXL says the READ is over."""
         timeout = self.config.read_timeout_s
         if posting is not None:
             try:
@@ -556,7 +558,7 @@ class NIXLTransport:
                 if self._end_read(xfer, adhoc):
                     landing.end()
                 return state
-        state = await anyio.to_thread.run_sync(self._wait, xfer, nbytes, timeout)
+        state = await self._poller.wait(xfer, timeout)
         if state == "PROC":
             log.warning("nixl_read_timeout", peer=conn.peer, timeout_s=timeout)
             conn.fail(PeerClosed(f"a READ from {conn.peer} was still in progress after {timeout}s", peer=conn.peer))
@@ -565,7 +567,7 @@ class NIXLTransport:
             if self._agents.get(conn.peer) == name:
                 del self._agents[conn.peer]
             self._remove_agent(name)  # ends the READ (its UCX endpoints close)
-            state = await anyio.to_thread.run_sync(self._wait, xfer, nbytes, timeout)
+            state = await self._poller.wait(xfer, timeout)
             if state == "PROC":
                 log.error("nixl_read_stuck", peer=conn.peer, reason="NIXL still reports the READ in progress; "
                           "its destination stays busy")
@@ -573,19 +575,6 @@ class NIXLTransport:
         self._unpin(conn, token, tell=state != "DONE")  # DONE: the CTX has its notification
         if self._end_read(xfer, adhoc):
             landing.end()
-        return state
-
-    def _wait(self, xfer: Any, nbytes: int, timeout: float) -> str:
-        """Poll a READ until it leaves PROC or ``timeout`` passes: a first nap of most of its expected
-        time, then 20 µs naps doubling to 1 ms (the agent is in NIXL's strict thread-sync mode)."""
-        time.sleep(min(nbytes / 10e9, 0.001))
-        nap = 20e-6
-        deadline = time.monotonic() + timeout
-        while (state := self.agent.check_xfer_state(xfer)) == "PROC":
-            if time.monotonic() >= deadline:
-                return state
-            time.sleep(nap)
-            nap = min(nap * 2, 0.001)
         return state
 
     async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
@@ -624,6 +613,7 @@ class NIXLTransport:
                 _, pending = await asyncio.wait(pending, timeout=self.config.close_timeout_s)
             if pending:
                 log.error("nixl_close_reads_stuck", reads=len(pending))
+        self._poller.close()
         if self._renewer is not None:
             self._renewer.cancel()
         for conn in self._peers.close():

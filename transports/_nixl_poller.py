@@ -1,0 +1,115 @@
+"""One thread per GEN that watches every NIXL READ still in progress.
+
+NIXL reports a READ's end only when asked (``check_xfer_state``), and asyncio cannot sleep less
+than a millisecond, so the asking happens off the event loop. A worker thread per READ (what the
+GEN did before) costs a thread hop per READ and, through anyio's default limit of 40 worker
+threads, makes the 41st READ in flight wait for another to end before anyone watches it.
+
+    poller = ReadPoller(agent)
+    state = await poller.wait(xfer, timeout_s)    "DONE", "ERR", ... or "PROC" once timeout_s passed
+    poller.close()                                the thread ends (READs still watched: "PROC")
+
+The thread asks about every READ in flight, then waits on a condition: 20 µs, doubling to 1 ms
+while nothing ends; a new READ or an ended one starts the naps over. With no READ in flight it
+waits without a timeout (no idle CPU). Outcomes reach the loop with ``call_soon_threadsafe``."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_FIRST_NAP_S = 20e-6
+_LONGEST_NAP_S = 1e-3
+
+
+class ReadPoller:
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self._cond = threading.Condition()
+        self._reads: list[tuple[Any, asyncio.AbstractEventLoop, asyncio.Future[str], float]] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.watched = 0
+        """READs handed to the poller so far."""
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._reads)
+
+    def wait(self, xfer: Any, timeout_s: float) -> asyncio.Future[str]:
+        """A future of the READ's state once it leaves ``PROC``, or ``PROC`` after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[str] = loop.create_future()
+        with self._cond:
+            if self._closed:
+                fut.set_result("PROC")
+                return fut
+            self._reads.append((xfer, loop, fut, time.monotonic() + timeout_s))
+            self.watched += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nixl-read-poller", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return fut
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        nap = _FIRST_NAP_S
+        while True:
+            with self._cond:
+                while not self._reads and not self._closed:
+                    self._cond.wait()
+                    nap = _FIRST_NAP_S
+                if self._closed:
+                    ended = [(loop, fut, "PROC") for _, loop, fut, _ in self._reads]
+                    self._reads.clear()
+                    _deliver(ended)
+                    return
+                reads = list(self._reads)
+            now = time.monotonic()
+            ended = []
+            for entry in reads:
+                xfer, loop, fut, deadline = entry
+                try:
+                    state = self._agent.check_xfer_state(xfer)
+                except Exception as exc:  # NIXL lost the handle: the READ is over, failed
+                    log.warning("nixl_read_state_failed", reason=str(exc))
+                    state = "ERR"
+                if state == "PROC" and now < deadline:
+                    continue
+                ended.append((loop, fut, state))
+                with self._cond:
+                    self._reads.remove(entry)
+            _deliver(ended)
+            with self._cond:
+                if ended or len(self._reads) != len(reads):  # something ended or came: look again soon
+                    nap = _FIRST_NAP_S
+                if self._reads and not self._closed:
+                    nap = _FIRST_NAP_S if self._cond.wait(nap) else min(nap * 2, _LONGEST_NAP_S)  # woken: a new READ
+
+
+def _deliver(ended: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[str], str]]) -> None:
+    for loop, fut, state in ended:
+        try:
+            loop.call_soon_threadsafe(_settle, fut, state)
+        except RuntimeError:  # that loop is closed: nobody waits any more
+            pass
+
+
+def _settle(fut: asyncio.Future[str], state: str) -> None:
+    if not fut.done():  # the waiter may have been cancelled
+        fut.set_result(state)
