@@ -326,7 +326,6 @@ async def _pull_server() -> None:
 
 async def _pull_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
     import structlog
-    import torch
 
     from transports._auth import load_secret
     from transports.ucx import UCXConfig, UCXTransport
@@ -397,8 +396,6 @@ def _recv_blob(conn: socket.socket) -> bytes:
 
 
 def _nixl_server() -> None:
-    import torch
-
     from transports._layout import host_memory
 
     agent = nixl_agent("ctx")
@@ -426,12 +423,10 @@ def _nixl_wait(agent: Any, handle: Any, poll: str) -> None:
 
 
 def _nixl_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
-    import torch
+    from transports._layout import host_memory
 
     poll = os.environ.get("KVO_NIXL_POLL", "spin")
     op = os.environ.get("KVO_NIXL_OP", "READ")
-    from transports._layout import host_memory
-
     agent = nixl_agent("gen")
     dst = host_memory(max(SIZES_MIB) * MiB)
     agent.register_memory(dst)
@@ -493,7 +488,6 @@ async def _nixl_pull_lookup_client(host: str, port: int, budget_s: float, idle_s
 async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float, *,
                             name_blocks: bool = True) -> dict[str, Any]:
     import structlog
-    import torch
 
     from transports._auth import load_secret
     from transports.nixl import NIXLConfig, NIXLTransport

@@ -48,7 +48,6 @@ import dataclasses
 import json
 import os
 import secrets
-import time
 from collections.abc import Sequence
 from typing import Any
 
