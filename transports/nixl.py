@@ -31,8 +31,8 @@ in progress, also after the pull was cancelled. A READ that ``transfer()`` compl
 host: NIXL copies inline; over 1 MiB that call runs in a worker thread, off the event loop) needs
 no task; otherwise one thread for the whole GEN (``_nixl_poller.ReadPoller``) polls every READ in
 progress (20 µs naps doubling to 1 ms; asyncio cannot sleep less than 1 ms), each for at most
-``read_timeout_s``, after which its watcher drops the peer (which ends the READ). The NIXL progress thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API
-would make it spin a core).
+``read_timeout_s``, after which its watcher drops the peer (which ends the READ). The NIXL progress
+thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API would make it spin a core).
 
 Over TCP-only UCX a NIXL READ is emulated in software by UCX (the CTX's progress thread answers
 every fragment) and is 1.4-3.3x slower than the ucxx tag path on a quiet machine, 10x under load
