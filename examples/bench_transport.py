@@ -14,9 +14,12 @@ side on a noisy machine:
 - ``nixl-read``: raw NIXL: both processes register a tensor, the client learns the server's agent
   metadata and address over TCP once, then each transfer is ``initialize_xfer("READ")``,
   ``transfer`` and a poll of ``check_xfer_state`` until DONE (the raw path of a NIXL backend);
-- ``nixl-pull``: ``NIXLTransport.pull`` from a ``NIXLKVServer`` with the CTX's block ids given (as a
-  prefill reply names them): one READ posted at once, its pin beside it on the control connection,
-  notification; the GEN's memory registered once; the lookup alone timed too (``lookup_us``);
+- ``nixl-pull``: ``NIXLTransport.pull`` from a ``NIXLKVServer`` with the CTX's block ids and epoch
+  given (as a prefill reply names them): one READ posted at once, no pin (the CTX's revocations keep
+  the blocks), its notification; the GEN's memory registered once; the lookup alone timed too
+  (``lookup_us``);
+- ``nixl-pull-pinned``: the same with the block ids only: the READ's pin travels beside it on the
+  control connection and the pull waits for its answer (the path before unpinned READs);
 - ``nixl-pull-lookup``: the same without the block ids: a lookup round trip, then the READ;
 - ``memcpy`` and ``gather`` (the CTX-side ``KVStore.gather``), one torch thread, for reference;
 
@@ -103,7 +106,8 @@ NIXL_VARIANTS: dict[str, dict[str, str]] = {  # --nixl-variants: the knobs probe
     "tcp-write": {**CONFIGS["tcp"], "KVO_NIXL_OP": "WRITE"},  # the client WRITEs into the server instead
     "shm-write": {**CONFIGS["shm"], "KVO_NIXL_OP": "WRITE"},
 }
-PAIR_MODES = ("sockets", "ucx-raw", "ucx-pull", "ucx-pull-v1", "nixl-read", "nixl-pull", "nixl-pull-lookup")
+PAIR_MODES = ("sockets", "ucx-raw", "ucx-pull", "ucx-pull-v1", "nixl-read", "nixl-pull", "nixl-pull-pinned",
+              "nixl-pull-lookup")
 
 
 def _env(ucx: dict[str, str] | None, extra_path: str | None = None) -> dict[str, str]:
@@ -482,11 +486,15 @@ def _nixl_config(cls: Any, secret: bytes | None) -> Any:
 
 
 async def _nixl_pull_lookup_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
-    return await _nixl_pull_client(host, port, budget_s, idle_s, name_blocks=False)
+    return await _nixl_pull_client(host, port, budget_s, idle_s, name_blocks=False, name_epoch=False)
+
+
+async def _nixl_pull_pinned_client(host: str, port: int, budget_s: float, idle_s: float) -> dict[str, Any]:
+    return await _nixl_pull_client(host, port, budget_s, idle_s, name_epoch=False)
 
 
 async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float, *,
-                            name_blocks: bool = True) -> dict[str, Any]:
+                            name_blocks: bool = True, name_epoch: bool = True) -> dict[str, Any]:
     import structlog
 
     from transports._auth import load_secret
@@ -505,7 +513,8 @@ async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float
             timer = _Timer(into.nbytes, budget_s)
             for _ in timer:
                 await t.pull(peer, f"r{mib}", layout.full_slice(), into, handle=_BENCH_HANDLE, release=False,
-                             **({"remote_blocks": list(range(mib))} if name_blocks else {}))
+                             **({"remote_blocks": list(range(mib))} if name_blocks else {}),
+                             **({"remote_epoch": 0} if name_epoch else {}))  # put before any revocation
             out[str(mib)] = timer.result()
         conn = await t._conn(peer)  # the lookup alone: what the GEN pays to learn the block ids
         lookups = []
@@ -517,6 +526,7 @@ async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float
             conn.send({"t": "unpin", "token": answer["token"]})
         out["lookup_us"] = statistics.median(lookups) * 1e6
         out["adhoc_registrations"] = t.statistics().adhoc_registrations
+        out["unpinned_reads"] = t.statistics().unpinned_reads
         out["idle_cpu_pct"] = await _idle(idle_s)
     return out
 
@@ -531,7 +541,7 @@ def _worker(argv: list[str]) -> int:
         else:
             import anyio
 
-            fn = {"ucx-raw": _raw_server, "nixl-pull": _nixl_pull_server,
+            fn = {"ucx-raw": _raw_server, "nixl-pull": _nixl_pull_server, "nixl-pull-pinned": _nixl_pull_server,
                   "nixl-pull-lookup": _nixl_pull_server}.get(kind, _pull_server)
             anyio.run(fn, backend="asyncio")
         return 0
@@ -543,7 +553,7 @@ def _worker(argv: list[str]) -> int:
     else:
         import anyio
 
-        fn = {"ucx-raw": _raw_client, "nixl-pull": _nixl_pull_client,
+        fn = {"ucx-raw": _raw_client, "nixl-pull": _nixl_pull_client, "nixl-pull-pinned": _nixl_pull_pinned_client,
               "nixl-pull-lookup": _nixl_pull_lookup_client}.get(kind, _pull_client)
         result = anyio.run(fn, host, port, budget_s, idle_s, backend="asyncio")
     print(json.dumps({"result": result}), flush=True)
@@ -678,7 +688,8 @@ def _sockets_for(name: str, results: dict[str, Any]) -> dict[str, Any] | None:
 
 def _raw_for(name: str, results: dict[str, Any]) -> dict[str, Any] | None:
     mode, _, cfg = name.partition(" ")
-    raw = {"ucx-pull": "ucx-raw", "ucx-pull-v1": "ucx-raw", "nixl-pull": "nixl-read", "nixl-pull-lookup": "nixl-read"}.get(mode)
+    raw = {"ucx-pull": "ucx-raw", "ucx-pull-v1": "ucx-raw", "nixl-pull": "nixl-read", "nixl-pull-pinned": "nixl-read",
+           "nixl-pull-lookup": "nixl-read"}.get(mode)
     return results.get(f"{raw} {cfg}") if raw else None
 
 
@@ -781,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 netns = stack.enter_context(Netns())
         if (why := _nixl_available()):
-            for kind in ("nixl-read", "nixl-pull", "nixl-pull-lookup"):
+            for kind in ("nixl-read", "nixl-pull", "nixl-pull-pinned", "nixl-pull-lookup"):
                 if kind in modes:
                     modes.remove(kind)
                     notes.append(f"{kind} skipped: {why}")

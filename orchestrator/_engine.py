@@ -638,7 +638,7 @@ class GenEngine:
                          head_offset=self.config.kv_head_offset, release=self._pull_releases,
                          parts=parts if len(parts) > 1 or first.peer_head_start else (),
                          parts_at_once=seq.cost <= self.budget.capacity,  # staging of all parts fits at once
-                         kv_blocks=first.blocks)
+                         kv_blocks=first.blocks, kv_epoch=first.epoch)
         if mode is Mode.ORCHESTRATED:
             self.receiver.submit(job)
             return 0.0
@@ -681,7 +681,7 @@ class GenEngine:
         for src, h0, h1 in plan_sources(sources, kv_slice.head_start, kv_slice.head_end):
             piece = KVSlice(kv_slice.layer_start, kv_slice.layer_end, h0, h1)
             chunks = plan_chunks(self.layout, seq.num_prompt_blocks, piece, self.budget.capacity)
-            parts.append(ReceivePart(src.peer, src.kv_handle, chunks, src.head_start, src.kv_blocks))
+            parts.append(ReceivePart(src.peer, src.kv_handle, chunks, src.head_start, src.kv_blocks, src.kv_epoch))
         return tuple(parts)
 
     # -- decode -----------------------------------------------------------------------------------

@@ -137,6 +137,8 @@ class ReceivePart:
     peer_head_start: int = 0
     blocks: tuple[int, ...] | None = None
     """The peer's block ids of the request, when its prefill reply named them (one-sided reads)."""
+    epoch: int | None = None
+    """The peer store's revocation count before it put the request, when named (unpinned READs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,9 +165,11 @@ class ReceiveJob:
     """Pull the parts concurrently (set when their staging together fits the budget), else in turn."""
     kv_blocks: tuple[int, ...] | None = None
     """``peer``'s block ids of the request, when known (see ``ReceivePart.blocks``)."""
+    kv_epoch: int | None = None
+    """``peer``'s revocation count before it put the request, when known (``ReceivePart.epoch``)."""
 
     def all_parts(self) -> tuple[ReceivePart, ...]:
-        return self.parts or (ReceivePart(self.peer, self.handle, self.chunks, 0, self.kv_blocks),)
+        return self.parts or (ReceivePart(self.peer, self.handle, self.chunks, 0, self.kv_blocks, self.kv_epoch),)
 
 
 class _Scatter:
@@ -545,6 +549,8 @@ class ReceiveGroup:
         wire_slice = shift_heads(chunk, -part.peer_head_start)  # the heads as the peer numbers them
         # the peer's block ids only when known: a transport that predates them need not take the keyword
         named = {} if part.blocks is None else {"remote_blocks": part.blocks}
+        if part.blocks is not None and part.epoch is not None:
+            named["remote_epoch"] = part.epoch
         backoff = _BUSY_BACKOFF_S[0]
         while True:
             try:

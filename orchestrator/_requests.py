@@ -82,6 +82,9 @@ class KVSource:
     kv_blocks: tuple[int, ...] | None = None
     """Its block ids of the request (None: the request's ``kv_blocks``, if any): a one-sided
     transport reads them without asking for them first."""
+    kv_epoch: int | None = None
+    """Its store's revocation count before it put the request (None: the request's ``kv_epoch``,
+    if any): with it, a one-sided transport may READ those blocks without pinning them first."""
 
     def covers(self, head: int) -> bool:
         return self.head_start <= head and (self.head_end is None or head < self.head_end)
@@ -135,17 +138,23 @@ class GenRequest:
     kv_blocks: tuple[int, ...] | None = None
     """The CTX's block ids holding the prompt's KV, in order, when its prefill reply named them
     (vLLM's ``remote_block_ids``): a one-sided (NIXL) pull then needs no lookup round trip."""
+    kv_epoch: int | None = None
+    """The CTX store's revocation count before it put the request, when its prefill reply named
+    it: a one-sided (NIXL) pull of ``kv_blocks`` then needs no pin (``KVStore.revocations``)."""
 
     def _filled(self, s: KVSource) -> KVSource:
         handle = s.kv_handle if s.kv_handle is not None else self.kv_handle
         blocks = s.kv_blocks if s.kv_blocks is not None else self.kv_blocks
-        return s if (handle, blocks) == (s.kv_handle, s.kv_blocks) else dataclasses.replace(s, kv_handle=handle, kv_blocks=blocks)
+        epoch = s.kv_epoch if s.kv_epoch is not None else self.kv_epoch
+        if (handle, blocks, epoch) == (s.kv_handle, s.kv_blocks, s.kv_epoch):
+            return s
+        return dataclasses.replace(s, kv_handle=handle, kv_blocks=blocks, kv_epoch=epoch)
 
     def sources(self) -> tuple[KVSource, ...]:
         """Every source of this request's KV, each with its handle filled in."""
         if self.kv_sources:
             return tuple(self._filled(s) for s in self.kv_sources)
-        return (KVSource(self.peer, 0, None, self.kv_handle, self.kv_blocks),) if self.peer else ()
+        return (KVSource(self.peer, 0, None, self.kv_handle, self.kv_blocks, self.kv_epoch),) if self.peer else ()
 
 
 @dataclasses.dataclass(frozen=True)

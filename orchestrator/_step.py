@@ -185,7 +185,7 @@ def _encode_events(events: Seq[Submit | Abort]) -> bytes:
         elif r.kv_handle is not None:
             extra["kv_handle"] = r.kv_handle
         if r.kv_sources:
-            extra["kv_sources"] = [[s.peer, s.head_start, s.head_end, s.kv_handle, _runs(s.kv_blocks)]
+            extra["kv_sources"] = [[s.peer, s.head_start, s.head_end, s.kv_handle, _runs(s.kv_blocks), s.kv_epoch]
                                    for s in r.kv_sources]
         if r.kv_blocks is not None:
             extra["kv_blocks"] = _runs(r.kv_blocks)
@@ -284,7 +284,7 @@ def _decode_events(buf: memoryview, n: int) -> list[Submit | Abort]:
         if flags & _EXTRA:
             extra = next(extras)
             if "kv_sources" in extra:
-                extra["kv_sources"] = tuple(KVSource(p, h0, h1, h, _blocks(b)) for p, h0, h1, h, b in extra["kv_sources"])
+                extra["kv_sources"] = tuple(KVSource(p, h0, h1, h, _blocks(b), e) for p, h0, h1, h, b, e in extra["kv_sources"])
             if "kv_blocks" in extra:
                 extra["kv_blocks"] = _blocks(extra["kv_blocks"])
             fields.update(_restore_extra(extra))

@@ -42,12 +42,14 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
     try:
         prompt_blocks = layout.blocks_for(r.prompt_len)
         _check_blocks(r.kv_blocks, prompt_blocks, "kv_blocks")
+        _check_epoch(r.kv_epoch, "kv_epoch")
         for src in r.kv_sources:
             if not src.peer or src.head_start < 0 or (src.head_end is not None and src.head_end <= src.head_start):
                 raise ValueError(f"bad KV source {src.peer!r} heads {src.head_start}:{src.head_end}")
             if src.kv_handle is not None:
                 check_handle(src.kv_handle)
             _check_blocks(src.kv_blocks, prompt_blocks, f"kv_blocks of {src.peer!r}")
+            _check_epoch(src.kv_epoch, f"kv_epoch of {src.peer!r}")
         plan_sources(sources, kv_slice.head_start, kv_slice.head_end)  # this rank's heads are all held
     except (ValueError, InvalidRequestId) as exc:
         raise InvalidRequest(f"{r.request_id}: {exc}") from None
@@ -61,3 +63,9 @@ def _check_blocks(blocks: object, prompt_blocks: int, what: str) -> None:
             or not all(type(b) is int and 0 <= b < 1 << 31 for b in blocks)):
         n = len(blocks) if isinstance(blocks, (tuple, list)) else type(blocks).__name__
         raise ValueError(f"{what} must be a tuple of {prompt_blocks} block ids (one per prompt block), got {n}")
+
+
+def _check_epoch(epoch: object, what: str) -> None:
+    """A CTX store's revocation count given with the request: None or a non-negative int."""
+    if epoch is not None and (type(epoch) is not int or not 0 <= epoch < 1 << 63):
+        raise ValueError(f"{what} must be a non-negative integer, got {epoch!r}")

@@ -58,9 +58,11 @@ class ShardedCtx:
         for (peer, store), (h0, h1) in zip(self.stores.items(), self.ranges):
             ids = torch.tensor([self._free[peer].pop() for _ in range(n)], dtype=torch.int64)
             store.pool[ids] = kv[:, :, :, h0:h1]
+            epoch = store.revocations
             store.put(rid, ids, num_tokens=prompt_len, lease_s=60.0, handle=handle,
                       on_release=lambda p=peer, i=ids: self._free[p].extend(i.tolist()))
-            sources.append(KVSource(peer, h0, h1, kv_blocks=tuple(ids.tolist()) if name_blocks else None))
+            sources.append(KVSource(peer, h0, h1, kv_blocks=tuple(ids.tolist()) if name_blocks else None,
+                                    kv_epoch=epoch if name_blocks else None))
         return handle, tuple(sources)
 
     def held(self) -> dict[str, int]:
@@ -295,6 +297,7 @@ async def test_block_ids_named_by_the_prefill_reply_reach_every_rank_s_pull(make
     for i in range(3):
         assert g.final(f"n{i}").state is RequestState.FINISHED
     assert all(t.counters.pulls_with_blocks == t.counters.pulls > 0 for t in g.transports)
+    assert all(t.counters.pulls_with_epoch == t.counters.pulls for t in g.transports)  # and each source's epoch
 
 
 async def test_wrong_block_ids_fail_the_request_and_bad_ones_are_refused_at_submit(make_gen) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -136,3 +137,30 @@ async def test_a_bad_frame_or_the_peers_end_fails_the_connection_and_its_questio
     assert conn.error is not None and not conn.waiting  # failed, not merely unanswered
     with pytest.raises(PeerClosed):
         conn.ask({"t": "lookup", "rid": "b"})
+
+
+@pytest.mark.anyio
+async def test_revocations_are_acknowledged_after_the_reads_of_their_request_and_bounded(
+        pair: tuple[_Conn, Peer]) -> None:
+    """A revocation of a request with a READ in flight is acknowledged when that READ ends, others at
+    once; a revoked request is not vouched for; past ``_MAX_REVOKED`` remembered revocations the
+    connection forgets them and raises its epoch instead (whatever was put before is pinned)."""
+    from transports._nixl_common import _MAX_REVOKED
+
+    conn, peer = pair
+    conn.epoch = 5
+    conn.lease_from(time.monotonic())
+    assert conn.vouches("a", 5) and conn.vouches("b", 6) and not conn.vouches("a", 4) and not conn.vouches("a", None)
+    conn.read_begins("a")
+    await peer.send(frame({"t": "revoke", "rid": "a", "n": 1, "epoch": 6}) + frame({"t": "revoke", "rid": "b", "n": 2, "epoch": 7}))
+    await _until(lambda: len(peer.got) == 1)
+    assert peer.got == [{"t": "revoked", "n": [2]}] and not conn.vouches("a", 5) and not conn.vouches("b", 9)
+    conn.read_ends("a")
+    await _until(lambda: len(peer.got) == 2)
+    assert peer.got[1] == {"t": "revoked", "n": [1]}
+    await peer.send(b"".join(frame({"t": "revoke", "rid": f"x{i}", "n": 10 + i, "epoch": 100 + i})
+                             for i in range(_MAX_REVOKED)))
+    await _until(lambda: len(peer.got) == 2 + _MAX_REVOKED)
+    assert len(conn.revoked) < _MAX_REVOKED and conn.epoch >= 100 + _MAX_REVOKED - 2
+    assert not conn.vouches("a", 5) and not conn.vouches("x0", 50) and conn.vouches("new", 100 + _MAX_REVOKED)
+    assert conn.error is None

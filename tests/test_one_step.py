@@ -207,8 +207,8 @@ def test_the_step_message_round_trips_and_stays_compact() -> None:
     from orchestrator import KVSource
 
     reqs.append(GenRequest("fan-in", 10, 5, 16, kv_handle="not-hex-handle",
-                           kv_sources=(KVSource("h1:1", 0, 2), KVSource("h2:2", 2, None, "b" * 32, (9, 10, 11, 4)))))
-    reqs.append(GenRequest("named-blocks", 10, 5, 16, peer="h1:1", kv_blocks=(7, 8, 9, 3, 0, 1, 2, 200)))
+                           kv_sources=(KVSource("h1:1", 0, 2), KVSource("h2:2", 2, None, "b" * 32, (9, 10, 11, 4), 17))))
+    reqs.append(GenRequest("named-blocks", 10, 5, 16, peer="h1:1", kv_blocks=(7, 8, 9, 3, 0, 1, 2, 200), kv_epoch=3))
     m = StepMessage(events=[Abort(9)] + [Submit(i, r) for i, r in enumerate(reqs[:2])] + [Abort(1)]
                     + [Submit(i + 2, r) for i, r in enumerate(reqs[2:])] + [Abort(2)],
                     outcomes=[Outcome(i, None) for i in range(64)] + [Outcome(70, FailureReason.TIMEOUT, "no KV", False)],

@@ -71,3 +71,29 @@ def test_duplicate_put_is_refused_and_release_is_once() -> None:
         store.put("r", torch.tensor([2]), num_tokens=1, lease_s=1.0)
     assert store.release("r") and not store.release("r")
     assert freed == ["r"]
+
+
+def test_a_guard_turns_the_store_s_own_frees_into_revocations() -> None:
+    """With a guard (a one-sided transport whose readers READ without pins): a lease's end and a
+    release not by the reader free the blocks only when the guard's ``done`` runs (once, however
+    often it is called), and each counts in ``revocations``; a release by the reader frees at once."""
+    clock = Clock()
+    store, freed = store_with([1, 2], clock)
+    store.put("q", torch.tensor([3]), num_tokens=4, lease_s=60.0, on_release=lambda: freed.append("q"))
+    store.put("s", torch.tensor([4]), num_tokens=4, lease_s=60.0, on_release=lambda: freed.append("s"))
+    revoked: dict[str, object] = {}
+    store.guard_frees(lambda rid, done: revoked.__setitem__(rid, done))
+    assert store.revocations == 0
+    clock.now = 10.0  # "r"'s lease (5 s) ended
+    assert store.expire() == ["r"] and list(revoked) == ["r"] and freed == []
+    assert store.release("q") and list(revoked) == ["r", "q"] and freed == []
+    assert store.revocations == 2 and store.statistics().open_pins == 2 and store.statistics().held_requests == 1
+    revoked["q"]()
+    revoked["q"]()
+    assert freed == ["q"] and store.statistics().open_pins == 1
+    assert store.release("s", by_reader=True) and freed == ["q", "s"] and "s" not in revoked
+    revoked["r"]()
+    assert freed == ["q", "s", "r"] and store.statistics().open_pins == 0 and store.revocations == 2
+    store.guard_frees(None)
+    store.put("t", torch.tensor([5]), num_tokens=4, lease_s=60.0, on_release=lambda: freed.append("t"))
+    assert store.release("t") and freed[-1] == "t" and store.revocations == 2

@@ -32,8 +32,9 @@ def run_demo(*extra: str) -> tuple[dict, dict]:
 def check(report: dict, requests: int, backend: str | None = None) -> None:
     if backend is not None:
         assert report["transport"]["backend"] == backend and report["transport"]["backend_connected"], report["transport"]
-    if backend == "nixl":  # every prefill reply named its block ids: no pull asked for them
+    if backend == "nixl":  # every prefill reply named its block ids and epoch: no pull asked or pinned
         assert report["ctx"]["kv_lookups"] == 0, report["ctx"]
+        assert report["ctx"]["kv_unpinned_reads"] > 0, report["ctx"]
     assert report["requests"] == requests
     assert report["failures"] == 0, report["failure_reasons"]
     assert report["parity"], report["parity_detail"]

@@ -25,7 +25,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"transports.nixl needs nixl-cu12 (pip install -c constraints.txt '.[nixl]'): {exc}") from exc
 
-NOTIF_PREFIX = b"kvo1:"
+NOTIF_PREFIX = b"kvo1:"  # + a pin's token: the READ of a pinned request ended
+NOTIF_READ = b"kvo2:"  # + JSON [request id, handle, keep]: a READ no pin covered (revocations did) ended
+_MAX_REVOKED = 4096  # GEN: request ids revoked on one connection remembered (more: its epoch rises)
 _HEAD = struct.Struct("!I")
 _PRE_AUTH_BYTES = 1024  # any message before the handshake is done
 _MAX_MESSAGE_BYTES = 4 << 20  # an ok with NIXL metadata, a lookup answer with block ids, a long hold

@@ -1,12 +1,20 @@
 """The GEN side's control connection to one NIXL CTX (``transports.nixl.NIXLTransport``): requests
 matched to answers by id, the answers read by the connection's protocol as they arrive (no reader
 task: the waiting pull is woken straight from the socket's callback), and the failure that ended it
-(if any)."""
+(if any).
+
+It also keeps what lets a READ go without a pin (docs/transport.md, "Unpinned READs"): the CTX's
+epoch (its revocation count when this connection began, raised when too many revocations were
+remembered), the requests revoked since, the READs in flight per request (a revocation is
+acknowledged once its request's READs ended), and the connection's lease (``trusted_until``: the
+CTX keeps every block a revocation names until this GEN acknowledged it or its lease ended)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
+from collections import OrderedDict
 from typing import Any
 
 import anyio
@@ -14,7 +22,7 @@ import structlog
 
 from ._errors import PeerClosed, ProtocolViolation, TransportError
 from ._layout import KVLayout
-from ._nixl_common import _HEAD, _MAX_MESSAGE_BYTES, parse_msg, write_msg
+from ._nixl_common import _HEAD, _MAX_MESSAGE_BYTES, _MAX_REVOKED, parse_msg, write_msg
 
 log = structlog.get_logger("transports.nixl")
 
@@ -29,6 +37,77 @@ class _Conn:
         self.error: TransportError | None = None
         self.ids = itertools.count(1)
         self.pin_s = max(float(info.get("pin_ms", 30_000)) / 1000, 0.01)  # the CTX's pin lease
+        epoch = info.get("epoch")
+        self.epoch: int | None = epoch if type(epoch) is int else None  # None: this CTX revokes nothing
+        self.trusted_until = 0.0  # monotonic: unpinned READs are vouched for until then (see lease_from)
+        self.revoked: OrderedDict[str, None] = OrderedDict()  # revoked since the epoch
+        self.reading: dict[str, int] = {}  # request id -> READs of it in flight on this connection
+        self._acks_due: dict[str, list[int]] = {}  # revocations acknowledged once those READs end
+        self._alive: int | None = None  # the id of the "alive" question not answered yet
+
+    # -- unpinned READs ------------------------------------------------------------------------------
+
+    def lease_from(self, sent_at: float) -> None:
+        """The CTX granted a lease on a message this GEN sent at ``sent_at`` (monotonic): the CTX
+        started it on receipt, later, so until ``sent_at + pin_s`` this GEN is inside it."""
+        self.trusted_until = max(self.trusted_until, sent_at + self.pin_s)
+
+    def leased(self) -> bool:
+        """The connection is up and inside its lease, by a margin of a tenth of it (the two nodes'
+        clocks may run at slightly different rates)."""
+        return self.error is None and time.monotonic() < self.trusted_until - self.pin_s / 10
+
+    def vouches(self, request_id: str, epoch: int | None) -> bool:
+        """Whether a READ of ``request_id`` (put when the CTX's epoch was ``epoch``) may go without a
+        pin: no revocation this connection did not hear of can have been of it, none it heard of
+        was, and the connection's lease runs."""
+        return (self.epoch is not None and epoch is not None and epoch >= self.epoch
+                and request_id not in self.revoked and self.leased())
+
+    def read_begins(self, request_id: str) -> None:
+        self.reading[request_id] = self.reading.get(request_id, 0) + 1
+
+    def read_ends(self, request_id: str) -> None:
+        left = self.reading.get(request_id, 0) - 1
+        if left > 0:
+            self.reading[request_id] = left
+            return
+        self.reading.pop(request_id, None)
+        due = self._acks_due.pop(request_id, None)
+        if due:
+            self.send({"t": "revoked", "n": due})
+
+    def _revoke(self, msg: dict[str, Any]) -> None:
+        rid, n, epoch = msg.get("rid"), msg.get("n"), msg.get("epoch")
+        if not isinstance(rid, str) or type(n) is not int or type(epoch) is not int:
+            self.fail(ProtocolViolation(f"malformed revocation from {self.peer}", peer=self.peer))
+            return
+        self.revoked[rid] = None
+        if len(self.revoked) > _MAX_REVOKED and self.epoch is not None:
+            self.revoked.clear()  # forget them all: whatever was put before this one is READ with a pin
+            self.epoch = max(self.epoch, epoch)
+        if self.reading.get(rid):
+            self._acks_due.setdefault(rid, []).append(n)
+        else:
+            self.send({"t": "revoked", "n": [n]})
+
+    def ask_alive(self) -> None:
+        """Renew the connection's lease (the answer extends ``trusted_until``); the question before
+        it, if still unanswered, is forgotten."""
+        if self._alive is not None:
+            self.forget(self._alive)
+        sent = time.monotonic()
+        rid, fut = self.ask({"t": "alive"})
+        self._alive = rid
+
+        def answered(f: asyncio.Future[dict[str, Any]]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                return
+            if f.result().get("t") == "alive":
+                self.lease_from(sent)
+            else:  # the CTX let this connection's lease end: READ with pins from here on
+                self.epoch = None
+        fut.add_done_callback(answered)
 
     def start(self) -> None:
         """Read the answers from here on in the connection's own protocol (after the handshake, which
@@ -41,6 +120,9 @@ class _Conn:
             proto.data_received(buffered)
 
     def dispatch(self, msg: dict[str, Any]) -> None:
+        if msg.get("t") == "revoke":
+            self._revoke(msg)
+            return
         rid = msg.get("id")
         fut = self.waiting.pop(rid, None) if isinstance(rid, int) else None  # no number: no question of ours
         if fut is not None and not fut.done():
@@ -56,6 +138,7 @@ class _Conn:
             if not fut.done():
                 fut.set_exception(err)
         self.waiting.clear()
+        self.trusted_until = 0.0  # revocations can no longer arrive: no unpinned READ is vouched for
         self.writer.close()
 
     def ask(self, msg: dict[str, Any]) -> tuple[int, asyncio.Future[dict[str, Any]]]:

@@ -3,16 +3,28 @@ GEN nodes on a TCP control port (at most ``max_unauthenticated`` in their handsh
 lookups by pinning a request's blocks, and unpins (and releases) when the READ's NIXL notification
 arrives, when GEN unpins (a READ that failed or never started), or when the pin's lease
 (``pin_timeout_s``) ends without a renewal: GEN renews the pins it may still READ from (DESIGN
-invariant 12: no block is freed or reused under a READ on a timer alone)."""
+invariant 12: no block is freed or reused under a READ on a timer alone).
+
+A GEN may also READ a request's blocks with no pin at all (the prefill reply named them): the CTX
+then frees nothing it decides to free on its own (a lease's end, a release not from the reader)
+before every connected GEN has acknowledged its revocation ("revoke" / "revoked"; a GEN acks once
+its READs of the request ended, and READs it again only with a pin), closed its connection (it
+trusts nothing from then on; a process that dies closes it too), or let its connection lease end
+(``pin_timeout_s`` after its last "alive": past it, the GEN trusts no unpinned READ; a connection
+cut without a word waits for it: the CTX cannot tell whether that GEN still READs). The handshake and every revocation name the store's revocation count (its epoch): a request put
+before a GEN connected, with revocations in between, is READ with a pin."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import dataclasses
+import itertools
 import json
 import secrets
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -26,6 +38,7 @@ from ._nixl_common import (
     _MAX_MESSAGE_BYTES,
     _PRE_AUTH_BYTES,
     NOTIF_PREFIX,
+    NOTIF_READ,
     NIXLConfig,
     layout_info,
     make_agent,
@@ -37,6 +50,24 @@ from ._store import Checkout, KVStore
 log = structlog.get_logger("transports.nixl")
 
 _MAX_EARLY = 65_536  # tokens remembered for a pin message still on its way (bounded memory)
+_NOTIF_BACKOFF_S = 0.05  # longest nap between notification polls while unpinned READs may come
+
+
+@dataclasses.dataclass(eq=False)
+class _Gen:
+    """An authenticated GEN connection, as revocations see it: it may READ without a pin until
+    ``lease_end`` (renewed by its "alive"), also after the connection ended."""
+
+    writer: asyncio.StreamWriter
+    peer: str
+    lease_end: float
+
+
+@dataclasses.dataclass(eq=False)
+class _Revocation:
+    request_id: str
+    waiting: set[_Gen]  # GENs that have not acknowledged it yet
+    done: Callable[[], None]  # the store frees the blocks
 
 
 @dataclasses.dataclass
@@ -57,6 +88,10 @@ class NIXLKVServerStatistics:
     pins_expired: int
     auth_failures: int
     lookups: int = 0  # pulls that asked for the block ids first (their prefill reply did not name them)
+    unpinned_reads: int = 0  # READs no pin covered (revocations kept their blocks), by their notification
+    revocations: int = 0  # frees decided here (lease, local release) that waited for the GENs' acks
+    revocations_pending: int = 0  # of those, still waiting
+    gens: int = 0  # GEN connection leases not ended (their connections may have closed)
 
 
 class NIXLKVServer:
@@ -85,13 +120,19 @@ class NIXLKVServer:
         self._pins: dict[str, _Pin] = {}
         # notifications and unpins of tokens not pinned (yet): a pin message may follow (_pin_read)
         self._early: dict[str, tuple[bool, float]] = {}  # token -> (a READ's notification?, when)
-        self._pinned = asyncio.Event()
+        self._wake = asyncio.Event()  # a pin or a GEN's lease began: poll notifications often from now
         self._server: asyncio.base_events.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._conns: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
         self._handshaking = 0
         self._served = self._refused = self._expired = self._auth_failures = self._lookups = 0
+        self._unpinned_reads = self._revoked = 0
+        self._gens: set[_Gen] = set()
+        self._revocations: dict[int, _Revocation] = {}
+        self._revocation_ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
         # lookups and pins are answered in the read loop unless a subclass's _before_send may wait
         self._answer_inline = type(self)._before_send is NIXLKVServer._before_send
 
@@ -102,11 +143,14 @@ class NIXLKVServer:
 
     def statistics(self) -> NIXLKVServerStatistics:
         return NIXLKVServerStatistics(len(self._conns), len(self._pins), self._served, self._refused, self._expired,
-                                      self._auth_failures, self._lookups)
+                                      self._auth_failures, self._lookups, self._unpinned_reads, self._revoked,
+                                      len(self._revocations), len(self._gens))
 
     async def __aenter__(self) -> NIXLKVServer:
+        self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
         self._server = await asyncio.start_server(self._on_connect, self.host, self._port)
         self._tasks = [asyncio.ensure_future(self._notif_loop()), asyncio.ensure_future(self._expire_loop())]
+        self.store.guard_frees(self._on_free)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -120,10 +164,15 @@ class NIXLKVServer:
         for h in handlers:
             h.cancel()
         await asyncio.gather(*self._tasks, *handlers, return_exceptions=True)
+        self.store.guard_frees(None)
         self._drain_notifs()
         for pin in self._pins.values():  # a READ may still be landing: unpin only, never release here
             pin.checkout.close()
         self._pins.clear()
+        revocations, self._revocations = list(self._revocations.values()), {}
+        for rev in revocations:  # the pool leaves NIXL below: no READ of it can run any more
+            rev.done()
+        self._gens.clear()
         self.agent.deregister_memory(self._reg)
 
     async def serve_forever(self) -> None:
@@ -134,11 +183,30 @@ class NIXLKVServer:
 
     # -- notifications and pins ---------------------------------------------------------------------
 
-    def _drain_notifs(self) -> None:
+    def _drain_notifs(self) -> int:
+        """Handle every notification NIXL has; how many there were."""
+        n = 0
         for msgs in self.agent.get_new_notifs().values():
+            n += len(msgs)
             for msg in msgs:
                 if msg.startswith(NOTIF_PREFIX):
                     self._done(msg[len(NOTIF_PREFIX):].decode(errors="replace"), ok=True)
+                elif msg.startswith(NOTIF_READ):
+                    self._read_ended(msg[len(NOTIF_READ):])
+        return n
+
+    def _read_ended(self, body: bytes) -> None:
+        """An unpinned READ ended: release the request unless the GEN keeps it (the handle decides)."""
+        try:
+            rid, handle, keep = json.loads(body)
+            rid, handle = check_request_id(rid), check_handle(handle)
+        except (ValueError, TypeError, InvalidRequestId):
+            log.warning("nixl_bad_notification", body=body[:80])
+            return
+        self._unpinned_reads += 1
+        self._served += 1
+        if not keep:
+            self.store.release(rid, handle=handle, by_reader=True)
 
     def _done(self, token: str, *, ok: bool) -> None:
         pin = self._pins.pop(token, None)
@@ -155,19 +223,27 @@ class NIXLKVServer:
         if ok:
             self._served += 1
             if pin.release:
-                self.store.release(pin.request_id, handle=pin.handle)
-        if not self._pins:
-            self._pinned.clear()
+                self.store.release(pin.request_id, handle=pin.handle, by_reader=True)
 
     async def _notif_loop(self) -> None:
-        """Poll NIXL's notifications: every ``busy_notif_poll_s`` while blocks are pinned, else rarely."""
+        """Poll NIXL's notifications: every ``busy_notif_poll_s`` while blocks are pinned; while
+        unpinned READs may come (a GEN holds a lease), as often after one arrived, then napping
+        twice as long each time up to 50 ms; else rarely (or at once on a pin)."""
+        nap = self._busy_poll
         while True:
-            self._drain_notifs()
+            got = self._drain_notifs()
             if self._pins:
-                await asyncio.sleep(self._busy_poll)
+                nap = self._busy_poll
+                await asyncio.sleep(nap)
+                continue
+            if self._gens:  # a GEN holds a lease: it may READ without a pin
+                nap = self._busy_poll if got else min(nap * 2, _NOTIF_BACKOFF_S)
+                wait = nap
             else:
-                with anyio.move_on_after(self._idle_poll):
-                    await self._pinned.wait()
+                nap, wait = self._busy_poll, self._idle_poll
+            self._wake.clear()
+            with anyio.move_on_after(wait):  # a pin or a new GEN wakes it at once
+                await self._wake.wait()
 
     async def _expire_loop(self) -> None:
         while True:
@@ -179,7 +255,55 @@ class NIXLKVServer:
                 log.warning("nixl_pin_expired", request_id=self._pins[token].request_id)
                 self._expired += 1
                 self._done(token, ok=False)
+            for gen in [g for g in self._gens if g.lease_end <= now]:
+                self._let_go(gen, why="its lease ended")
             self.store.expire()
+
+    # -- revocations: frees decided here, once every GEN that may READ without a pin let go -------------
+
+    def _on_free(self, request_id: str, done: Callable[[], None]) -> None:
+        """The store's guard (any thread): revoke on the event loop."""
+        loop = self._loop
+        if threading.get_ident() == self._loop_thread:
+            self._revoke(request_id, done)
+        elif loop is None or loop.is_closed():
+            done()
+        else:
+            try:
+                loop.call_soon_threadsafe(self._revoke, request_id, done)
+            except RuntimeError:  # the loop closed meanwhile: nothing READs any more
+                done()
+
+    def _revoke(self, request_id: str, done: Callable[[], None]) -> None:
+        now = time.monotonic()
+        waiting = {g for g in self._gens if g.lease_end > now}
+        self._revoked += 1
+        if not waiting:
+            done()
+            return
+        n = next(self._revocation_ids)
+        self._revocations[n] = _Revocation(request_id, waiting, done)
+        msg = {"t": "revoke", "rid": request_id, "n": n, "epoch": self.store.revocations}
+        for gen in waiting:
+            if not gen.writer.is_closing():  # a closed one's lease still runs: it goes when that ends
+                write_msg(gen.writer, msg)
+
+    def _acked(self, gen: _Gen, n: int) -> None:
+        rev = self._revocations.get(n)
+        if rev is not None and gen in rev.waiting:
+            rev.waiting.discard(gen)
+            if not rev.waiting:
+                del self._revocations[n]
+                rev.done()
+
+    def _let_go(self, gen: _Gen, *, why: str) -> None:
+        """``gen`` READs nothing unpinned any more (it said so, or its lease ended): it acks all."""
+        self._gens.discard(gen)
+        pending = [n for n, rev in self._revocations.items() if gen in rev.waiting]
+        if pending:
+            log.info("nixl_gen_let_go", peer=gen.peer, reason=why, revocations=len(pending))
+        for n in pending:
+            self._acked(gen, n)
 
     # -- control connections ------------------------------------------------------------------------
 
@@ -196,6 +320,8 @@ class NIXLKVServer:
         self._handlers.add(task)
         self._conns.add(writer)
         lookups: set[asyncio.Task[Any]] = set()  # answered in their own tasks: a slow one holds up no other
+        gen: _Gen | None = None
+        gen_closed = False
         handshaking = True
         self._handshaking += 1
         try:
@@ -214,11 +340,16 @@ class NIXLKVServer:
                 write_msg(writer, {"t": "fail"})
                 await writer.drain()
                 return
+            # from here this GEN hears every revocation; the epoch tells it which came before
+            gen = _Gen(writer, peer, time.monotonic() + self.config.pin_timeout_s)
+            self._gens.add(gen)
+            self._wake.set()
             info = json.dumps({"layout": layout_info(self.store.layout), "pool": self._pool_info,
                                "heads": self._heads, "total_kv_heads": self._total_kv_heads,
                                "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
                                "lease_ms": int(self._lease_s * 1000),
-                               "pin_ms": int(self.config.pin_timeout_s * 1000)}).encode()
+                               "pin_ms": int(self.config.pin_timeout_s * 1000),
+                               "epoch": self.store.revocations}).encode()
             mac = _auth.server_mac(secret, ns, nc, info) if secret is not None else b""
             write_msg(writer, {"t": "ok", "mac": mac.hex(), "info": info.decode()})
             while True:
@@ -234,14 +365,21 @@ class NIXLKVServer:
                     lookups.add(lookup)
                     lookup.add_done_callback(lookups.discard)
                     continue
-                answer = self._handle(msg)
+                answer = self._handle(msg, gen)
                 if answer is not None:
                     write_msg(writer, {**answer, "id": msg.get("id")})
         except (OSError, asyncio.IncompleteReadError, TimeoutError, ProtocolViolation, ValueError) as exc:
             log.debug("nixl_connection_ended", peer=peer, reason=f"{type(exc).__name__}: {exc}")
+            # the GEN's socket closed: its FIN between two messages, not one we started (the GEN fails its
+            # connection before it closes it, so it trusts no unpinned READ any more), or its kernel's reset
+            # (a process that died with data unread). Anything else (a cut, our own close) keeps its lease.
+            gen_closed = isinstance(exc, ConnectionResetError) or (
+                isinstance(exc, asyncio.IncompleteReadError) and not exc.partial and not writer.is_closing())
         except asyncio.CancelledError:  # the server closes; asyncio's stream callback would log a re-raise
             pass
         finally:
+            if gen is not None and gen_closed:
+                self._let_go(gen, why="its connection closed")
             if handshaking:
                 self._handshaking -= 1
             for lookup in list(lookups):  # not answered: nothing was pinned for them
@@ -263,8 +401,22 @@ class NIXLKVServer:
     def _lookup_or_pin(self, msg: dict[str, Any]) -> dict[str, Any]:
         return self._lookup(msg) if msg["t"] == "lookup" else self._pin_read(msg)
 
-    def _handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _handle(self, msg: dict[str, Any], gen: _Gen) -> dict[str, Any] | None:
         kind = msg["t"]
+        if kind == "revoked":  # the GEN's READs of these revocations' requests ended
+            ns = msg.get("n")
+            for n in ns[:100_000] if isinstance(ns, list) else ():
+                if type(n) is int:
+                    self._acked(gen, n)
+            return None
+        if kind == "alive":  # the GEN's lease: it may READ without a pin until pin_timeout_s from now
+            if gen in self._gens:
+                gen.lease_end = time.monotonic() + self.config.pin_timeout_s
+                return {"t": "alive"}
+            return self._refuse("LEASE_ENDED", "this connection's lease ended: READ with pins")
+        if kind == "bye":  # the GEN READs nothing unpinned from here on
+            self._let_go(gen, why="it said bye")
+            return None
         if kind == "unpin":
             self._done(str(msg.get("token")), ok=False)
             return None
@@ -278,7 +430,8 @@ class NIXLKVServer:
             return None
         if kind == "release":
             try:
-                ok = self.store.release(check_request_id(msg.get("rid")), handle=check_handle(msg.get("handle")))
+                ok = self.store.release(check_request_id(msg.get("rid")), handle=check_handle(msg.get("handle")),
+                                        by_reader=True)  # the GEN that READs it let go
             except (InvalidRequestId, ValueError):
                 ok = False
             return {"t": "released", "ok": ok}
@@ -325,7 +478,7 @@ class NIXLKVServer:
         token = secrets.token_hex(12)
         self._pins[token] = _Pin(rid, handle, checkout, not msg.get("keep", False),
                                  time.monotonic() + self.config.pin_timeout_s)
-        self._pinned.set()
+        self._wake.set()
         return {"t": "found", "token": token, "blocks": blocks}
 
     def _pin_read(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -353,7 +506,7 @@ class NIXLKVServer:
         pin = _Pin(rid, handle, checkout, not msg.get("keep", False), time.monotonic() + self.config.pin_timeout_s)
         if early is None:
             self._pins[token] = pin
-            self._pinned.set()
+            self._wake.set()
         else:  # the READ's notification (True) or the GEN's unpin (False) came first
             self._finish(pin, ok=early[0])
         return {"t": "pinned"}

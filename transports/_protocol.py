@@ -103,6 +103,7 @@ class Transport(Protocol):
         release: bool = True,
         landing: Landing | None = None,
         remote_blocks: Sequence[int] | None = None,
+        remote_epoch: int | None = None,
     ) -> int:
         """Pull ``request_id``'s KV ``kv_slice`` from ``peer`` into ``into``; returns bytes moved.
 
@@ -111,7 +112,10 @@ class Transport(Protocol):
         for every chunk but the last. ``landing`` tracks receives posted into ``into``.
         ``remote_blocks``: the peer's block ids of the request, when its prefill reply named them
         (``kv_transfer_params``-style); a one-sided transport then reads without asking for them
-        first, a two-sided one ignores them. The engine passes it only when it is known."""
+        first, a two-sided one ignores them. The engine passes it only when it is known.
+        ``remote_epoch``: the peer store's revocation count before it put the request (with
+        ``remote_blocks``, when the prefill reply named it): a one-sided transport may then READ
+        without pinning the blocks first; others ignore it."""
 
     async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
         """Tell ``peer`` that its KV for ``request_id`` will not be pulled (best effort, never raises)."""

@@ -17,6 +17,13 @@ at once (later pulls see UnknownRequest) but runs ``on_release`` only when the l
 closes, and expiry skips pinned entries, so the blocks are never freed (and reused) under a send.
 A full-slice checkout of blocks that form one ascending run is a zero-copy view of the pool.
 
+A one-sided transport (NIXL) whose readers READ without asking first installs ``guard_frees``:
+every free the store decides without the reader (a lease's end, a release not marked
+``by_reader``) is then a revocation: the entry goes at once, its blocks stay allocated until the
+guard says every reader that may READ them has let go, and ``revocations`` counts them (a prefill
+reply names the count before its entry was put, so a reader can tell whether a revocation it
+never heard of may have been of its request).
+
 The store is thread-safe: prefill (CTX execution) puts, the transport's event loop takes.
 """
 
@@ -86,6 +93,37 @@ class KVStore:
         self._released = 0
         self._expired = 0
         self._pins = 0  # open checkouts and pins, of held and released entries
+        self._revoker: Callable[[str, Callable[[], None]], None] | None = None
+        self._revocations = 0
+
+    def guard_frees(self, revoker: Callable[[str, Callable[[], None]], None] | None) -> None:
+        """Route every free the store decides without the reader through ``revoker(request_id,
+        done)`` (called after the entry is gone, on the releasing thread): its blocks stay allocated
+        until ``done()`` is called. ``None`` removes the guard (revocations under way still end
+        with their ``done``)."""
+        with self._lock:
+            self._revoker = revoker
+
+    @property
+    def revocations(self) -> int:
+        """Revocations so far (frees decided without the reader while a guard was installed)."""
+        with self._lock:
+            return self._revocations
+
+    def _guard_locked(self, held: _Held) -> Callable[[], None] | None:
+        """With a guard installed: pin ``held`` until its revocation ends; that pin's ``done``."""
+        if self._revoker is None:
+            return None
+        held.pins += 1
+        self._pins += 1
+        self._revocations += 1
+        ended = threading.Event()
+
+        def done() -> None:
+            if not ended.is_set():
+                ended.set()
+                self._unpin(held)
+        return done
 
     def put(
         self,
@@ -199,9 +237,10 @@ class KVStore:
         if free_now and held.on_release is not None:
             held.on_release()
 
-    def release(self, request_id: str, *, handle: str | None = None) -> bool:
-        """Free ``request_id``'s KV (after its last checkout closes); False when it was not held
-        (or ``handle`` is not its handle)."""
+    def release(self, request_id: str, *, handle: str | None = None, by_reader: bool = False) -> bool:
+        """Free ``request_id``'s KV (after its last checkout closes, and its revocation unless
+        ``by_reader``: the reader itself let go); False when it was not held (or ``handle`` is not
+        its handle)."""
         with self._lock:
             try:
                 held = self._get_locked(request_id, handle)
@@ -210,7 +249,11 @@ class KVStore:
             del self._held[request_id]
             self._released += 1
             held.released = True
+            revoked = None if by_reader else self._guard_locked(held)
+            revoker = self._revoker
             free_now = held.pins == 0
+        if revoked is not None and revoker is not None:
+            revoker(request_id, revoked)
         if free_now and held.on_release is not None:
             held.on_release()
         return True
@@ -224,8 +267,12 @@ class KVStore:
             self._expired += len(dead)
             for h in held:
                 h.released = True
-        for h in held:
-            if h.on_release is not None:
+            revoked = [self._guard_locked(h) for h in held]
+            revoker = self._revoker
+        for rid, h, done in zip(dead, held, revoked):
+            if done is not None and revoker is not None:
+                revoker(rid, done)
+            elif h.on_release is not None:
                 h.on_release()
         return dead
 

@@ -39,6 +39,7 @@ class InProcCounters:
     in_flight: int = 0
     peak_in_flight: int = 0
     pulls_with_blocks: int = 0  # pulls that named the peer's block ids (checked against the store)
+    pulls_with_epoch: int = 0  # of those, pulls that named the peer store's epoch (not past its revocations)
 
 
 class InProcTransport:
@@ -115,6 +116,7 @@ class InProcTransport:
         release: bool = True,
         landing: Landing | None = None,
         remote_blocks: Sequence[int] | None = None,
+        remote_epoch: int | None = None,
     ) -> int:
         store = self._store(peer)
         c = self.counters
@@ -135,6 +137,10 @@ class InProcTransport:
                 c.pulls_with_blocks += 1
                 if list(remote_blocks) != store.block_ids(request_id, handle=handle):
                     raise ProtocolViolation(f"{request_id}: the block ids given are not the ones {peer} holds", peer=peer)
+                if remote_epoch is not None:
+                    c.pulls_with_epoch += 1
+                    if not 0 <= remote_epoch <= store.revocations:
+                        raise ProtocolViolation(f"{request_id}: epoch {remote_epoch} is not one of {peer}'s", peer=peer)
             data = store.gather(request_id, kv_slice, handle=handle)
             if tuple(data.shape) != tuple(into.shape) or data.dtype != into.dtype:
                 raise ProtocolViolation(

@@ -8,23 +8,39 @@ it raises ``ImportError``. Protocol (docs/transport.md, "NIXL")::
                         ◀── challenge(ns, auth)
     response(nc, client_mac) ───────────────────────────▶ verify
                         ◀── ok(server_mac(.., info), info)     info: KV layout, agent name, NIXL agent
-    verify; check the layout; add_remote_agent(metadata)         metadata, pool address/size/block bytes
-    per pull:
-    lookup(id, handle, slice, dtype, shape, keep) ──────▶ validate; pin the blocks (a lease of pin_ms)
-                        ◀── found(token, block ids)   or  error(status, reason)
+    verify; check the layout; add_remote_agent(metadata)         metadata, pool address/size/block bytes,
+                                                                 epoch (its store's revocation count)
+    every third of the connection lease: alive ────────▶ this GEN's lease: pin_ms from now ◀── alive
+
+    per pull, the prefill reply named the block ids and the epoch, and this connection vouches
+    (the request's epoch >= the connection's, not revoked since, lease running): an UNPINNED READ
+    one NIXL READ of the blocks straight into ``into``
+    with notification "kvo2:[id, handle, keep]" ─(UCX)─▶ release unless keep (the handle decides)
+    per pull otherwise, a PINNED READ (the block ids from the prefill reply, or a lookup first):
+    [lookup(id, handle, slice, dtype, shape, keep) ────▶ validate; pin the blocks (a lease of pin_ms)
+                        ◀── found(token, block ids)   or  error(status, reason)]
+    [pin(.., token, blocks) beside the READ ────────────▶ pinned if held with exactly those blocks]
     block ids checked (count, int, in the pool); while the READ may run, renew([tokens]) every
     third of the pin lease ─────────────────────────────▶ the pins' leases start again
-    one NIXL READ of the blocks straight into ``into`` (whole blocks into a registered pool: one
-    ``make_prepped_xfer`` from lists prepared once; else one descriptor per contiguous run),
+    one NIXL READ (whole blocks into a registered pool: one ``make_prepped_xfer`` from lists
+    prepared once; else one descriptor per contiguous run),
     with notification "kvo1:<token>" ───(UCX)──────────▶ the notification: unpin; release unless keep
     unpin(token) if the READ failed or never started ───▶ unpin
+    the pull succeeds once the READ is DONE (and, pinned beside it, the CTX answered "pinned")
     release(id, handle) / hold([(id, handle)]) ─────────▶ as on the UCX path
 
-The GEN learns the CTX's block ids with the lookup (one small message and its answer on an already
-open TCP connection, before the data). A prefill reply that carried the block ids would save it;
-the lookup also pins the blocks, which the READ needs anyway. No block is freed or reused while a
-READ of it may run (DESIGN invariant 12): the pin ends on the notification, an unpin, or a lease
-nobody renewed, never on a timer alone.
+    a free the CTX decides on its own (lease ended, a release not from the GEN):
+                        ◀── revoke(id, n, epoch)          the entry goes; its blocks stay allocated
+    once its READs of ``id`` ended: revoked([n]) ──────▶ freed when every GEN leased then acked
+    (a GEN whose lease ends, or that said bye, counts as having acked)
+
+No block is freed or reused while a READ of it may run (DESIGN invariant 12). A pinned READ: the
+pin ends on the notification, an unpin, or a lease nobody renewed, never on a timer alone. An
+unpinned READ: the CTX frees a request it revokes only once every GEN that may READ without a pin
+acknowledged (each does once its READs of the request ended) or let its connection lease lapse;
+a GEN uses an unpinned READ's bytes only if its lease still ran when the READ ended. A GEN that
+connected after a revocation cannot know whether it was of its request: the epoch says (a request
+put before the connection's epoch is READ pinned). docs/transport.md, "Unpinned READs".
 
 A READ cannot be withdrawn: a pull keeps ``landing`` busy until NIXL reports the transfer no longer
 in progress, also after the pull was cancelled. A READ that ``transfer()`` completed at once (one
@@ -48,6 +64,7 @@ import dataclasses
 import json
 import os
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +90,7 @@ from ._nixl_common import (
     _MAX_MESSAGE_BYTES,
     _PRE_AUTH_BYTES,
     NOTIF_PREFIX as NOTIF_PREFIX,
+    NOTIF_READ,
     NIXLConfig as NIXLConfig,
     _nixl_api as _nixl_api,
     layout_info as layout_info,
@@ -105,6 +123,7 @@ class NIXLTransportStatistics:
     peers_down: int
     adhoc_registrations: int  # pulls into memory not registered with register(): registered per pull
     prepped_reads: int = 0  # READs made from descriptor lists prepared once (make_prepped_xfer)
+    unpinned_reads: int = 0  # READs posted with no pin (the CTX's revocations kept their blocks)
 
 
 class NIXLTransport:
@@ -142,6 +161,9 @@ class NIXLTransport:
         self._stale: set[str] = set()  # agents replaced by a reconnect, removed when their last READ ends
         self._pinned: dict[str, tuple[str, float]] = {}  # token -> (peer, pin lease): pins this GEN may READ from
         self._renewer: asyncio.Task[None] | None = None
+        self._keepalive: asyncio.Task[None] | None = None
+        self._keepalive_lease = 0.0  # the connection lease the renewals run for
+        self._unpinned = 0
         self._background: set[asyncio.Future[Any]] = set()
         self._poller = ReadPoller(self.agent)  # one thread watches every READ still in progress
         self._ok = self._failed = self._bytes = self._adhoc = self._retried = 0
@@ -149,7 +171,7 @@ class NIXLTransport:
 
     def statistics(self) -> NIXLTransportStatistics:
         return NIXLTransportStatistics(self._peers.live, self._ok, self._failed, self._retried, self._bytes,
-                                       self._peers.down, self._adhoc, self._prepped)
+                                       self._peers.down, self._adhoc, self._prepped, self._unpinned)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Register ``tensor``'s memory with NIXL once (the GEN's KV pool or staging arena); the
@@ -177,9 +199,12 @@ class NIXLTransport:
         if self._renewer is None or self._renewer.done():
             self._renewer = asyncio.ensure_future(self._renew_loop())
 
-    def _unpin(self, conn: _Conn, token: str, *, tell: bool) -> None:
+    def _unpin(self, conn: _Conn, token: str | None, *, tell: bool) -> None:
         """This GEN will not READ ``token``'s blocks any more; with ``tell`` the CTX may unpin them now
-        (a READ that failed or never started; a READ that succeeded notifies the CTX itself)."""
+        (a READ that failed or never started; a READ that succeeded notifies the CTX itself). No
+        token: an unpinned READ, nothing to do."""
+        if token is None:
+            return
         self._pinned.pop(token, None)
         if tell:
             conn.send({"t": "unpin", "token": token})
@@ -196,6 +221,19 @@ class NIXLTransport:
                 conn = self._peers.conns.get(peer)
                 if conn is not None:
                     conn.send({"t": "renew", "tokens": tokens})
+
+    async def _keepalive_loop(self, lease_s: float) -> None:
+        """One task for the whole transport, alive while any connection is: every third of the
+        shortest connection lease (``lease_s``: the first one's), renew each connection's lease
+        (the one unpinned READs need)."""
+        while True:
+            await asyncio.sleep(lease_s / 3)
+            conns = [c for c in self._peers.conns.values() if c.error is None and c.epoch is not None]
+            if not conns:
+                return
+            for conn in conns:
+                conn.ask_alive()
+            lease_s = self._keepalive_lease = min(c.pin_s for c in conns)
 
     async def connect(self, peer: str) -> None:
         await self._conn(peer)
@@ -242,7 +280,7 @@ class NIXLTransport:
             raise PeerUnreachable(f"connect to {peer} failed: {why}", peer=peer) from None
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
-                info = await self._handshake(peer, reader, writer)
+                info, answered_at = await self._handshake(peer, reader, writer)
             remote = self._check_layout(peer, info)
             meta = base64.b64decode(info["meta"])
             self._forget_agent(peer)  # a reconnect: the peer's previous agent is gone
@@ -267,11 +305,19 @@ class NIXLTransport:
             raise
         self._agents[peer] = name
         conn = _Conn(peer, reader, writer, info, name, remote)
+        conn.lease_from(answered_at)  # the CTX's lease began when it got our answer, after this
         conn.start()
+        if self._keepalive is None or self._keepalive.done() or conn.pin_s < self._keepalive_lease:
+            if self._keepalive is not None:
+                self._keepalive.cancel()  # a shorter lease than the renewals run for: start over
+            self._keepalive_lease = conn.pin_s
+            self._keepalive = asyncio.ensure_future(self._keepalive_loop(conn.pin_s))
         log.info("nixl_connected", peer=peer, agent=name)
         return conn
 
-    async def _handshake(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict[str, Any]:
+    async def _handshake(self, peer: str, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> tuple[dict[str, Any], float]:
+        """The CTX's info, and when our answer to its challenge left (its lease starts after)."""
         secret = self.config.secret
         challenge = await read_msg(reader, _PRE_AUTH_BYTES)
         if challenge.get("t") != "challenge":
@@ -283,6 +329,7 @@ class NIXLTransport:
             raise AuthenticationFailed(f"{peer} does not authenticate (set allow_insecure to accept)", peer=peer)
         nc = _auth.new_nonce()
         mac = _auth.client_mac(secret, ns, nc) if secret is not None else b""
+        answered_at = time.monotonic()
         write_msg(writer, {"t": "response", "nc": nc.hex(), "mac": mac.hex()})
         reply = await read_msg(reader, _MAX_MESSAGE_BYTES)
         if reply.get("t") != "ok":
@@ -291,7 +338,7 @@ class NIXLTransport:
         if challenge.get("auth") and secret is not None:
             if not _auth.verify(_auth.server_mac(secret, ns, nc, info_raw), bytes.fromhex(reply["mac"])):
                 raise AuthenticationFailed(f"{peer} did not prove it holds the shared secret", peer=peer)
-        return json.loads(info_raw)
+        return json.loads(info_raw), answered_at
 
     def _check_layout(self, peer: str, info: dict[str, Any]) -> KVLayout:
         """The CTX's pool layout; ``IncompatiblePeer`` when its model's KV differs from ours."""
@@ -329,15 +376,20 @@ class NIXLTransport:
 
     async def pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *,
                    handle: str | None = None, release: bool = True, landing: Landing | None = None,
-                   remote_blocks: Sequence[int] | None = None) -> int:
+                   remote_blocks: Sequence[int] | None = None, remote_epoch: int | None = None) -> int:
         """One READ of ``request_id``'s slice into ``into``. With ``remote_blocks`` (the CTX's block
-        ids, from its prefill reply) the READ is posted at once and its pin travels beside it: the
-        pull costs the READ or the pin's round trip, whichever is longer, not their sum; a refused
-        pin (the request is not held with those blocks) fails the pull and its bytes are not used."""
+        ids, from its prefill reply) the READ is posted at once. With ``remote_epoch`` too (the
+        CTX's revocation count before it put the request) and a connection that vouches for it
+        (no revocation it missed or heard of can have been of this request; its lease runs), the
+        READ needs no pin: the CTX frees nothing it revokes before this GEN acknowledged, which it
+        does once its READs of the request ended. Otherwise a pin travels beside the READ: the pull
+        costs the READ or the pin's round trip, whichever is longer, not their sum; a refused pin
+        (the request is not held with those blocks) fails the pull and its bytes are not used."""
         self._check_pull(peer, request_id, handle, kv_slice, into)
         landing = landing if landing is not None else Landing()
         try:
-            n = await self._pull(peer, request_id, kv_slice, into, handle, release, landing, remote_blocks)
+            n = await self._pull(peer, request_id, kv_slice, into, handle, release, landing, remote_blocks,
+                                 remote_epoch)
         except BaseException:
             self._failed += 1
             raise
@@ -384,11 +436,14 @@ class NIXLTransport:
         return blocks
 
     async def _pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, handle: str | None,
-                    release: bool, landing: Landing, remote_blocks: Sequence[int] | None) -> int:
+                    release: bool, landing: Landing, remote_blocks: Sequence[int] | None,
+                    remote_epoch: int | None) -> int:
         ask = {"rid": request_id, "handle": handle,
                "slice": [kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start, kv_slice.head_end],
                "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release}
         confirm: tuple[int, asyncio.Future[dict[str, Any]]] | None = None
+        token: str | None
+        unpinned = False
         if remote_blocks is None:  # learn the block ids (and pin them) first: one round trip
             conn, answer = await self._lookup(peer, {"t": "lookup", **ask})
             if answer.get("t") == "error":
@@ -398,14 +453,19 @@ class NIXLTransport:
                 raise conn.error  # type: ignore[misc]
             token = answer["token"]
             raw_blocks = answer.get("blocks")
-        else:  # the prefill reply named them: READ at once, the pin travels beside it
+        else:  # the prefill reply named them: READ at once, the pin (if any) travels beside it
             conn = await self._conn(peer)
             raw_blocks = list(remote_blocks)  # checked (as the CTX's answer would be) before the READ is built
-            token = secrets.token_hex(12)
-            confirm = conn.ask({"t": "pin", **ask, "token": token, "blocks": raw_blocks})
-        self._pin(conn, token)  # renewed from here until the READ ends
+            if handle is not None and conn.vouches(request_id, remote_epoch):
+                token, unpinned = None, True  # the CTX's revocations keep the blocks: nothing to ask
+            else:
+                token = secrets.token_hex(12)
+                confirm = conn.ask({"t": "pin", **ask, "token": token, "blocks": raw_blocks})
+        if token is not None:
+            self._pin(conn, token)  # renewed from here until the READ ends
         try:
-            state = await self._read(conn, request_id, token, raw_blocks, kv_slice, into, landing, confirm is None)
+            state = await self._read(conn, request_id, token, raw_blocks, kv_slice, into, landing,
+                                     remote_blocks is None, (handle, not release, remote_epoch) if unpinned else None)
         except BaseException:
             if confirm is not None:
                 conn.forget(confirm[0])
@@ -423,21 +483,30 @@ class NIXLTransport:
                 raise conn.error  # type: ignore[misc]
         if state != "DONE":
             raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
+        if unpinned and not conn.leased():  # revocations may have gone unheard: the bytes are not used
+            raise PeerClosed(f"the control connection to {peer} lost its lease during an unpinned READ", peer=peer)
         return into.numel() * into.element_size()
 
-    async def _read(self, conn: _Conn, request_id: str, token: str, raw_blocks: Any, kv_slice: KVSlice, into: torch.Tensor,
-                    landing: Landing, blame_peer: bool) -> str:
-        """Post one READ of ``raw_blocks`` (pinned under ``token``) into ``into``; its final state
-        (``DONE`` or a failure), once NIXL no longer reports it in progress."""
+    async def _read(self, conn: _Conn, request_id: str, token: str | None, raw_blocks: Any, kv_slice: KVSlice,
+                    into: torch.Tensor, landing: Landing, blame_peer: bool,
+                    unpinned: tuple[str | None, bool, int | None] | None = None) -> str:
+        """Post one READ of ``raw_blocks`` (pinned under ``token``, or ``unpinned``: its handle,
+        keep and epoch) into ``into``; its final state (``DONE`` or a failure), once NIXL no
+        longer reports it in progress."""
         peer = conn.peer
         nbytes = into.numel() * into.element_size()
         try:
             blocks = self._check_blocks(conn, raw_blocks, kv_slice, into, blame_peer=blame_peer)
             pool = conn.info["pool"]
-            remote, local, lengths = segments(conn.remote, blocks, kv_slice)  # the CTX's pool, its head numbering
-            if int(lengths.sum()) != nbytes:
+            whole = kv_slice == conn.remote.full_slice()  # whole blocks: their size says it all
+            pieces = None if whole else segments(conn.remote, blocks, kv_slice)  # the CTX's pool, its head numbering
+            if (len(blocks) * conn.remote.block_bytes if pieces is None else int(pieces[2].sum())) != nbytes:
                 raise ProtocolViolation(f"{peer} answered blocks that do not fit `into`", peer=peer)
             await self._before_read(peer, request_id)
+            if unpinned is not None and not conn.vouches(request_id, unpinned[2]):  # changed while we waited
+                if request_id in conn.revoked:
+                    raise UnknownRequest(f"{peer} revoked {request_id!r} before its READ was posted", peer=peer)
+                raise PeerClosed(f"the control connection to {peer} lost its lease before the READ", peer=peer)
         except ProtocolViolation as exc:
             self._unpin(conn, token, tell=True)
             if blame_peer:
@@ -448,11 +517,15 @@ class NIXLTransport:
             raise
         mem, dev = mem_type(into)
         adhoc = xfer = None
-        notif = NOTIF_PREFIX + token.encode()
+        if unpinned is None:
+            notif = NOTIF_PREFIX + str(token).encode()
+        else:  # JSON [id, handle, keep]: the CTX releases on it (unless kept), the handle vouching for the GEN
+            notif = NOTIF_READ + f'["{request_id}","{unpinned[0]}",{"true" if unpinned[1] else "false"}]'.encode()
         # posted and accounted for with no await in between: cancellation cannot split them
         try:
-            xfer = self._prepped_xfer(conn, blocks, kv_slice, into, notif)
+            xfer = self._prepped_xfer(conn, blocks, kv_slice, into, notif) if whole else None
             if xfer is None:  # descriptors built for this READ
+                remote, local, lengths = pieces if pieces is not None else segments(conn.remote, blocks, kv_slice)
                 if not self._registered(into):
                     adhoc = self.agent.register_memory(into)
                     self._adhoc += 1
@@ -463,6 +536,7 @@ class NIXLTransport:
                     np.stack([remote + pool["addr"], lengths, np.full(n, pool["dev"])], 1), pool["mem"])
                 xfer = self.agent.initialize_xfer("READ", ldesc, rdesc, conn.agent_name, notif)
             landing.begin()
+            conn.read_begins(request_id)  # a revocation of it is acknowledged only once it ended
             posting = None
             if nbytes > _INLINE_TRANSFER_BYTES:  # on one host transfer() copies inline: off the loop
                 posting = asyncio.get_running_loop().run_in_executor(None, self.agent.transfer, xfer)
@@ -472,19 +546,23 @@ class NIXLTransport:
                     state = self.agent.transfer(xfer)
                 except BaseException:
                     landing.end()  # NIXL refused to post it: nothing can land
+                    conn.read_ends(request_id)
                     raise
         except Exception as exc:
             self._end_read(xfer, adhoc)
             self._unpin(conn, token, tell=True)
             raise PeerClosed(f"NIXL READ from {peer} could not be posted: {exc}", peer=peer) from None
+        if unpinned is not None:
+            self._unpinned += 1
         if state not in ("PROC", "POSTING"):  # done at once (one host: NIXL copied it inline): no task
             self._end_read(xfer, adhoc)
             landing.end()
+            conn.read_ends(request_id)
             self._unpin(conn, token, tell=state != "DONE")
             return state
         name = conn.agent_name
         self._reads[name] = self._reads.get(name, 0) + 1
-        watch = asyncio.ensure_future(self._watch(conn, token, xfer, landing, adhoc, posting))
+        watch = asyncio.ensure_future(self._watch(conn, request_id, token, xfer, landing, adhoc, posting))
         watch.add_done_callback(lambda _: self._read_ended(name))
         try:
             return await asyncio.shield(watch)
@@ -495,11 +573,12 @@ class NIXLTransport:
 
     def _prepped_xfer(self, conn: _Conn, blocks: list[int], kv_slice: KVSlice, into: torch.Tensor,
                       notif: bytes) -> Any:
-        """A READ of whole blocks into whole blocks of a registered region, from descriptor lists
-        prepared once (the CTX pool's per peer agent, the region's at ``register``); None when the
-        pull is not of that shape (a head or layer subset, another block size, unaligned ``into``)."""
+        """A READ of whole blocks (the caller checked that ``kv_slice`` is the full one) into whole
+        blocks of a registered region, from descriptor lists prepared once (the CTX pool's per peer
+        agent, the region's at ``register``); None when the pull is not of that shape (another
+        block size, unaligned ``into``)."""
         bb = conn.remote.block_bytes
-        if self.layout is None or bb != self.layout.block_bytes or kv_slice != conn.remote.full_slice():
+        if self.layout is None or bb != self.layout.block_bytes:
             return None
         start = into.data_ptr()
         for lo, hi, local in self._local_dlists:
@@ -539,7 +618,7 @@ class NIXLTransport:
             if name in self._stale:  # replaced by a reconnect while this READ ran
                 self._remove_agent(name)
 
-    async def _watch(self, conn: _Conn, token: str, xfer: Any, landing: Landing, adhoc: Any,
+    async def _watch(self, conn: _Conn, request_id: str, token: str | None, xfer: Any, landing: Landing, adhoc: Any,
                      posting: asyncio.Future[str] | None = None) -> str:
         """Wait for ``posting`` (a ``transfer()`` running in a worker thread) if any, then for the
         GEN's poller to see the READ no longer in progress, at most ``read_timeout_s``; then drop its
@@ -556,6 +635,7 @@ class NIXLTransport:
                 self._unpin(conn, token, tell=state != "DONE")
                 if self._end_read(xfer, adhoc):
                     landing.end()
+                    conn.read_ends(request_id)
                 return state
         state = await self._poller.wait(xfer, timeout)
         if state == "PROC":
@@ -574,6 +654,7 @@ class NIXLTransport:
         self._unpin(conn, token, tell=state != "DONE")  # DONE: the CTX has its notification
         if self._end_read(xfer, adhoc):
             landing.end()
+            conn.read_ends(request_id)  # over: a revocation of its request may be acknowledged
         return state
 
     async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
@@ -615,7 +696,11 @@ class NIXLTransport:
         self._poller.close()
         if self._renewer is not None:
             self._renewer.cancel()
+        if self._keepalive is not None:
+            self._keepalive.cancel()
         for conn in self._peers.close():
+            if not conn.reading:  # no READ left: the CTX need not wait for this GEN's lease to end
+                conn.send({"t": "bye"})
             self._close_conn(conn)
         if not self._reads:
             for dlist in [*self._remote_dlists.values(), *(d for _, _, d in self._local_dlists)]:

@@ -250,10 +250,11 @@ class UCXTransport:
         release: bool = True,
         landing: Landing | None = None,
         remote_blocks: Sequence[int] | None = None,
+        remote_epoch: int | None = None,
     ) -> int:
         """Pull into ``into``; with ``release`` (the default) the CTX frees the entry once it is sent,
         without it (every chunk of a chunked receive but the last) the CTX keeps it.
-        ``remote_blocks`` is not needed (the CTX gathers its own blocks) and ignored."""
+        ``remote_blocks`` and ``remote_epoch`` are not needed (the CTX gathers its own blocks) and ignored."""
         template = self._pull_message(peer, request_id, handle, kv_slice, into, release)
         landing = landing if landing is not None else Landing()
         try:

@@ -33,10 +33,12 @@ CTX node (``ctx`` subcommand)::
     <- {"ok": true, "request_id": str, "first_token": int, "prompt_len": int,
         "kv_peer": "host:port" (its UCX listener), "kv_handle": str, "block_checksums": [int, ...],
         "head_checksums": [[int, ...], ...], "kv_sources": [{"peer": "host:port", "head_start": int,
-        "head_end": int, "kv_blocks": [int, ...]}, ...]}
+        "head_end": int, "kv_blocks": [int, ...], "kv_epoch": int}, ...]}
        kv_handle: the unguessable token that GEN must present to pull or release this KV
        kv_blocks: that rank's pool blocks holding the prompt's KV, in order (vLLM's
        remote_block_ids): a NIXL GEN READs them at once, without asking for them first
+       kv_epoch: that rank's KV store revocation count before it stored the prompt's KV: a NIXL
+       GEN connected since then (it hears every later revocation) READs without pinning first
        kv_sources: where each KV head is held: one entry (kv_peer, every head) for a CTX TP1; one
        per rank for ``ctx --tp M`` (kv_peer is then rank 0's listener; block_checksums is empty and
        head_checksums [block][model head] is the parity check)
@@ -194,9 +196,11 @@ def kv_handle(msg: dict[str, Any]) -> str:
 MAX_KV_SOURCES = 64
 
 
-def kv_sources(msg: dict[str, Any], max_blocks: int = 1 << 20) -> list[tuple[str, int, int, tuple[int, ...] | None]]:
-    """``msg["kv_sources"]`` as ``(peer, head_start, head_end, kv_blocks)`` (``kv_blocks``: that
-    rank's block ids of the prompt, None when not named); [] when absent; raises ControlError."""
+def kv_sources(msg: dict[str, Any], max_blocks: int = 1 << 20) -> list[
+        tuple[str, int, int, tuple[int, ...] | None, int | None]]:
+    """``msg["kv_sources"]`` as ``(peer, head_start, head_end, kv_blocks, kv_epoch)`` (``kv_blocks``:
+    that rank's block ids of the prompt; ``kv_epoch``: its store's revocation count before it
+    stored them; each None when not named); [] when absent; raises ControlError."""
     value = msg.get("kv_sources")
     if value is None:
         return []
@@ -211,7 +215,8 @@ def kv_sources(msg: dict[str, Any], max_blocks: int = 1 << 20) -> list[tuple[str
         h1 = field(src, "head_end", int, lo=h0 + 1, hi=1 << 16)
         blocks = (tuple(int_list(src, "kv_blocks", max_len=max_blocks, lo=0, hi=(1 << 31) - 1))
                   if src.get("kv_blocks") is not None else None)
-        out.append((peer, h0, h1, blocks))
+        epoch = field(src, "kv_epoch", int, lo=0, hi=(1 << 63) - 1) if src.get("kv_epoch") is not None else None
+        out.append((peer, h0, h1, blocks, epoch))
     return out
 
 

@@ -193,6 +193,7 @@ class CtxNode:
             first = await anyio.to_thread.run_sync(prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
             checksums = block_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
             per_head = head_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
+            epoch = self.store.revocations  # before the put: any revocation of this request comes after
             handle = self.store.put(rid, block_ids, num_tokens=len(prompt), lease_s=self.args.lease_s,
                                     on_release=lambda: self.on_free(block_ids))
         except ValueError as exc:  # duplicate id
@@ -208,7 +209,7 @@ class CtxNode:
                 "kv_peer": self.ucx_addr, "kv_handle": handle, "block_checksums": checksums,
                 "head_checksums": per_head,
                 "kv_sources": [{"peer": self.ucx_addr, "head_start": 0, "head_end": self.head_range[1],
-                                "kv_blocks": [int(b) for b in block_ids.tolist()]}]}
+                                "kv_blocks": [int(b) for b in block_ids.tolist()], "kv_epoch": epoch}]}
 
     async def _prefill_in_group(self, rid: str, prompt: list[int], block_ids: torch.Tensor) -> dict[str, Any]:
         """Every rank prefills its shard and holds its heads under one handle; the reply names them all."""

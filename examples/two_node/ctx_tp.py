@@ -219,6 +219,7 @@ class CtxGroup:
             first = (first + 1) % node.model.config.vocab_size  # the fault drill: this rank disagrees
         crcs = head_checksums(node.pool.kv, blocks) if checksums else []
         stored, error = True, None
+        epoch = node.store.revocations  # before the put: any revocation of this request comes after
         try:
             node.store.put(rid, blocks, num_tokens=len(prompt), lease_s=lease_s, handle=handle,
                            on_release=lambda: node.on_free(blocks, rid))
@@ -228,7 +229,8 @@ class CtxGroup:
             stored, error = False, str(exc)
         h0, h1 = node.head_range
         parts = self._gather({"ok": stored, "error": error, "peer": node.ucx_addr, "head_start": h0, "head_end": h1,
-                              "crcs": crcs, "first": first, "blocks": [int(b) for b in blocks.tolist()]})
+                              "crcs": crcs, "first": first, "blocks": [int(b) for b in blocks.tolist()],
+                              "epoch": epoch})
         firsts = [p["first"] for p in parts]
         if not all(p["ok"] for p in parts) or len(set(firsts)) != 1:  # every rank sees the same parts
             if stored:
@@ -239,7 +241,8 @@ class CtxGroup:
                                               "(rank r at index r); the prefill is refused"}
             return {"ok": False, "error": next(p["error"] for p in parts if not p["ok"])}
         return {"ok": True, "first_token": first, "kv_sources": [
-            {"peer": p["peer"], "head_start": p["head_start"], "head_end": p["head_end"], "kv_blocks": p["blocks"]}
+            {"peer": p["peer"], "head_start": p["head_start"], "head_end": p["head_end"], "kv_blocks": p["blocks"],
+             "kv_epoch": p["epoch"]}
             for p in parts],
             "head_checksums": merge_head_checksums(parts) if checksums else []}
 

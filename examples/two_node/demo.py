@@ -147,7 +147,10 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
                 # checkouts still open: a released request's blocks are freed when its last one closes
                 "open_pins_after": sum(c["store"]["open_pins"] for c in ctx_stats),
                 # NIXL: pulls that had to ask for the block ids first (the prefill reply names them)
-                "kv_lookups": sum(r.get("kv_server", {}).get("lookups", 0) for c in ctx_stats for r in c["tp"]["ranks"])},
+                "kv_lookups": sum(r.get("kv_server", {}).get("lookups", 0) for c in ctx_stats for r in c["tp"]["ranks"]),
+                # NIXL: READs no pin covered (the CTX's revocations kept their blocks)
+                "kv_unpinned_reads": sum(r.get("kv_server", {}).get("unpinned_reads", 0)
+                                         for c in ctx_stats for r in c["tp"]["ranks"])},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "wall_s": load_s,
     }

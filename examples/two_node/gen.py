@@ -223,7 +223,7 @@ class GenNode:
             max_tokens=control.field(msg, "max_tokens", int, lo=1, hi=limit),
             peer=control.field(msg, "kv_peer", str) if pulls else None,
             kv_handle=control.kv_handle(msg) if pulls else None,
-            kv_sources=tuple(KVSource(peer, h0, h1, None, blocks) for peer, h0, h1, blocks
+            kv_sources=tuple(KVSource(peer, h0, h1, None, blocks, epoch) for peer, h0, h1, blocks, epoch
                              in control.kv_sources(msg, self.config.layout.blocks_for(limit))) if pulls else (),
         )
         try:

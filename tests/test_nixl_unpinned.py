@@ -1,0 +1,214 @@
+"""Unpinned NIXL READs (issue 17): with the prefill reply's block ids and epoch (the CTX store's
+revocation count before it put the request), a GEN READs at once and waits for no pin answer.
+
+What keeps that safe (DESIGN invariant 12): the CTX frees nothing it decides to free on its own (a
+lease's end, a release not from the reader) before every GEN that may READ without a pin has
+acknowledged the revocation, which a GEN does only once its READs of that request ended; a GEN
+that may have missed a revocation of a request (it connected later, or heard of it) READs it with a
+pin; a GEN whose connection lease ended (no "alive" answered) uses no unpinned READ's bytes; and a
+GEN that vanished holds a revocation only until its lease ends. GEN and CTX run in this process
+over shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu12._api", reason="nixl-cu12 is not installed (pip install -c constraints.txt '.[nixl]')")
+
+from tests.test_dataplane_nixl import IDS, LAYOUT, SECRET, _into, _served, _until  # noqa: E402
+from transports import KVStore, Landing, PeerClosed, UnknownRequest, gather  # noqa: E402
+from transports.nixl import NIXLConfig, NIXLKVServer, NIXLTransport  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+BLOCKS = [int(b) for b in IDS.tolist()]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _deferred_reads(t: NIXLTransport) -> asyncio.Event:
+    """Make ``t``'s READs copy only once the returned event is set (NIXL reports them in progress
+    until then), so that a READ is really in flight while the CTX acts."""
+    agent = t.agent
+    real_transfer, real_state = agent.transfer, agent.check_xfer_state
+    go = asyncio.Event()
+    copied: set[int] = set()
+
+    def transfer(xfer: Any, notif: bytes = b"") -> str:
+        return "PROC"
+
+    def state(xfer: Any) -> str:
+        if not go.is_set():
+            return "PROC"
+        if id(xfer) not in copied:
+            copied.add(id(xfer))
+            real_transfer(xfer)  # the copy happens now: blocks freed and reused before would show
+        return real_state(xfer)
+
+    agent.transfer, agent.check_xfer_state = transfer, state
+    return go
+
+
+@pytest.mark.anyio
+async def test_a_pull_named_with_its_epoch_reads_without_a_pin() -> None:
+    async with _served() as (store, handle, server, peer, t):
+        want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+        into = _into()
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS, remote_epoch=0)
+        assert torch.equal(into, want)
+        assert t.statistics().unpinned_reads == 1 and not t._pinned
+        await _until(lambda: store.statistics().held_requests == 0)  # released on its notification
+        stats = server.statistics()
+        assert stats.unpinned_reads == 1 and stats.lookups == 0 and stats.pinned == 0 and not server._early
+        assert store.statistics().open_pins == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["released-by-the-ctx", "lease-ended"])
+async def test_a_revocation_waits_for_the_unpinned_read_in_flight(how: str) -> None:
+    """The CTX frees the request on its own while an unpinned READ of it runs: the blocks stay until
+    the READ ended and the GEN acknowledged (also past the connection's lease of 0.6 s, which the
+    GEN renews); the READ gets the CTX's KV (equal), then the blocks go."""
+    async with _served(lease_s=0.3 if how == "lease-ended" else 60, pin_timeout_s=0.6,
+                       server_kw={"expire_interval_s": 0.05}) as (
+            store, handle, server, peer, t):
+        await t.connect(peer)
+        go = _deferred_reads(t)
+        want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+        into, landing = _into(), Landing()
+        pull = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, landing=landing,
+                                            remote_blocks=BLOCKS, remote_epoch=0))
+        await _until(lambda: landing.busy)
+        if how == "released-by-the-ctx":
+            assert store.release("r1", handle=handle)
+        await _until(lambda: server.statistics().revocations == 1)
+        await asyncio.sleep(0.9)  # longer than the entry's and the connection's lease: nothing frees them
+        assert "r1" not in store._held and server.statistics().revocations_pending == 1
+        assert store.statistics().open_pins == 1 and torch.equal(gather(store.pool, IDS, LAYOUT.full_slice()), want)
+        assert not pull.done()
+        go.set()
+        assert await asyncio.wait_for(pull, 5) == want.numel() * want.element_size()
+        assert torch.equal(into, want), "a block was freed and reused under the READ"
+        await _until(lambda: server.statistics().revocations_pending == 0 and store.statistics().open_pins == 0)
+        assert bool((store.pool[IDS] == -1).all())  # freed (and reused) once the GEN let go
+
+
+@pytest.mark.anyio
+async def test_a_request_revoked_before_the_gen_connected_is_read_with_a_pin() -> None:
+    """No GEN was connected when the CTX revoked "r1" (freed at once); a GEN that connects later
+    cannot know it was that one, so its prefill epoch (0, before the revocation) makes it pin: the
+    pin is refused and the bytes are not used. A request put after it connected needs no pin."""
+    store = KVStore(LAYOUT, LAYOUT.new_pool(16).uniform_())
+
+    def reuse() -> None:
+        store.pool[IDS] = -1.0
+
+    config = NIXLConfig(secret=SECRET)
+    async with NIXLKVServer(store, config, host="127.0.0.1") as server:
+        peer = f"127.0.0.1:{server.port}"
+        epoch = store.revocations
+        handle = store.put("r1", IDS, num_tokens=25, lease_s=60, on_release=reuse)
+        assert store.release("r1", handle=handle) and store.statistics().open_pins == 0  # nobody to wait for
+        async with NIXLTransport(config, layout=LAYOUT) as t:
+            with pytest.raises(UnknownRequest):
+                await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS,
+                             remote_epoch=epoch)
+            assert t.statistics().unpinned_reads == 0
+            other = [1, 4, 6, 10, 11, 12, 13]
+            epoch2 = store.revocations
+            h2 = store.put("r2", torch.tensor(other), num_tokens=25, lease_s=60)
+            into = _into()
+            await t.pull(peer, "r2", LAYOUT.full_slice(), into, handle=h2, remote_blocks=other, remote_epoch=epoch2)
+            assert torch.equal(into, gather(store.pool, torch.tensor(other), LAYOUT.full_slice()))
+            assert t.statistics().unpinned_reads == 1
+            await _until(lambda: store.statistics().held_requests == 0 and server.statistics().pinned == 0)
+
+
+@pytest.mark.anyio
+async def test_a_request_the_gen_heard_revoked_is_read_with_a_pin() -> None:
+    async with _served(server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
+        await t.connect(peer)
+        assert store.release("r1", handle=handle)  # the CTX's own decision: revoked, acknowledged, freed
+        await _until(lambda: store.statistics().open_pins == 0)
+        assert server.statistics().revocations == 1 and bool((store.pool[IDS] == -1).all())
+        with pytest.raises(UnknownRequest):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS, remote_epoch=0)
+        assert t.statistics().unpinned_reads == 0 and server.statistics().pinned == 0
+
+
+@pytest.mark.anyio
+async def test_a_cut_connection_holds_a_revocation_only_until_its_lease_ends() -> None:
+    """The CTX's end of a GEN's control connection goes (as when the network cuts it: the GEN
+    hears nothing yet and may still READ): a revocation waits for that GEN until its connection
+    lease (0.6 s) ends, not a moment less, and then frees the blocks."""
+    async with _served(pin_timeout_s=0.6, server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
+        await t.connect(peer)
+        await asyncio.sleep(0.3)  # its "alive" renewals run
+        for writer in list(server._conns):
+            writer.close()
+        await _until(lambda: server.statistics().connections == 0)
+        assert store.release("r1", handle=handle)
+        await asyncio.sleep(0.1)
+        assert server.statistics().revocations_pending == 1 and store.statistics().open_pins == 1
+        await _until(lambda: store.statistics().open_pins == 0, timeout=3)
+        assert server.statistics().gens == 0 and bool((store.pool[IDS] == -1).all())
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["dies", "closes"])
+async def test_a_gen_that_closed_its_connection_holds_nothing(how: str) -> None:
+    """A GEN whose socket closed (its process died, or ``aclose`` with no READ left, which says bye
+    first) trusts nothing any more: a revocation does not wait for it."""
+    async with _served(pin_timeout_s=60, server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
+        conn = await t._conn(peer)
+        assert server.statistics().gens == 1
+        if how == "dies":
+            conn.writer.transport.abort()  # as the kernel closes a killed process's socket
+        else:
+            await t.aclose()
+        await _until(lambda: server.statistics().gens == 0)
+        assert store.release("r1", handle=handle) and store.statistics().open_pins == 0
+
+
+@pytest.mark.anyio
+async def test_the_bytes_of_an_unpinned_read_that_outlived_the_lease_are_not_used() -> None:
+    """The CTX stops answering "alive" (its lease for this GEN runs out while a READ runs): the GEN
+    cannot know whether a revocation it never heard of freed the blocks, so the pull fails; the next
+    pull of a request uses a pin."""
+
+    class Mute(NIXLKVServer):
+        mute = False
+
+        def _handle(self, msg: dict, gen: Any) -> dict | None:
+            if self.mute and msg.get("t") == "alive":
+                return None
+            return super()._handle(msg, gen)
+
+    async with _served(pin_timeout_s=0.6, server=Mute, server_kw={"expire_interval_s": 0.05}) as (
+            store, handle, server, peer, t):
+        await t.connect(peer)
+        go = _deferred_reads(t)
+        landing = Landing()
+        pull = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, landing=landing,
+                                            remote_blocks=BLOCKS, remote_epoch=0, release=False))
+        await _until(lambda: landing.busy)
+        server.mute = True
+        await asyncio.sleep(0.8)  # past the lease
+        go.set()
+        with pytest.raises(PeerClosed, match="lost its lease"):
+            await asyncio.wait_for(pull, 5)
+        await _until(lambda: not landing.busy)
+        assert t.statistics().unpinned_reads == 1
+        want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+        into = _into()
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS, remote_epoch=0)
+        assert torch.equal(into, want)
+        assert t.statistics().unpinned_reads == 1  # the second READ was pinned
+        await _until(lambda: store.statistics().held_requests == 0 and server.statistics().pinned == 0)
