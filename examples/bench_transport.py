@@ -508,13 +508,14 @@ async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float
         arena = layout.new_pool(max(SIZES_MIB))  # a GEN pool: a full-slice pull lands in its blocks
         t.register(arena)  # the GEN registers its memory once
         await t.connect(peer)
+        epoch = (await t._conn(peer)).epoch  # the server put every entry before it revoked anything
         for mib in SIZES_MIB:
             into = arena[:mib]
             timer = _Timer(into.nbytes, budget_s)
             for _ in timer:
                 await t.pull(peer, f"r{mib}", layout.full_slice(), into, handle=_BENCH_HANDLE, release=False,
                              **({"remote_blocks": list(range(mib))} if name_blocks else {}),
-                             **({"remote_epoch": 0} if name_epoch else {}))  # put before any revocation
+                             **({"remote_epoch": epoch} if name_epoch else {}))
             out[str(mib)] = timer.result()
         conn = await t._conn(peer)  # the lookup alone: what the GEN pays to learn the block ids
         lookups = []

@@ -138,7 +138,7 @@ class ReceivePart:
     blocks: tuple[int, ...] | None = None
     """The peer's block ids of the request, when its prefill reply named them (one-sided reads)."""
     epoch: int | None = None
-    """The peer store's revocation count before it put the request, when named (unpinned READs)."""
+    """The peer store's epoch before it put the request, when named (unpinned READs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +166,7 @@ class ReceiveJob:
     kv_blocks: tuple[int, ...] | None = None
     """``peer``'s block ids of the request, when known (see ``ReceivePart.blocks``)."""
     kv_epoch: int | None = None
-    """``peer``'s revocation count before it put the request, when known (``ReceivePart.epoch``)."""
+    """``peer``'s store epoch before it put the request, when known (``ReceivePart.epoch``)."""
 
     def all_parts(self) -> tuple[ReceivePart, ...]:
         return self.parts or (ReceivePart(self.peer, self.handle, self.chunks, 0, self.kv_blocks, self.kv_epoch),)

@@ -83,7 +83,7 @@ class KVSource:
     """Its block ids of the request (None: the request's ``kv_blocks``, if any): a one-sided
     transport reads them without asking for them first."""
     kv_epoch: int | None = None
-    """Its store's revocation count before it put the request (None: the request's ``kv_epoch``,
+    """Its store's epoch before it put the request (``KVStore.epoch``; None: the request's ``kv_epoch``,
     if any): with it, a one-sided transport may READ those blocks without pinning them first."""
 
     def covers(self, head: int) -> bool:
@@ -139,7 +139,7 @@ class GenRequest:
     """The CTX's block ids holding the prompt's KV, in order, when its prefill reply named them
     (vLLM's ``remote_block_ids``): a one-sided (NIXL) pull then needs no lookup round trip."""
     kv_epoch: int | None = None
-    """The CTX store's revocation count before it put the request, when its prefill reply named
+    """The CTX store's epoch before it put the request (``KVStore.epoch``), when its prefill reply named
     it: a one-sided (NIXL) pull of ``kv_blocks`` then needs no pin (``KVStore.revocations``)."""
 
     def _filled(self, s: KVSource) -> KVSource:

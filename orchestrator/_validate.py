@@ -66,6 +66,6 @@ def _check_blocks(blocks: object, prompt_blocks: int, what: str) -> None:
 
 
 def _check_epoch(epoch: object, what: str) -> None:
-    """A CTX store's revocation count given with the request: None or a non-negative int."""
+    """A CTX store's epoch given with the request: None or a non-negative int."""
     if epoch is not None and (type(epoch) is not int or not 0 <= epoch < 1 << 63):
         raise ValueError(f"{what} must be a non-negative integer, got {epoch!r}")

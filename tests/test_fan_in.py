@@ -58,7 +58,7 @@ class ShardedCtx:
         for (peer, store), (h0, h1) in zip(self.stores.items(), self.ranges):
             ids = torch.tensor([self._free[peer].pop() for _ in range(n)], dtype=torch.int64)
             store.pool[ids] = kv[:, :, :, h0:h1]
-            epoch = store.revocations
+            epoch = store.epoch
             store.put(rid, ids, num_tokens=prompt_len, lease_s=60.0, handle=handle,
                       on_release=lambda p=peer, i=ids: self._free[p].extend(i.tolist()))
             sources.append(KVSource(peer, h0, h1, kv_blocks=tuple(ids.tolist()) if name_blocks else None,

@@ -148,19 +148,23 @@ async def test_revocations_are_acknowledged_after_the_reads_of_their_request_and
     from transports._nixl_common import _MAX_REVOKED
 
     conn, peer = pair
-    conn.epoch = 5
+    tag = 7 << 32  # the CTX store's (KVStore.epoch: a random tag, then the revocation count)
+    conn.epoch = tag | 5
     conn.lease_from(time.monotonic())
-    assert conn.vouches("a", 5) and conn.vouches("b", 6) and not conn.vouches("a", 4) and not conn.vouches("a", None)
+    assert conn.vouches("a", tag | 5) and conn.vouches("b", tag | 6) and not conn.vouches("a", tag | 4)
+    assert not conn.vouches("a", None) and not conn.vouches("a", (8 << 32) | 6)  # another store's (a restart)
     conn.read_begins("a")
-    await peer.send(frame({"t": "revoke", "rid": "a", "n": 1, "epoch": 6}) + frame({"t": "revoke", "rid": "b", "n": 2, "epoch": 7}))
+    await peer.send(frame({"t": "revoke", "rid": "a", "n": 1, "epoch": tag | 6})
+                    + frame({"t": "revoke", "rid": "b", "n": 2, "epoch": tag | 7}))
     await _until(lambda: len(peer.got) == 1)
-    assert peer.got == [{"t": "revoked", "n": [2]}] and not conn.vouches("a", 5) and not conn.vouches("b", 9)
+    assert peer.got == [{"t": "revoked", "n": [2]}] and not conn.vouches("a", tag | 5) and not conn.vouches("b", tag | 9)
     conn.read_ends("a")
     await _until(lambda: len(peer.got) == 2)
     assert peer.got[1] == {"t": "revoked", "n": [1]}
-    await peer.send(b"".join(frame({"t": "revoke", "rid": f"x{i}", "n": 10 + i, "epoch": 100 + i})
+    await peer.send(b"".join(frame({"t": "revoke", "rid": f"x{i}", "n": 10 + i, "epoch": tag | (100 + i)})
                              for i in range(_MAX_REVOKED)))
     await _until(lambda: len(peer.got) == 2 + _MAX_REVOKED)
-    assert len(conn.revoked) < _MAX_REVOKED and conn.epoch >= 100 + _MAX_REVOKED - 2
-    assert not conn.vouches("a", 5) and not conn.vouches("x0", 50) and conn.vouches("new", 100 + _MAX_REVOKED)
+    assert len(conn.revoked) < _MAX_REVOKED and conn.epoch >= tag | (100 + _MAX_REVOKED - 2)
+    assert not conn.vouches("a", tag | 5) and not conn.vouches("x0", tag | 50)
+    assert conn.vouches("new", tag | (100 + _MAX_REVOKED))
     assert conn.error is None

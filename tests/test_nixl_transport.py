@@ -163,6 +163,7 @@ def test_bench_transport_nixl_quick(tmp_path) -> None:
     assert set(res["results"]) == {"nixl-read [shm]", "nixl-pull [shm]"}, res["meta"]["notes"]
     pull = res["results"]["nixl-pull [shm]"]
     assert pull["1"]["gbps"] > 0 and pull["lookup_us"] > 0 and pull["adhoc_registrations"] == 0
+    assert pull["unpinned_reads"] > 0  # the block ids and the epoch given: no pin on the way
     assert any(c["target"].startswith("nixl-pull [shm] / raw") for c in res["targets"])
 
 

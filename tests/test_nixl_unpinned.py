@@ -1,5 +1,6 @@
 """Unpinned NIXL READs (issue 17): with the prefill reply's block ids and epoch (the CTX store's
-revocation count before it put the request), a GEN READs at once and waits for no pin answer.
+epoch before it put the request: its tag and revocation count), a GEN READs at once and waits for
+no pin answer.
 
 What keeps that safe (DESIGN invariant 12): the CTX frees nothing it decides to free on its own (a
 lease's end, a release not from the reader) before every GEN that may READ without a pin has
@@ -61,7 +62,7 @@ async def test_a_pull_named_with_its_epoch_reads_without_a_pin() -> None:
     async with _served() as (store, handle, server, peer, t):
         want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
         into = _into()
-        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS, remote_epoch=0)
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS, remote_epoch=store.epoch)
         assert torch.equal(into, want)
         assert t.statistics().unpinned_reads == 1 and not t._pinned
         await _until(lambda: store.statistics().held_requests == 0)  # released on its notification
@@ -84,7 +85,7 @@ async def test_a_revocation_waits_for_the_unpinned_read_in_flight(how: str) -> N
         want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
         into, landing = _into(), Landing()
         pull = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, landing=landing,
-                                            remote_blocks=BLOCKS, remote_epoch=0))
+                                            remote_blocks=BLOCKS, remote_epoch=store.epoch))
         await _until(lambda: landing.busy)
         if how == "released-by-the-ctx":
             assert store.release("r1", handle=handle)
@@ -103,7 +104,7 @@ async def test_a_revocation_waits_for_the_unpinned_read_in_flight(how: str) -> N
 @pytest.mark.anyio
 async def test_a_request_revoked_before_the_gen_connected_is_read_with_a_pin() -> None:
     """No GEN was connected when the CTX revoked "r1" (freed at once); a GEN that connects later
-    cannot know it was that one, so its prefill epoch (0, before the revocation) makes it pin: the
+    cannot know it was that one, so its prefill epoch (from before the revocation) makes it pin: the
     pin is refused and the bytes are not used. A request put after it connected needs no pin."""
     store = KVStore(LAYOUT, LAYOUT.new_pool(16).uniform_())
 
@@ -113,7 +114,7 @@ async def test_a_request_revoked_before_the_gen_connected_is_read_with_a_pin() -
     config = NIXLConfig(secret=SECRET)
     async with NIXLKVServer(store, config, host="127.0.0.1") as server:
         peer = f"127.0.0.1:{server.port}"
-        epoch = store.revocations
+        epoch = store.epoch
         handle = store.put("r1", IDS, num_tokens=25, lease_s=60, on_release=reuse)
         assert store.release("r1", handle=handle) and store.statistics().open_pins == 0  # nobody to wait for
         async with NIXLTransport(config, layout=LAYOUT) as t:
@@ -122,7 +123,7 @@ async def test_a_request_revoked_before_the_gen_connected_is_read_with_a_pin() -
                              remote_epoch=epoch)
             assert t.statistics().unpinned_reads == 0
             other = [1, 4, 6, 10, 11, 12, 13]
-            epoch2 = store.revocations
+            epoch2 = store.epoch
             h2 = store.put("r2", torch.tensor(other), num_tokens=25, lease_s=60)
             into = _into()
             await t.pull(peer, "r2", LAYOUT.full_slice(), into, handle=h2, remote_blocks=other, remote_epoch=epoch2)
@@ -135,11 +136,12 @@ async def test_a_request_revoked_before_the_gen_connected_is_read_with_a_pin() -
 async def test_a_request_the_gen_heard_revoked_is_read_with_a_pin() -> None:
     async with _served(server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
         await t.connect(peer)
+        epoch = store.epoch  # r1's (put before any revocation)
         assert store.release("r1", handle=handle)  # the CTX's own decision: revoked, acknowledged, freed
         await _until(lambda: store.statistics().open_pins == 0)
         assert server.statistics().revocations == 1 and bool((store.pool[IDS] == -1).all())
         with pytest.raises(UnknownRequest):
-            await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS, remote_epoch=0)
+            await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS, remote_epoch=epoch)
         assert t.statistics().unpinned_reads == 0 and server.statistics().pinned == 0
 
 
@@ -197,7 +199,7 @@ async def test_the_bytes_of_an_unpinned_read_that_outlived_the_lease_are_not_use
         go = _deferred_reads(t)
         landing = Landing()
         pull = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, landing=landing,
-                                            remote_blocks=BLOCKS, remote_epoch=0, release=False))
+                                            remote_blocks=BLOCKS, remote_epoch=store.epoch, release=False))
         await _until(lambda: landing.busy)
         server.mute = True
         await asyncio.sleep(0.8)  # past the lease
@@ -208,7 +210,34 @@ async def test_the_bytes_of_an_unpinned_read_that_outlived_the_lease_are_not_use
         assert t.statistics().unpinned_reads == 1
         want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
         into = _into()
-        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS, remote_epoch=0)
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS, remote_epoch=store.epoch)
         assert torch.equal(into, want)
         assert t.statistics().unpinned_reads == 1  # the second READ was pinned
         await _until(lambda: store.statistics().held_requests == 0 and server.statistics().pinned == 0)
+
+
+@pytest.mark.anyio
+async def test_a_reply_of_a_ctx_that_restarted_since_is_read_with_a_pin() -> None:
+    """The CTX restarts on the same address: its new store holds other KV in the blocks an old reply
+    named. The old reply's epoch carries the old store's tag, so the GEN pins (refused: the new CTX
+    holds no such request), and the pull fails instead of returning the new CTX's bytes."""
+    config = NIXLConfig(secret=SECRET)
+    old = KVStore(LAYOUT, LAYOUT.new_pool(16).uniform_())
+    epoch = old.epoch
+    handle = old.put("r1", IDS, num_tokens=25, lease_s=60)
+    async with NIXLTransport(config, layout=LAYOUT) as t:
+        async with NIXLKVServer(old, config, host="127.0.0.1") as first:
+            port = first.port
+            await t.connect(f"127.0.0.1:{port}")
+        new = KVStore(LAYOUT, LAYOUT.new_pool(16).uniform_())
+        while new.epoch >= epoch:  # a tag below the old one: order alone would vouch for the old reply
+            new = KVStore(LAYOUT, new.pool)
+        new.put("other", IDS, num_tokens=25, lease_s=60)
+        async with NIXLKVServer(new, config, host="127.0.0.1", port=port) as second:
+            peer = f"127.0.0.1:{second.port}"
+            await _until(lambda: t.statistics().endpoints == 0)  # the old connection ended
+            into = _into()
+            with pytest.raises(UnknownRequest):
+                await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS,
+                             remote_epoch=epoch)
+            assert t.statistics().unpinned_reads == 0  # pinned: whatever the READ got is not used

@@ -4,7 +4,7 @@ task: the waiting pull is woken straight from the socket's callback), and the fa
 (if any).
 
 It also keeps what lets a READ go without a pin (docs/transport.md, "Unpinned READs"): the CTX's
-epoch (its revocation count when this connection began, raised when too many revocations were
+epoch (its store's when this connection began, raised when too many revocations were
 remembered), the requests revoked since, the READs in flight per request (a revocation is
 acknowledged once its request's READs ended), and the connection's lease (``trusted_until``: the
 CTX keeps every block a revocation names until this GEN acknowledged it or its lease ended)."""
@@ -23,6 +23,7 @@ import structlog
 from ._errors import PeerClosed, ProtocolViolation, TransportError
 from ._layout import KVLayout
 from ._nixl_common import _HEAD, _MAX_MESSAGE_BYTES, _MAX_REVOKED, parse_msg, write_msg
+from ._store import epoch_vouches
 
 log = structlog.get_logger("transports.nixl")
 
@@ -59,9 +60,10 @@ class _Conn:
 
     def vouches(self, request_id: str, epoch: int | None) -> bool:
         """Whether a READ of ``request_id`` (put when the CTX's epoch was ``epoch``) may go without a
-        pin: no revocation this connection did not hear of can have been of it, none it heard of
-        was, and the connection's lease runs."""
-        return (self.epoch is not None and epoch is not None and epoch >= self.epoch
+        pin: the request is this CTX store's (not a restarted CTX's predecessor's), no revocation
+        this connection did not hear of can have been of it, none it heard of was, and the
+        connection's lease runs."""
+        return (epoch_vouches(epoch, self.epoch)
                 and request_id not in self.revoked and self.leased())
 
     def read_begins(self, request_id: str) -> None:

@@ -11,8 +11,9 @@ before every connected GEN has acknowledged its revocation ("revoke" / "revoked"
 its READs of the request ended, and READs it again only with a pin), closed its connection (it
 trusts nothing from then on; a process that dies closes it too), or let its connection lease end
 (``pin_timeout_s`` after its last "alive": past it, the GEN trusts no unpinned READ; a connection
-cut without a word waits for it: the CTX cannot tell whether that GEN still READs). The handshake and every revocation name the store's revocation count (its epoch): a request put
-before a GEN connected, with revocations in between, is READ with a pin."""
+cut without a word waits for it: the CTX cannot tell whether that GEN still READs). The handshake
+and every revocation name the store's epoch (its random tag and revocation count): a request put
+before a GEN connected, with revocations in between, or by another store, is READ with a pin."""
 
 from __future__ import annotations
 
@@ -283,7 +284,7 @@ class NIXLKVServer:
             return
         n = next(self._revocation_ids)
         self._revocations[n] = _Revocation(request_id, waiting, done)
-        msg = {"t": "revoke", "rid": request_id, "n": n, "epoch": self.store.revocations}
+        msg = {"t": "revoke", "rid": request_id, "n": n, "epoch": self.store.epoch}
         for gen in waiting:
             if not gen.writer.is_closing():  # a closed one's lease still runs: it goes when that ends
                 write_msg(gen.writer, msg)
@@ -349,7 +350,7 @@ class NIXLKVServer:
                                "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
                                "lease_ms": int(self._lease_s * 1000),
                                "pin_ms": int(self.config.pin_timeout_s * 1000),
-                               "epoch": self.store.revocations}).encode()
+                               "epoch": self.store.epoch}).encode()
             mac = _auth.server_mac(secret, ns, nc, info) if secret is not None else b""
             write_msg(writer, {"t": "ok", "mac": mac.hex(), "info": info.decode()})
             while True:

@@ -113,7 +113,7 @@ class Transport(Protocol):
         ``remote_blocks``: the peer's block ids of the request, when its prefill reply named them
         (``kv_transfer_params``-style); a one-sided transport then reads without asking for them
         first, a two-sided one ignores them. The engine passes it only when it is known.
-        ``remote_epoch``: the peer store's revocation count before it put the request (with
+        ``remote_epoch``: the peer store's epoch before it put the request (with
         ``remote_blocks``, when the prefill reply named it): a one-sided transport may then READ
         without pinning the blocks first; others ignore it."""
 

@@ -20,9 +20,10 @@ A full-slice checkout of blocks that form one ascending run is a zero-copy view 
 A one-sided transport (NIXL) whose readers READ without asking first installs ``guard_frees``:
 every free the store decides without the reader (a lease's end, a release not marked
 ``by_reader``) is then a revocation: the entry goes at once, its blocks stay allocated until the
-guard says every reader that may READ them has let go, and ``revocations`` counts them (a prefill
-reply names the count before its entry was put, so a reader can tell whether a revocation it
-never heard of may have been of its request).
+guard says every reader that may READ them has let go, and ``revocations`` counts them. ``epoch``
+names this store (a random tag per store: a CTX that restarted has another) and that count: a
+prefill reply names the epoch before its entry was put, so a reader can tell whether a revocation
+it never heard of may have been of its request, and that the request is this store's.
 
 The store is thread-safe: prefill (CTX execution) puts, the transport's event loop takes.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +54,18 @@ class _Held:
     run_start: int | None = None  # the first block when the blocks are one ascending run (a zero-copy view)
     pins: int = 0
     released: bool = False
+
+
+_EPOCH_BITS = 32
+_EPOCH_MASK = (1 << _EPOCH_BITS) - 1
+
+
+def epoch_vouches(epoch: int | None, since: int | None) -> bool:
+    """Whether no revocation counted after ``since`` (a store's epoch when a reader began hearing
+    its revocations) can have been of a request put at ``epoch``: both of one store, and the
+    request put no earlier (and the count not at its top, where it stops counting)."""
+    return (epoch is not None and since is not None and epoch >> _EPOCH_BITS == since >> _EPOCH_BITS
+            and since <= epoch < (epoch | _EPOCH_MASK))
 
 
 class Checkout:
@@ -95,6 +109,7 @@ class KVStore:
         self._pins = 0  # open checkouts and pins, of held and released entries
         self._revoker: Callable[[str, Callable[[], None]], None] | None = None
         self._revocations = 0
+        self._tag = (secrets.randbits(30) + 1) << _EPOCH_BITS  # this store among all (restarts included)
 
     def guard_frees(self, revoker: Callable[[str, Callable[[], None]], None] | None) -> None:
         """Route every free the store decides without the reader through ``revoker(request_id,
@@ -109,6 +124,13 @@ class KVStore:
         """Revocations so far (frees decided without the reader while a guard was installed)."""
         with self._lock:
             return self._revocations
+
+    @property
+    def epoch(self) -> int:
+        """This store's random tag (high bits) and its revocations so far (low 32 bits); past 2**32
+        revocations the count stays at its top (``same_store`` then vouches for nothing)."""
+        with self._lock:
+            return self._tag | min(self._revocations, _EPOCH_MASK)
 
     def _guard_locked(self, held: _Held) -> Callable[[], None] | None:
         """With a guard installed: pin ``held`` until its revocation ends; that pin's ``done``."""

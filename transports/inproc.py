@@ -139,7 +139,7 @@ class InProcTransport:
                     raise ProtocolViolation(f"{request_id}: the block ids given are not the ones {peer} holds", peer=peer)
                 if remote_epoch is not None:
                     c.pulls_with_epoch += 1
-                    if not 0 <= remote_epoch <= store.revocations:
+                    if not (remote_epoch >> 32 == store.epoch >> 32 and remote_epoch <= store.epoch):
                         raise ProtocolViolation(f"{request_id}: epoch {remote_epoch} is not one of {peer}'s", peer=peer)
             data = store.gather(request_id, kv_slice, handle=handle)
             if tuple(data.shape) != tuple(into.shape) or data.dtype != into.dtype:

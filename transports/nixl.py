@@ -9,7 +9,7 @@ it raises ``ImportError``. Protocol (docs/transport.md, "NIXL")::
     response(nc, client_mac) ───────────────────────────▶ verify
                         ◀── ok(server_mac(.., info), info)     info: KV layout, agent name, NIXL agent
     verify; check the layout; add_remote_agent(metadata)         metadata, pool address/size/block bytes,
-                                                                 epoch (its store's revocation count)
+                                                                 epoch (its store's tag and revocations)
     every third of the connection lease: alive ────────▶ this GEN's lease: pin_ms from now ◀── alive
 
     per pull, the prefill reply named the block ids and the epoch, and this connection vouches
@@ -379,7 +379,7 @@ class NIXLTransport:
                    remote_blocks: Sequence[int] | None = None, remote_epoch: int | None = None) -> int:
         """One READ of ``request_id``'s slice into ``into``. With ``remote_blocks`` (the CTX's block
         ids, from its prefill reply) the READ is posted at once. With ``remote_epoch`` too (the
-        CTX's revocation count before it put the request) and a connection that vouches for it
+        CTX store's epoch before it put the request) and a connection that vouches for it
         (no revocation it missed or heard of can have been of this request; its lease runs), the
         READ needs no pin: the CTX frees nothing it revokes before this GEN acknowledged, which it
         does once its READs of the request ended. Otherwise a pin travels beside the READ: the pull

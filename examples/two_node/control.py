@@ -37,7 +37,7 @@ CTX node (``ctx`` subcommand)::
        kv_handle: the unguessable token that GEN must present to pull or release this KV
        kv_blocks: that rank's pool blocks holding the prompt's KV, in order (vLLM's
        remote_block_ids): a NIXL GEN READs them at once, without asking for them first
-       kv_epoch: that rank's KV store revocation count before it stored the prompt's KV: a NIXL
+       kv_epoch: that rank's KV store epoch (its tag and revocation count) before it stored the prompt's KV: a NIXL
        GEN connected since then (it hears every later revocation) READs without pinning first
        kv_sources: where each KV head is held: one entry (kv_peer, every head) for a CTX TP1; one
        per rank for ``ctx --tp M`` (kv_peer is then rank 0's listener; block_checksums is empty and
@@ -199,7 +199,7 @@ MAX_KV_SOURCES = 64
 def kv_sources(msg: dict[str, Any], max_blocks: int = 1 << 20) -> list[
         tuple[str, int, int, tuple[int, ...] | None, int | None]]:
     """``msg["kv_sources"]`` as ``(peer, head_start, head_end, kv_blocks, kv_epoch)`` (``kv_blocks``:
-    that rank's block ids of the prompt; ``kv_epoch``: its store's revocation count before it
+    that rank's block ids of the prompt; ``kv_epoch``: its store's epoch before it
     stored them; each None when not named); [] when absent; raises ControlError."""
     value = msg.get("kv_sources")
     if value is None:

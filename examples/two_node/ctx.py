@@ -193,7 +193,7 @@ class CtxNode:
             first = await anyio.to_thread.run_sync(prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
             checksums = block_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
             per_head = head_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
-            epoch = self.store.revocations  # before the put: any revocation of this request comes after
+            epoch = self.store.epoch  # before the put: any revocation of this request comes after
             handle = self.store.put(rid, block_ids, num_tokens=len(prompt), lease_s=self.args.lease_s,
                                     on_release=lambda: self.on_free(block_ids))
         except ValueError as exc:  # duplicate id

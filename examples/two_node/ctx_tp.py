@@ -219,7 +219,7 @@ class CtxGroup:
             first = (first + 1) % node.model.config.vocab_size  # the fault drill: this rank disagrees
         crcs = head_checksums(node.pool.kv, blocks) if checksums else []
         stored, error = True, None
-        epoch = node.store.revocations  # before the put: any revocation of this request comes after
+        epoch = node.store.epoch  # before the put: any revocation of this request comes after
         try:
             node.store.put(rid, blocks, num_tokens=len(prompt), lease_s=lease_s, handle=handle,
                            on_release=lambda: node.on_free(blocks, rid))
