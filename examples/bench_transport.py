@@ -768,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="shm,tcp,netns",
                    help=f"network configs, of {sorted(CONFIGS) + sorted(VARIANTS) + sorted(NIXL_VARIANTS)} "
                         "(netns is skipped without root)")
-    p.add_argument("--modes", default="sockets,ucx-raw,ucx-pull,ucx-pull-v1,nixl-read,nixl-pull,memcpy,gather")
+    p.add_argument("--modes", default="sockets,ucx-raw,ucx-pull,ucx-pull-v1,nixl-read,nixl-pull,nixl-pull-pinned,memcpy,gather")
     p.add_argument("--variants", action="store_true", help="also run the UCX configs the defaults were chosen against")
     p.add_argument("--nixl-variants", action="store_true", help="also run nixl-read under the NIXL knobs probed")
     p.add_argument("--rounds", type=int, default=3,

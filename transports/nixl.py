@@ -13,7 +13,8 @@ it raises ``ImportError``. Protocol (docs/transport.md, "NIXL")::
     every third of the connection lease: alive ────────▶ this GEN's lease: pin_ms from now ◀── alive
 
     per pull, the prefill reply named the block ids and the epoch, and this connection vouches
-    (the request's epoch >= the connection's, not revoked since, lease running): an UNPINNED READ
+    (the request's epoch is this store's, >= the connection's; not revoked since; lease running):
+    an UNPINNED READ
     one NIXL READ of the blocks straight into ``into``
     with notification "kvo2:[id, handle, keep]" ─(UCX)─▶ release unless keep (the handle decides)
     per pull otherwise, a PINNED READ (the block ids from the prefill reply, or a lookup first):
