@@ -241,3 +241,51 @@ async def test_a_reply_of_a_ctx_that_restarted_since_is_read_with_a_pin() -> Non
                 await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS,
                              remote_epoch=epoch)
             assert t.statistics().unpinned_reads == 0  # pinned: whatever the READ got is not used
+
+
+@pytest.mark.anyio
+async def test_a_lease_that_ended_is_not_renewed_so_a_missed_revocation_cannot_be_trusted() -> None:
+    """The GEN's "alive" messages go unanswered past its lease (a stalled network): the CTX lets go
+    of that GEN and revokes "r1" without asking it. When the GEN's messages flow again, the CTX
+    refuses to renew the lease it let end: the GEN READs pinned on that connection from then on,
+    so the revocation it never heard of fails its pull instead of handing it reused blocks."""
+
+    class Stalled(NIXLKVServer):
+        stalled = False
+
+        def _handle(self, msg: dict, gen: Any) -> dict | None:
+            if self.stalled and msg.get("t") == "alive":
+                return None
+            return super()._handle(msg, gen)
+
+    async with _served(pin_timeout_s=0.6, server=Stalled, server_kw={"expire_interval_s": 0.05}) as (
+            store, handle, server, peer, t):
+        conn = await t._conn(peer)
+        epoch = store.epoch
+        server.stalled = True
+        await _until(lambda: server.statistics().gens == 0, timeout=3)  # its lease ended on the CTX
+        assert store.release("r1", handle=handle) and store.statistics().open_pins == 0  # nobody asked
+        server.stalled = False
+        await asyncio.sleep(0.5)  # the GEN's next "alive" is refused
+        assert conn.epoch is None and t.statistics().endpoints == 1
+        with pytest.raises(UnknownRequest):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS,
+                         remote_epoch=epoch)
+        assert t.statistics().unpinned_reads == 0
+
+
+@pytest.mark.anyio
+async def test_an_unpinned_read_s_notification_releases_only_with_the_request_s_handle() -> None:
+    """What the CTX does with "kvo2:" notifications (any NIXL peer can send one): a wrong handle, a
+    malformed body or "keep" releases nothing; the request's own handle releases it."""
+    async with _served(server_kw={"idle_notif_poll_s": 0.01}) as (store, handle, server, peer, t):
+        conn = await t._conn(peer)
+        for body in (b'kvo2:["r1","' + b"0" * 32 + b'",false]', b"kvo2:[r1", b'kvo2:["r1",null,false]',
+                     b'kvo2:["r1","' + handle.encode() + b'",true]'):
+            t.agent.send_notif(conn.agent_name, body)
+        await _until(lambda: server.statistics().served == 1)  # the kept one, with its handle
+        await asyncio.sleep(0.1)
+        assert "r1" in store._held and server.statistics().unpinned_reads == 1
+        t.agent.send_notif(conn.agent_name, b'kvo2:["r1","' + handle.encode() + b'",false]')
+        await _until(lambda: "r1" not in store._held)
+        assert server.statistics().served == 2 and store.statistics().open_pins == 0

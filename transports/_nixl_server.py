@@ -204,10 +204,16 @@ class NIXLKVServer:
         except (ValueError, TypeError, InvalidRequestId):
             log.warning("nixl_bad_notification", body=body[:80])
             return
+        try:
+            if keep:
+                self.store.num_blocks(rid, handle=handle)  # held, and that handle is its own
+            elif not self.store.release(rid, handle=handle, by_reader=True):
+                raise UnknownRequest(rid)
+        except UnknownRequest:  # another handle's, or gone (revoked while it was read): nothing to do
+            log.debug("nixl_notification_unmatched", request_id=rid[:40])
+            return
         self._unpinned_reads += 1
         self._served += 1
-        if not keep:
-            self.store.release(rid, handle=handle, by_reader=True)
 
     def _done(self, token: str, *, ok: bool) -> None:
         pin = self._pins.pop(token, None)
