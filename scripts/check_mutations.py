@@ -186,7 +186,7 @@ M = [
  ("17 a GEN's closed socket lets go", "transports/_nixl_server.py", "            if gen is not None and gen_closed:\n", "            if False:\n", "tests/test_nixl_unpinned.py -k closed_its_connection"),
  ("17 a lapsed lease lets go", "transports/_nixl_server.py", "for gen in [g for g in self._gens if g.lease_end <= now]:", "for gen in []:", "tests/test_nixl_unpinned.py -k cut"),
  ("17 GEN acks a revocation after its READs", "transports/_nixl_conn.py", "        if self.reading.get(rid):\n", "        if False:\n", "tests/test_nixl_conn.py -k revocations tests/test_nixl_unpinned.py -k waits"),
- ("17 GEN ends a watched READ's count", "transports/nixl.py", "            conn.read_ends(request_id)  # over: a revocation of its request may be acknowledged\n", "", "tests/test_nixl_unpinned.py -k waits"),
+ ("17 GEN ends a watched READ's count", "transports/nixl.py", "            landing.end()\n            conn.read_ends(request_id)\n\n", "            landing.end()\n\n", "tests/test_nixl_unpinned.py -k waits"),
  ("17 unpinned only from the connection's epoch", "transports/_store.py", "            and since <= epoch < (epoch | _EPOCH_MASK))", "            and epoch < (epoch | _EPOCH_MASK))", "tests/test_nixl_unpinned.py -k before_the_gen_connected"),
  ("17 unpinned only from the same CTX store", "transports/_store.py", "epoch >> _EPOCH_BITS == since >> _EPOCH_BITS", "True", "tests/test_nixl_unpinned.py -k restarted"),
  ("17 no unpinned READ of a revoked request", "transports/_nixl_conn.py", "                and request_id not in self.revoked and self.leased())", "                and self.leased())", "tests/test_nixl_unpinned.py -k heard"),

@@ -34,6 +34,18 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+class Unanswering(NIXLKVServer):
+    """A CTX that leaves "alive" messages unanswered while ``silent`` (a stalled network, as its
+    GENs see it): their connection leases run out on both ends."""
+
+    silent = False
+
+    def _handle(self, msg: dict, gen: Any) -> dict | None:
+        if self.silent and msg.get("t") == "alive":
+            return None
+        return super()._handle(msg, gen)
+
+
 def _deferred_reads(t: NIXLTransport) -> asyncio.Event:
     """Make ``t``'s READs copy only once the returned event is set (NIXL reports them in progress
     until then), so that a READ is really in flight while the CTX acts."""
@@ -185,15 +197,7 @@ async def test_the_bytes_of_an_unpinned_read_that_outlived_the_lease_are_not_use
     cannot know whether a revocation it never heard of freed the blocks, so the pull fails; the next
     pull of a request uses a pin."""
 
-    class Mute(NIXLKVServer):
-        mute = False
-
-        def _handle(self, msg: dict, gen: Any) -> dict | None:
-            if self.mute and msg.get("t") == "alive":
-                return None
-            return super()._handle(msg, gen)
-
-    async with _served(pin_timeout_s=0.6, server=Mute, server_kw={"expire_interval_s": 0.05}) as (
+    async with _served(pin_timeout_s=0.6, server=Unanswering, server_kw={"expire_interval_s": 0.05}) as (
             store, handle, server, peer, t):
         await t.connect(peer)
         go = _deferred_reads(t)
@@ -201,7 +205,7 @@ async def test_the_bytes_of_an_unpinned_read_that_outlived_the_lease_are_not_use
         pull = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, landing=landing,
                                             remote_blocks=BLOCKS, remote_epoch=store.epoch, release=False))
         await _until(lambda: landing.busy)
-        server.mute = True
+        server.silent = True
         await asyncio.sleep(0.8)  # past the lease
         go.set()
         with pytest.raises(PeerClosed, match="lost its lease"):
@@ -250,22 +254,14 @@ async def test_a_lease_that_ended_is_not_renewed_so_a_missed_revocation_cannot_b
     refuses to renew the lease it let end: the GEN READs pinned on that connection from then on,
     so the revocation it never heard of fails its pull instead of handing it reused blocks."""
 
-    class Stalled(NIXLKVServer):
-        stalled = False
-
-        def _handle(self, msg: dict, gen: Any) -> dict | None:
-            if self.stalled and msg.get("t") == "alive":
-                return None
-            return super()._handle(msg, gen)
-
-    async with _served(pin_timeout_s=0.6, server=Stalled, server_kw={"expire_interval_s": 0.05}) as (
+    async with _served(pin_timeout_s=0.6, server=Unanswering, server_kw={"expire_interval_s": 0.05}) as (
             store, handle, server, peer, t):
         conn = await t._conn(peer)
         epoch = store.epoch
-        server.stalled = True
+        server.silent = True
         await _until(lambda: server.statistics().gens == 0, timeout=3)  # its lease ended on the CTX
         assert store.release("r1", handle=handle) and store.statistics().open_pins == 0  # nobody asked
-        server.stalled = False
+        server.silent = False
         await asyncio.sleep(0.5)  # the GEN's next "alive" is refused
         assert conn.epoch is None and t.statistics().endpoints == 1
         with pytest.raises(UnknownRequest):

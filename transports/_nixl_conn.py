@@ -140,7 +140,6 @@ class _Conn:
             if not fut.done():
                 fut.set_exception(err)
         self.waiting.clear()
-        self.trusted_until = 0.0  # revocations can no longer arrive: no unpinned READ is vouched for
         self.writer.close()
 
     def ask(self, msg: dict[str, Any]) -> tuple[int, asyncio.Future[dict[str, Any]]]:

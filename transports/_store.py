@@ -128,24 +128,19 @@ class KVStore:
     @property
     def epoch(self) -> int:
         """This store's random tag (high bits) and its revocations so far (low 32 bits); past 2**32
-        revocations the count stays at its top (``same_store`` then vouches for nothing)."""
+        revocations the count stays at its top (``epoch_vouches`` then vouches for nothing)."""
         with self._lock:
             return self._tag | min(self._revocations, _EPOCH_MASK)
 
     def _guard_locked(self, held: _Held) -> Callable[[], None] | None:
-        """With a guard installed: pin ``held`` until its revocation ends; that pin's ``done``."""
+        """With a guard installed: pin ``held`` until its revocation ends; that pin's ``done`` (a
+        checkout's idempotent ``close``)."""
         if self._revoker is None:
             return None
         held.pins += 1
         self._pins += 1
         self._revocations += 1
-        ended = threading.Event()
-
-        def done() -> None:
-            if not ended.is_set():
-                ended.set()
-                self._unpin(held)
-        return done
+        return Checkout(self, held, None).close  # type: ignore[arg-type]
 
     def put(
         self,

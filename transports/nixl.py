@@ -634,9 +634,7 @@ class NIXLTransport:
                 state = "ERR"
             if state != "PROC":
                 self._unpin(conn, token, tell=state != "DONE")
-                if self._end_read(xfer, adhoc):
-                    landing.end()
-                    conn.read_ends(request_id)
+                self._read_over(conn, request_id, xfer, adhoc, landing)
                 return state
         state = await self._poller.wait(xfer, timeout)
         if state == "PROC":
@@ -653,10 +651,15 @@ class NIXLTransport:
                           "its destination stays busy")
                 return "TIMEOUT"  # landing stays busy: the memory may still be written
         self._unpin(conn, token, tell=state != "DONE")  # DONE: the CTX has its notification
+        self._read_over(conn, request_id, xfer, adhoc, landing)
+        return state
+
+    def _read_over(self, conn: _Conn, request_id: str, xfer: Any, adhoc: Any, landing: Landing) -> None:
+        """A watched READ NIXL no longer reports in progress: free its handle and, if NIXL let go of
+        it, end its landing and its count (a revocation of its request may be acknowledged)."""
         if self._end_read(xfer, adhoc):
             landing.end()
-            conn.read_ends(request_id)  # over: a revocation of its request may be acknowledged
-        return state
+            conn.read_ends(request_id)
 
     async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
         try:
