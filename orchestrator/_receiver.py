@@ -295,7 +295,12 @@ class ReceiveGroup:
 
     def connect_blocking(self, peer: str, timeout: float, *, clock: Clock = REAL_CLOCK) -> None:
         """Connect from a non-loop thread and wait for it, up to ``timeout`` s of ``clock`` (only the
-        ``inline`` baseline does this). A failed connect is not raised: the receive itself fails and reports."""
+        ``inline`` baseline does this). A failed connect is not raised: the receive itself fails and reports.
+        A peer already connected costs no turn of the event loop (as the original path reused its
+        connections): only a new peer is waited for."""
+        connected = getattr(self._transport, "connected", None)  # a transport that predates it: always asked
+        if connected is not None and connected(peer):
+            return
         done = clock.event()
 
         async def connect() -> None:
@@ -443,30 +448,31 @@ class ReceiveGroup:
         result: ReceiveResult | None = None
         rid, peer = job.request_id, job.peer
         landing = Landing()
+        box = [0]  # bytes moved by finished pulls (of every part)
         try:
-            with anyio.CancelScope() as scope:
+            # one scope for both endings: its deadline (from the start of this receive) and a cancel
+            deadline = anyio.current_time() + self._timeout_s
+            with anyio.CancelScope(deadline=deadline) as scope:
                 self._scopes[rid] = scope
                 with self._lock:
                     if rid in self._cancel_early:
                         self._cancel_early.discard(rid)
                         scope.cancel()
-                box = [0]  # bytes moved by finished pulls (of every part)
                 try:
-                    with anyio.fail_after(self._timeout_s):  # from the start of this receive
-                        ids = self._scatter.block_ids(job.block_ids)
-                        keep: list[torch.Tensor] = []
-                        parts = job.all_parts()
-                        if len(parts) > 1 and job.parts_at_once:
-                            await self._receive_parts(job, parts, ids, landing, keep, box)
-                        else:
-                            for part in parts:
-                                await self._receive_part(job, part, ids, landing, keep, box)
-                        await self._scatter.wait(keep)
-                        if self._on_received is not None:  # e.g. checksums, before decode writes
-                            self._on_received(rid, job.block_ids)
+                    ids = self._scatter.block_ids(job.block_ids)
+                    keep: list[torch.Tensor] = []
+                    parts = job.all_parts()
+                    if len(parts) > 1 and job.parts_at_once:
+                        await self._receive_parts(job, parts, ids, landing, keep, box)
+                    else:
+                        for part in parts:
+                            await self._receive_part(job, part, ids, landing, keep, box)
+                    await self._scatter.wait(keep)
+                    if self._on_received is not None:  # e.g. checksums, before decode writes
+                        self._on_received(rid, job.block_ids)
                     moved = box[0]
                     result = ReceiveResult(rid, peer, moved, time.perf_counter() - started)
-                except TimeoutError:
+                except TimeoutError:  # a transport's own timeout
                     moved = box[0]
                     result = self._failed(job, moved, started, FailureReason.TIMEOUT, f"no KV within {self._timeout_s:.3f} s")
                 except TransportError as exc:
@@ -476,7 +482,10 @@ class ReceiveGroup:
                     moved = box[0]
                     log.exception("receive_crashed", request_id=rid, peer=peer)
                     result = self._failed(job, moved, started, FailureReason.INTERNAL, repr(exc))
-            if result is None:
+            if result is None and scope.cancelled_caught and anyio.current_time() >= deadline:
+                moved = box[0]
+                result = self._failed(job, moved, started, FailureReason.TIMEOUT, f"no KV within {self._timeout_s:.3f} s")
+            elif result is None:
                 result = self._failed(job, moved, started, FailureReason.ABORTED, "aborted")
         finally:
             self._scopes.pop(rid, None)

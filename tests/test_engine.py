@@ -13,7 +13,7 @@ import structlog
 
 from orchestrator import DeferReason, FailureReason, InvalidRequest, KVSlice, Mode, RequestState
 from transports import PeerClosed, ProtocolViolation
-from tests.harness import BLOCK, LAYOUT, make_config
+from tests.harness import BLOCK, LAYOUT, PEER, make_config
 
 pytestmark = pytest.mark.anyio
 
@@ -258,6 +258,26 @@ async def test_inline_reserve_is_woken_by_a_receive_ending_not_by_a_step(harness
             await h.step_off_loop()
             await anyio.sleep(0.01)
     assert h.final("first").state is h.final("second").state is RequestState.FINISHED
+
+
+async def test_inline_connects_on_the_loop_only_when_the_peer_is_not_connected(harness_factory) -> None:
+    """The inline path waits for the event loop to connect a new peer; a connected one costs no
+    hand-over (each one is a wait of the execution thread on a possibly busy loop)."""
+    h = await harness_factory(make_config(mode=Mode.INLINE))
+    receiver = h.engine.receiver
+    hops: list[object] = []
+    call_soon = receiver.call_soon
+    receiver.call_soon = lambda fn: hops.append(fn) or call_soon(fn)  # type: ignore[method-assign]
+    for rid in ("a", "b"):
+        h.submit(rid, max_tokens=2)
+        await h.run_until_idle_off_loop()
+    assert len(hops) == 1  # the first connect only
+    h.transport.set_peer_down(PEER, True)  # the connection is gone: the next admission asks again
+    h.transport.set_peer_down(PEER, False)
+    h.submit("c", max_tokens=2)
+    await h.run_until_idle_off_loop()
+    assert len(hops) == 2
+    assert all(h.final(r).state is RequestState.FINISHED for r in "abc")
 
 
 async def test_ideal_mode_runs_at_once_without_transport(harness_factory) -> None:

@@ -167,14 +167,17 @@ def test_connect_blocking_waits_in_virtual_time() -> None:
             t0 = trio.current_time()
             await thread.call(lambda: group.connect_blocking(CTX_PEER, 1.0, clock=clock))
             first = trio.current_time() - t0
+            waits = clock.blocked_waits
             await thread.call(lambda: group.connect_blocking(CTX_PEER, 1.0, clock=clock))  # reused endpoint
             second = trio.current_time() - t0 - first
             group.close()
-        return first, second
+        return first, second, waits, clock.blocked_waits
 
-    (first, second), _, _ = _run(scenario)
+    (first, second, waits, after), _, _ = _run(scenario)
     assert first == pytest.approx(0.040)
+    assert waits == 1
     assert second == pytest.approx(0.0)
+    assert after == waits  # a connected peer is not handed to the loop at all
 
 
 def test_the_engine_waits_through_the_clock_it_is_given() -> None:

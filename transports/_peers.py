@@ -56,6 +56,11 @@ class PeerConnections(Generic[C]):
         now = time.monotonic()
         return sum(1 for until, _ in self._down.values() if until > now)
 
+    def has(self, peer: str) -> bool:
+        """A usable connection to ``peer`` exists (a read of one dict entry: safe from any thread)."""
+        conn = self.conns.get(peer)
+        return conn is not None and self._usable(conn)
+
     async def get(self, peer: str) -> C:
         if self.closed:
             raise PeerClosed("transport is closed", peer=peer)

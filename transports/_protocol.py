@@ -92,6 +92,10 @@ class Transport(Protocol):
     async def connect(self, peer: str) -> None:
         """Make sure an endpoint to ``peer`` exists (reused by later pulls)."""
 
+    def connected(self, peer: str) -> bool:
+        """Whether a usable endpoint to ``peer`` exists now (no I/O; callable from any thread). A
+        hint: True lets a caller skip ``connect``, and a connection that broke since fails the pull."""
+
     async def pull(
         self,
         peer: str,

@@ -96,6 +96,9 @@ class InProcTransport:
             raise PeerUnreachable(f"cannot reach {peer}", peer=peer)
         return self._stores[peer]
 
+    def connected(self, peer: str) -> bool:
+        return peer in self._connected and peer not in self._down
+
     async def connect(self, peer: str) -> None:
         self._store(peer)
         if peer not in self._connected:

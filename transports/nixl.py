@@ -239,6 +239,9 @@ class NIXLTransport:
     async def connect(self, peer: str) -> None:
         await self._conn(peer)
 
+    def connected(self, peer: str) -> bool:
+        return self._peers.has(peer)
+
     async def _conn(self, peer: str) -> _Conn:
         return await self._peers.get(peer)
 

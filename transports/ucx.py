@@ -133,6 +133,9 @@ class UCXTransport:
     async def connect(self, peer: str) -> None:
         await self._endpoint(peer)
 
+    def connected(self, peer: str) -> bool:
+        return self._peers.has(peer)
+
     async def _endpoint(self, peer: str) -> _Endpoint:
         return await self._peers.get(peer)
 

@@ -264,6 +264,9 @@ class ModelledTransport:
     def link(self) -> ModelledLink:
         return self._links[CTX_PEER]
 
+    def connected(self, peer: str) -> bool:
+        return peer in self._connected
+
     async def connect(self, peer: str) -> None:
         if peer not in self._links:
             raise PeerUnreachable(f"cannot reach {peer}", peer=peer)
