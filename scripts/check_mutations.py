@@ -121,6 +121,8 @@ M = [
  ("7 the model group has its own timeout", "examples/two_node/tp_group.py", "timeout=datetime.timedelta(seconds=model_timeout_s(args)), backend=model_backend())", "timeout=datetime.timedelta(seconds=args.tp_step_timeout_s), backend=model_backend())", "tests/test_tp_heal_units.py -k own_timeouts"),
  ("8 CTX first-token disagreement fails that prefill only", "examples/two_node/ctx_tp.py", "        if not all(p[\"ok\"] for p in parts) or len(set(firsts)) != 1:", "        if not all(p[\"ok\"] for p in parts):", "tests/test_tp_heal.py -k disagreeing"),
  ("9 KV checksums off the event loop", "examples/two_node/gen_tp.py", "        self._pool.submit(work)\n", "        work()\n", "tests/test_tp_heal_units.py -k worker_thread"),
+ ("16 a group that fails to form is retried ever later", "examples/two_node/tp_group.py", "    return min(most_s, 2.0 ** (failed - 1))", "    return 1.0", "tests/test_tp_heal_units.py -k growing_wait"),
+ ("16 a group that cannot form gives up when told", "examples/two_node/tp_group.py", "                if limit and failed >= limit:\n", "                if False:\n", "tests/test_tp_heal_units.py -k gives_up"),
  ("16 a model collective's break keeps the group's cause", "orchestrator/_loop.py", "exc.cause if isinstance(exc, GroupBroken)", "str(exc) if False", "tests/test_hardening.py -k one_cause"),
  # issue 18: the replay in virtual time runs the library's own waits and admission
  ("18 budget waits through its clock", "orchestrator/_budget.py", "        event = self.clock.event()", "        event = threading.Event()", "tests/test_sim.py -k virtual_time"),

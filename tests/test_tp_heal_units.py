@@ -219,3 +219,84 @@ def test_the_fronts_health_shows_each_groups_restarts_and_last_cause() -> None:
     nodes = cluster.health()["nodes"]
     assert "restarts" not in nodes[0]
     assert nodes[1]["restarts"] == 2 and nodes[1]["last_cause"] == "GEN rank 2 (pid 7) was killed by SIGKILL"
+    assert "form_failures" not in nodes[1]  # healed at the first attempt each time: nothing more to say
+    gen.stats["tp"].update(regrouping=True, form_failures=3, last_form_error="RuntimeError: rank 1 exited")
+    node = cluster.health()["nodes"][1]
+    assert node["regrouping"] and node["form_failures"] == 3 and node["last_form_error"] == "RuntimeError: rank 1 exited"
+
+
+class _Node:
+    """A GroupNode that records what the healer asked of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def broken(self) -> str | None:
+        return None
+
+    async def fail(self, cause: str) -> None:
+        self.calls.append("fail")
+
+    async def stop(self) -> None:
+        self.calls.append("stop")
+
+    async def start(self, group: object) -> None:
+        self.calls.append("start")
+
+
+def _healer(monkeypatch: pytest.MonkeyPatch, failures: int, **args: object) -> tuple[tp_group.Healer, list[float]]:
+    """A healer whose ``form`` fails ``failures`` times, then succeeds; returns it and the waits it slept."""
+    attempts = []
+
+    def form(*a: object, **kw: object) -> object:
+        attempts.append(1)
+        if len(attempts) <= failures:
+            raise RuntimeError(f"rank 1 could not start (attempt {len(attempts)})")
+        return argparse.Namespace(children=[], generation=a[2])
+
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    monkeypatch.setattr(tp_group, "form", form)
+    monkeypatch.setattr("anyio.sleep", sleep)
+    ns = argparse.Namespace(tp_step_timeout_s=10.0, argv=[], tp_reform_backoff_max_s=30.0, tp_reform_attempts=0)
+    for k, v in args.items():
+        setattr(ns, k, v)
+    return tp_group.Healer("GEN", ns, argparse.Namespace(children=[], generation=3)), waits
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_group_that_fails_to_form_is_retried_with_a_growing_wait_then_serves(monkeypatch) -> None:
+    healer, waits = _healer(monkeypatch, failures=7)
+    node = _Node()
+    await healer._heal(node, "GEN rank 1 was killed")
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]  # doubling, at most --tp-reform-backoff-max-s
+    assert node.calls == ["fail", "stop", "start"]
+    s = healer.statistics()
+    assert s["restarts"] == 1 and s["generation"] == 4 and not s["regrouping"]
+    assert s["form_failures"] == 7 and "attempt 7" in s["last_form_error"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_group_that_cannot_form_gives_up_after_the_attempts_allowed(monkeypatch) -> None:
+    healer, waits = _healer(monkeypatch, failures=100, tp_reform_attempts=3)
+    node = _Node()
+    with pytest.raises(RuntimeError, match="in 3 attempts.*attempt 3"):
+        await healer._heal(node, "GEN rank 1 was killed")
+    assert waits == [1.0, 2.0]  # no wait after the last attempt
+    assert node.calls == ["fail", "stop"]  # never served on a half-formed group
+    assert healer.statistics()["regrouping"]
+
+
+def test_reform_arguments_are_checked_at_start() -> None:
+    parser = argparse.ArgumentParser()
+    tp_group.add_timeout_args(parser.add_argument_group())
+    model = dict(tp=2, layers=2, heads=4, kv_heads=2, head_dim=16, max_seq_len=2048, seed=0)
+    gen_tp.check_args(argparse.Namespace(**vars(parser.parse_args([])), **model))  # the defaults pass
+    for bad in (["--tp-reform-backoff-max-s", "0.5"], ["--tp-reform-attempts", "-1"]):
+        with pytest.raises(SystemExit, match="reform"):
+            gen_tp.check_args(argparse.Namespace(**vars(parser.parse_args(bad)), **model))

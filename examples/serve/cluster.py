@@ -215,9 +215,16 @@ class Cluster:
 
 
 def _group_health(stats: dict[str, Any] | None) -> dict[str, Any]:
-    """A tensor-parallel node's healing: how often its group was re-formed, and why the last time."""
+    """A tensor-parallel node's healing: how often its group was re-formed, and why the last time;
+    while re-forming, whether it is and its failed attempts to (with the last one's error)."""
     tp = (stats or {}).get("tp") or {}
-    return {"restarts": tp["restarts"], "last_cause": tp.get("last_cause")} if "restarts" in tp else {}
+    if "restarts" not in tp:
+        return {}
+    out = {"restarts": tp["restarts"], "last_cause": tp.get("last_cause")}
+    if tp.get("regrouping") or tp.get("form_failures"):
+        out.update(regrouping=bool(tp.get("regrouping")), form_failures=tp.get("form_failures", 0),
+                   last_form_error=tp.get("last_form_error"))
+    return out
 
 
 # -- starting nodes -------------------------------------------------------------------------------

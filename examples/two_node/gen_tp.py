@@ -68,6 +68,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --tp {args.tp} does not fit this model: {exc}") from None
     if args.tp_step_timeout_s <= 0 or tp_group.model_timeout_s(args) < args.tp_step_timeout_s:
         raise SystemExit("error: --tp-step-timeout-s must be > 0 and --tp-model-timeout-s at least as long")
+    if not args.tp_reform_backoff_max_s >= 1.0 or args.tp_reform_attempts < 0:
+        raise SystemExit("error: --tp-reform-backoff-max-s must be >= 1 and --tp-reform-attempts >= 0")
 
 
 def run_in_group(args: argparse.Namespace, node_main: Any, *, notes: bool = False) -> int:

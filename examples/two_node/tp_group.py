@@ -48,6 +48,12 @@ def add_timeout_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--tp-step-timeout-s", "--tp-timeout-s", dest="tp_step_timeout_s", type=float, default=10.0,
                    help="a rank that does not join a step exchange within this (dead, stopped, stuck) breaks the "
                         "group: rank 0 fails what it holds, kills the ranks and forms a new group")
+    g.add_argument("--tp-reform-backoff-max-s", type=float, default=30.0,
+                   help="rank 0 retries forming a new group after a failed attempt, waiting 1 s, then twice as long "
+                        "each time, at most this long")
+    g.add_argument("--tp-reform-attempts", type=int, default=0,
+                   help="failed attempts in a row after which rank 0 gives up and exits with an error, for a "
+                        "supervisor to restart the node (0: retry without limit)")
     g.add_argument("--tp-model-timeout-s", type=float, default=None,
                    help="the model's collectives (their own group); default: 3 x --tp-step-timeout-s, so a stall "
                         "shorter than the step timeout never fails them (rank 0 heals a longer one itself)")
@@ -313,6 +319,11 @@ def _looks_like_the_group(exc: BaseException) -> bool:
 
 # -- rank 0's healing loop ------------------------------------------------------------------------------
 
+def reform_backoff_s(failed: int, most_s: float) -> float:
+    """The wait after the ``failed``-th failed attempt in a row to form a group: 1, 2, 4 ... s, at most ``most_s``."""
+    return min(most_s, 2.0 ** (failed - 1))
+
+
 class GroupNode(Protocol):
     """What a node's rank 0 gives the healer (``Healer.run``)."""
 
@@ -342,12 +353,16 @@ class Healer:
         self.last_cause: str | None = None
         self.regrouping = False
         self.last_heal_s: float | None = None
+        self.form_failures = 0
+        """Failed attempts to form a new group, all heals together."""
+        self.last_form_error: str | None = None
         self._extra_env = extra_env
         self._extra_argv = extra_argv
 
     def statistics(self) -> dict[str, Any]:
         return {"restarts": self.restarts, "last_cause": self.last_cause, "regrouping": self.regrouping,
-                "generation": self.group.generation, "last_heal_s": self.last_heal_s}
+                "generation": self.group.generation, "last_heal_s": self.last_heal_s,
+                "form_failures": self.form_failures, "last_form_error": self.last_form_error}
 
     async def run(self, node: GroupNode) -> None:
         import anyio
@@ -374,6 +389,8 @@ class Healer:
         await node.fail(cause)
         await node.stop()
         generation = self.group.generation + 1
+        limit = self.args.tp_reform_attempts
+        failed = 0
         while True:
             try:
                 group = await anyio.to_thread.run_sync(
@@ -381,8 +398,16 @@ class Healer:
                                  extra_argv=self._extra_argv))
                 break
             except Exception as exc:  # e.g. a rank could not start: try again, still refusing work
-                log.error("tp_group_form_failed", role=self.role, error=f"{type(exc).__name__}: {exc}")
-                await anyio.sleep(1.0)
+                failed += 1
+                self.form_failures += 1
+                self.last_form_error = f"{type(exc).__name__}: {exc}"
+                wait = reform_backoff_s(failed, self.args.tp_reform_backoff_max_s)
+                log.error("tp_group_form_failed", role=self.role, error=self.last_form_error, attempt=failed,
+                          retry_in_s=None if limit and failed >= limit else wait)
+                if limit and failed >= limit:
+                    raise RuntimeError(f"{self.role} could not form a tensor-parallel group in {failed} attempts; "
+                                       f"last error: {self.last_form_error}") from exc
+                await anyio.sleep(wait)
         self.group = group
         self.watch = RankWatch(self.role, group.children, self.args.tp_step_timeout_s)
         await node.start(group)
