@@ -320,6 +320,33 @@ def test_check_fits_the_ctx_on_ideal_only() -> None:
     assert replay(dataclasses.replace(p, ctx_prefill_ms_per_ktok=fitted), "ideal").output_tok_s == pytest.approx(target, rel=0.03)
 
 
+def test_pulls_host_time_slows_the_steps_after_them_in_the_modes_that_pull() -> None:
+    """host_us_per_pull: each pull's host time is added to the next decode step of the rank that
+    pulled (a group step waits for its slowest rank); ideal pulls nothing; an idle step forgets it."""
+    p = tiny(isl_choices=(), isl=24, max_tokens_in_buffer=512)
+    for gen_tp in (1, 2):
+        q = dataclasses.replace(p, gen_tp=gen_tp)
+        slow = dataclasses.replace(q, host_us_per_pull=3000.0)
+        assert _key(replay(slow, "ideal")) == _key(replay(q, "ideal"))
+        for mode in ("inline", "orchestrated"):
+            base, loaded = replay(q, mode), replay(slow, mode)
+            assert loaded.output_tok_s < base.output_tok_s
+            # every request's pull adds 3 ms to one step of the batch that decodes it meanwhile, or to none
+            extra_s = loaded.virtual_s - base.virtual_s
+            assert 0 < extra_s <= (q.warmup + q.requests) * 3e-3 + 0.05
+            assert loaded.rest_problems == [] and loaded.failed == 0
+
+
+def test_the_checks_host_time_per_pull_comes_from_the_transport_benchmark(tmp_path) -> None:
+    from examples.sim._check import fit_pull_cpu
+
+    js = tmp_path / "t.json"
+    js.write_text(json.dumps({"results": {"ucx-pull [shm]": {"1": {"cpu_us_per_op": 600.0}, "8": {"cpu_us_per_op": 670.0}}}}))
+    assert fit_pull_cpu(js, "ucx-pull [shm]", 2**20) == 600.0
+    assert fit_pull_cpu(js, "ucx-pull [shm]", 2**17) == pytest.approx(600.0 - 10.0 * 7 / 8, abs=0.1)  # 128 KiB
+    assert fit_pull_cpu(js, "ucx-pull [shm]", 8 * 2**20) == 670.0
+
+
 # -- the real run's shaped link (examples/shaped_link.py, used by `bench --netns --link-mbit`) ----------
 def test_shaped_link_caps_both_ends_and_leaves_nothing_behind() -> None:
     import subprocess

@@ -7,6 +7,8 @@
                          ideal's mean batch (ideal moves no KV, so no transfer effect enters it)
          pull time       latency + bytes / bandwidth fitted through the 1 and 8 MiB points of
                          ``results/transport.json`` (``ucx-pull [shm]`` on loopback, ``[netns]`` on the veth)
+         pull host CPU   the GEN process's CPU per pull (every thread) from the same benchmark, at the
+                         request's size, added to the decode step after the pull (``--no-host-cpu``: 0)
          CTX prefill     the tiny model's ~45 us/token (docs/bench.md); with ``--fit-ctx``, FITTED on the
                          ideal run instead: the per-token cost at which the replay's ideal throughput equals
                          the real one (bisection). Not the default: the real ideal run has costs of its own
@@ -53,8 +55,18 @@ def fit_pull(transport_json: Path, key: str) -> tuple[float, float]:
     return max(0.0, t1 - 2**20 / bw), bw
 
 
+def fit_pull_cpu(transport_json: Path, key: str, nbytes: int) -> float:
+    """GEN CPU (us, every thread of the process) of one pull of ``nbytes``: the line through the 1 and
+    8 MiB medians of ``key`` in the transport benchmark (a pull's fixed cost dominates it)."""
+    r = json.loads(transport_json.read_text())["results"][key]
+    c1, c8 = r["1"]["cpu_us_per_op"], r["8"]["cpu_us_per_op"]
+    per_mib = (c8 - c1) / 7
+    return round(max(0.0, c1 + per_mib * (nbytes / 2**20 - 1)), 1)
+
+
 def params_from_bench(cfg: dict[str, Any], ideal: dict[str, Any], pull: tuple[float, float],
-                      link_mbit: float | None = None, *, fit_ctx_on_ideal: bool = False) -> tuple[SimParams, dict[str, str]]:
+                      link_mbit: float | None = None, *, fit_ctx_on_ideal: bool = False,
+                      host_us_per_pull: float = 0.0) -> tuple[SimParams, dict[str, str]]:
     latency, bw = pull
     if link_mbit:
         bw = min(bw, link_mbit * 1e6 / 8 * FRAMING)
@@ -70,7 +82,7 @@ def params_from_bench(cfg: dict[str, Any], ideal: dict[str, Any], pull: tuple[fl
                   link_gbyte_s=bw / 1e9, link_latency_us=latency * 1e6, link_concurrency=8, connect_ms=2.0,
                   max_tokens_in_buffer=cfg.get("max_tokens_in_buffer") or cfg.get("staging_tokens") or cfg["isl"],
                   max_num_seqs=cfg["max_num_seqs"], max_prefetch_seqs=cfg.get("max_prefetch_seqs"),
-                  iterations_per_step=1)
+                  host_us_per_pull=host_us_per_pull, iterations_per_step=1)
     ctx_us = fit_ctx(p, ideal["output_tok_s"]) if fit_ctx_on_ideal else CTX_US_PER_TOKEN
     p = dataclasses.replace(p, ctx_prefill_ms_per_ktok=ctx_us)
     sources = {
@@ -81,6 +93,9 @@ def params_from_bench(cfg: dict[str, Any], ideal: dict[str, Any], pull: tuple[fl
         "ctx_prefill": (f"FITTED on the real ideal run's throughput: {ctx_us} us/token" if fit_ctx_on_ideal
                         else f"{CTX_US_PER_TOKEN} us/token (docs/bench.md)"),
         "requests": f"one segment of the benchmark ({cfg['requests']} / {rounds} rounds), {cfg['warmup']} warm-up",
+        "host_us_per_pull": (f"transport benchmark: GEN CPU of one {cfg['request_kv_bytes'] // 1024} KiB pull, "
+                             f"{host_us_per_pull} us, taken from the next decode step" if host_us_per_pull
+                             else "not modelled (0)"),
     }
     return p, sources
 
@@ -141,6 +156,8 @@ def main(argv: list[str]) -> int:
                          "budget fills the batch one 47 ms transfer at a time) is a small part of it")
     ap.add_argument("--no-shaped", action="store_true")
     ap.add_argument("--fit-ctx", action="store_true", help="fit the CTX prefill cost on the real ideal run")
+    ap.add_argument("--no-host-cpu", action="store_true",
+                    help="leave the pulls' host CPU out of the replay (host_us_per_pull 0), as before it was modelled")
     ap.add_argument("--transport-json", default=str(ROOT / "results" / "transport.json"))
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_check.json"))
     a = ap.parse_args(argv)
@@ -148,8 +165,11 @@ def main(argv: list[str]) -> int:
     report: dict[str, Any] = {"loadavg_start": os.getloadavg()}
     ok_all = True
     real = json.loads(Path(a.bench_json).read_text()) if a.bench_json else run_real(ROOT / "results" / "sim_check_bench.json", [])
+    def host_us(cfg: dict[str, Any], key: str) -> float:
+        return 0.0 if a.no_host_cpu else fit_pull_cpu(transport, key, int(cfg["request_kv_bytes"]))
+
     p, sources = params_from_bench(real["config"], real["modes"]["ideal"], fit_pull(transport, "ucx-pull [shm]"),
-                                   fit_ctx_on_ideal=a.fit_ctx)
+                                   fit_ctx_on_ideal=a.fit_ctx, host_us_per_pull=host_us(real["config"], "ucx-pull [shm]"))
     sim = {m: replay(p, m) for m in MODES}
     text, rows, ok = compare(real, sim)
     ok_all &= ok
@@ -162,7 +182,8 @@ def main(argv: list[str]) -> int:
             ROOT / "results" / "sim_check_shaped.json", extra)
         cfg = shaped["config"]
         q, qsources = params_from_bench(cfg, shaped["modes"]["ideal"], fit_pull(transport, "ucx-pull [netns]"),
-                                        link_mbit=cfg.get("link_mbit") or a.link_mbit, fit_ctx_on_ideal=a.fit_ctx)
+                                        link_mbit=cfg.get("link_mbit") or a.link_mbit, fit_ctx_on_ideal=a.fit_ctx,
+                                        host_us_per_pull=host_us(cfg, "ucx-pull [netns]"))
         q = dataclasses.replace(q, osl=cfg["osl"])
         sim_q = {m: replay(q, m) for m in MODES}
         text, rows, ok = compare(shaped, sim_q)

@@ -68,6 +68,11 @@ class SimParams:
     link_latency_us: float = 10.0
     link_concurrency: int = 4
     connect_ms: float = 1.0
+    host_us_per_pull: float = 0.0
+    """GEN host CPU per pull that the execution thread loses: added to the decode step after the
+    pull ends (the step of the rank that pulled; a group step waits for its slowest rank). On one
+    Python interpreter the pull's own Python and the transport's threads compete with the step's;
+    0: not modelled."""
     # the orchestrator's knobs
     max_tokens_in_buffer: int = 8192
     max_num_seqs: int = 256
@@ -155,6 +160,8 @@ SOURCES = {
     "ctx_prefill_slots": "ASSUMED: one prefill at a time on CTX TP1",
     "link_gbyte_s": "ASSUMED 50 GB/s per GEN rank (one 400 Gb/s NIC per GB200 GPU); the sweep varies it",
     "link_latency_us": "ASSUMED", "link_concurrency": "ASSUMED", "connect_ms": "ASSUMED (first connect per peer only)",
+    "host_us_per_pull": "NOT MODELLED (0): no public figure for the host time a pull takes from TensorRT-LLM's "
+                        "execution thread",
     "max_tokens_in_buffer": "ASSUMED = ISL (one request in flight per rank; this project's GEN default 8192)",
     "max_num_seqs": "ASSUMED 256: the original V2's mean batch was ~230 (12,559 tok/s x 18.3 ms), so the cap is above it",
     "iterations_per_step": "SPEED: 8 device iterations per engine step (35 ms < the 63.7 ms between two CTX first "
@@ -259,6 +266,8 @@ class ModelledTransport:
         self._ready_at = ready_at
         self.pulls = 0
         self.bytes_moved = 0
+        self.host_debt_s = 0.0
+        """Host time of pulls ended since the execution loop last took it (``host_us_per_pull``)."""
 
     @property
     def link(self) -> ModelledLink:
@@ -288,6 +297,7 @@ class ModelledTransport:
                 await trio.sleep_until(end)
         self.pulls += 1
         self.bytes_moved += nbytes
+        self.host_debt_s += self._p.host_us_per_pull / 1e6
         return nbytes
 
     async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:

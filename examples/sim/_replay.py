@@ -6,7 +6,8 @@ project's own engines, in virtual time.
          ModelledTransport (link) and a meta-device KV pool; their receive groups on the trio loop
     execution loop (a trio task): step the engine(s) [in inline mode, a step that may wait runs each
          rank on its own ExecutionThread, whose blocking waits the loop serves side by side in
-         virtual time] -> sleep step_s(batch) -> finished requests wake their clients
+         virtual time] -> sleep step_s(batch) (+ the host time of pulls that ended: host_us_per_pull)
+         -> finished requests wake their clients
 
 Nothing here decides admission: the engine's ``Scheduler``, ``TransferBudget`` and ``KVBlockPool``
 do, inside ``step()``. The replay only supplies time (``VirtualClock``), the link, the CTX, the
@@ -187,8 +188,9 @@ class _Replay:
                     self.admission_order.extend(self.lead.admission_log[-admitted:])
                     if admitted > self.max_admitted:
                         self.max_admitted = admitted
+                host = self._host_debt()
                 if batch:
-                    await trio.sleep(p.step_s(batch) * p.iterations_per_step)
+                    await trio.sleep(p.step_s(batch) * p.iterations_per_step + host)
                 else:
                     with trio.move_on_after(idle):
                         await self.activity.wait()
@@ -197,6 +199,16 @@ class _Replay:
         finally:
             for thread in threads:
                 thread.close()
+
+    def _host_debt(self) -> float:
+        """Host time the pulls that ended took from the ranks' execution threads since the last step
+        (``host_us_per_pull``): a group step waits for its slowest rank. An idle step forgets it."""
+        if not self.p.host_us_per_pull:
+            return 0.0
+        debt = max((t.host_debt_s for t in self.transports), default=0.0)
+        for t in self.transports:
+            t.host_debt_s = 0.0
+        return debt
 
     def _settle(self) -> None:
         now = trio.current_time()
