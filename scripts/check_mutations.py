@@ -130,6 +130,7 @@ M = [
  ("18 inline reuses a connected peer without the loop", "orchestrator/_receiver.py", "        if connected is not None and connected(peer):\n            return\n", "", "tests/test_engine.py tests/test_sim.py -k 'connects_on_the_loop_only or connect_blocking'"),
  ("18 a pull's host time lengthens the next step", "examples/sim/_replay.py", "p.step_s(batch) * p.iterations_per_step + host)", "p.step_s(batch) * p.iterations_per_step)", "tests/test_sim.py -k host_time_slows"),
  ("18 the check's host time per pull is the benchmark's at the request's size", "examples/sim/_check.py", "    per_mib = (c8 - c1) / 7\n", "    per_mib = 0.0\n", "tests/test_sim.py -k host_time_per_pull"),
+ ("18 a transport says a dead peer is not connected", "transports/_peers.py", "        return conn is not None and self._usable(conn)\n", "        return conn is not None\n", "tests/test_ucx_transport.py -k peer_killed_mid_pull"),
  ("18 engine gives the budget its clock", "orchestrator/_engine.py", "self.budget = TransferBudget(config.transfer_budget_bytes, clock=clock)", "self.budget = TransferBudget(config.transfer_budget_bytes)", "tests/test_sim.py -k 'slow_link or clock_it_is_given'"),
  ("18 replay sees FCFS broken", "orchestrator/_scheduler.py",
   "                        len(self._waiting) - len(admitted) - deferred[DeferReason.KV_EXHAUSTED])\n                    break\n",

@@ -489,7 +489,9 @@ async def test_peer_killed_mid_pull_then_restarted(transport: UCXTransport, back
     port = victim.port
     try:
         with anyio.fail_after(30):
+            assert not transport.connected(victim.address)
             await transport.connect(victim.address)
+            assert transport.connected(victim.address)  # what the inline path asks before it connects
             failures: list[BaseException] = []
 
             async def doomed(i: int) -> None:
@@ -507,6 +509,7 @@ async def test_peer_killed_mid_pull_then_restarted(transport: UCXTransport, back
             assert len(failures) == 3
             assert anyio.current_time() - killed_at < 5
             assert transport.statistics().endpoints == 0  # the stale endpoint is gone
+            assert not transport.connected(victim.address)
 
             again = Peer("--port", str(port), backend=backend)
             try:
