@@ -296,8 +296,8 @@ class ReceiveGroup:
     def connect_blocking(self, peer: str, timeout: float, *, clock: Clock = REAL_CLOCK) -> None:
         """Connect from a non-loop thread and wait for it, up to ``timeout`` s of ``clock`` (only the
         ``inline`` baseline does this). A failed connect is not raised: the receive itself fails and reports.
-        A peer already connected costs no turn of the event loop (as the original path reused its
-        connections): only a new peer is waited for."""
+        A peer already connected costs no turn of the event loop (the waits the public case names
+        are the staging reservations', not connections): only a new peer is waited for."""
         connected = getattr(self._transport, "connected", None)  # a transport that predates it: always asked
         if connected is not None and connected(peer):
             return
