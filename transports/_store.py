@@ -60,11 +60,16 @@ _EPOCH_BITS = 32
 _EPOCH_MASK = (1 << _EPOCH_BITS) - 1
 
 
+def same_store(a: int, b: int) -> bool:
+    """Whether two epochs carry one store's tag (the same store, not one restarted since)."""
+    return a >> _EPOCH_BITS == b >> _EPOCH_BITS
+
+
 def epoch_vouches(epoch: int | None, since: int | None) -> bool:
     """Whether no revocation counted after ``since`` (a store's epoch when a reader began hearing
     its revocations) can have been of a request put at ``epoch``: both of one store, and the
     request put no earlier (and the count not at its top, where it stops counting)."""
-    return (epoch is not None and since is not None and epoch >> _EPOCH_BITS == since >> _EPOCH_BITS
+    return (epoch is not None and since is not None and same_store(epoch, since)
             and since <= epoch < (epoch | _EPOCH_MASK))
 
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from ._errors import PeerBusy, PeerUnreachable, ProtocolViolation, TransportError, UnknownRequest
 from ._layout import KVSlice
 from ._protocol import Landing
-from ._store import KVStore
+from ._store import KVStore, same_store
 
 
 @dataclasses.dataclass
@@ -142,7 +142,8 @@ class InProcTransport:
                     raise ProtocolViolation(f"{request_id}: the block ids given are not the ones {peer} holds", peer=peer)
                 if remote_epoch is not None:
                     c.pulls_with_epoch += 1
-                    if not (remote_epoch >> 32 == store.epoch >> 32 and remote_epoch <= store.epoch):
+                    now = store.epoch
+                    if not (same_store(remote_epoch, now) and remote_epoch <= now):
                         raise ProtocolViolation(f"{request_id}: epoch {remote_epoch} is not one of {peer}'s", peer=peer)
             data = store.gather(request_id, kv_slice, handle=handle)
             if tuple(data.shape) != tuple(into.shape) or data.dtype != into.dtype:

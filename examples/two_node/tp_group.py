@@ -402,9 +402,10 @@ class Healer:
                 self.form_failures += 1
                 self.last_form_error = f"{type(exc).__name__}: {exc}"
                 wait = reform_backoff_s(failed, self.args.tp_reform_backoff_max_s)
+                give_up = bool(limit) and failed >= limit
                 log.error("tp_group_form_failed", role=self.role, error=self.last_form_error, attempt=failed,
-                          retry_in_s=None if limit and failed >= limit else wait)
-                if limit and failed >= limit:
+                          retry_in_s=None if give_up else wait)
+                if give_up:
                     raise RuntimeError(f"{self.role} could not form a tensor-parallel group in {failed} attempts; "
                                        f"last error: {self.last_form_error}") from exc
                 await anyio.sleep(wait)
