@@ -382,3 +382,25 @@ def test_a_replay_keeps_to_one_cpu_and_gives_the_others_back() -> None:
         t.join()
     assert len(seen[0]) == 1 and seen[0] <= before and seen[1] == seen[0]
     assert os.sched_getaffinity(0) == before
+
+
+def test_replays_side_by_side_give_what_they_give_in_order() -> None:
+    """``--jobs``: replays on worker processes return the same results, in the order asked, as in turn here."""
+    from examples.sim._parallel import run_all
+
+    work = [(tiny(), "orchestrated"), (tiny(gen_tp=2), "inline"), (tiny(), "ideal")]
+    ended: list[int] = []
+    apart = run_all(work, jobs=2, on_done=lambda i, r: ended.append(i))
+    here = run_all(work, jobs=1)
+    assert [r.mode for r in apart] == ["orchestrated", "inline", "ideal"] and sorted(ended) == [0, 1, 2]
+    assert [_key(a) for a in apart] == [_key(b) for b in here]
+    with pytest.raises(ValueError, match="jobs"):
+        run_all(work, jobs=0)
+
+
+def test_cli_refuses_an_unknown_mode() -> None:
+    from examples.sim.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--preset", "tiny", "--modes", "ideal,fast"])
+    assert exc.value.code == 2

@@ -20,7 +20,8 @@ from typing import Any
 
 from . import quiet_logs
 from ._model import PRESETS, SEED, SOURCES, SimParams
-from ._replay import ModeResult, replay
+from ._parallel import run_all
+from ._replay import ModeResult
 
 MODES = ("ideal", "inline", "orchestrated")
 
@@ -55,15 +56,17 @@ def print_params(p: SimParams, out: Any = sys.stdout) -> None:
         print(f"  {k:26s} {v!s:>12s}  (derived)", file=out)
 
 
-def run_modes(p: SimParams, modes: tuple[str, ...], *, progress: bool = True) -> dict[str, ModeResult]:
-    out = {}
-    for m in modes:
-        t = time.perf_counter()
-        out[m] = replay(p, m)
+def run_modes(p: SimParams, modes: tuple[str, ...], *, progress: bool = True, jobs: int | None = 1) -> dict[str, ModeResult]:
+    """Each mode of ``p`` replayed (``jobs`` at a time, see ``_parallel``; None: one per CPU)."""
+    t0 = time.perf_counter()
+
+    def done(i: int, r: ModeResult) -> None:
         if progress:
-            print(f"  {m}: {time.perf_counter() - t:.1f} s real for {out[m].virtual_s:.1f} s virtual, "
-                  f"{out[m].engine_steps} engine steps", file=sys.stderr)
-    return out
+            print(f"  {modes[i]}: {r.wall_s:.1f} s real for {r.virtual_s:.1f} s virtual, {r.engine_steps} engine steps "
+                  f"({time.perf_counter() - t0:.0f} s since start)", file=sys.stderr)
+
+    results = run_all([(p, m) for m in modes], jobs=jobs, on_done=done)
+    return dict(zip(modes, results))
 
 
 def table(results: dict[str, ModeResult]) -> str:
@@ -108,24 +111,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="budget x link bandwidth x GEN TP -> JSON + PNG")
     ap.add_argument("--pipelined", action="store_true", help="the layer-wise pipelined transfer what-if")
     ap.add_argument("--check", action="store_true", help="replay vs the real quick benchmark on this machine")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="replays side by side on worker processes, one CPU each (default: one per CPU; 1: in order, here)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     args, rest = ap.parse_known_args(argv)
+    if args.jobs is not None and args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
     quiet_logs()
     params = _parse_set(PRESETS[args.preset](), args.set)
     if args.check:
         from ._check import main as check_main
 
-        return check_main(rest)
+        return check_main(rest, jobs=args.jobs)
     if rest:
         ap.error(f"unknown arguments {rest}")
     if args.sweep:
         from ._sweep import sweep
 
-        return sweep(params, json_path=args.json or "results/sim_sweep.json", png_path=args.png or "results/sim_sweep.png")
+        return sweep(params, json_path=args.json or "results/sim_sweep.json", png_path=args.png or "results/sim_sweep.png",
+                     jobs=args.jobs)
     print_params(params)
     modes = tuple(m for m in args.modes.split(",") if m)
-    results = run_modes(params, modes)
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes {args.modes!r}: expected a comma-separated list of {', '.join(MODES)}")
+    results = run_modes(params, modes, jobs=args.jobs)
     payload: dict[str, Any] = {"preset": args.preset, "params": params.describe(), "sources": SOURCES,
                                "modes": {m: r.summary() for m, r in results.items()}, "seed": SEED}
     print()
@@ -134,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(seed_table())
     if args.pipelined:
-        piped = run_modes(dataclasses.replace(params, pipelined=True), tuple(m for m in modes if m != "ideal"))
+        piped = run_modes(dataclasses.replace(params, pipelined=True), tuple(m for m in modes if m != "ideal"),
+                          jobs=args.jobs)
         print("\nlayer-wise pipelined transfer (GEN pulls layer i while CTX prefills layer i+1):")
         print(table({**({"ideal": results["ideal"]} if "ideal" in results else {}), **piped}))
         for m, r in piped.items():

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ._model import SimParams
+from ._parallel import run_all
 from ._replay import ModeResult, replay
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,7 +145,8 @@ def compare(real: dict[str, Any], sim: dict[str, ModeResult]) -> tuple[str, list
     return "\n".join(lines), rows, ok
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], *, jobs: int | None = None) -> int:
+    """The check; its replays run ``jobs`` side by side (after the real runs: they never overlap them)."""
     ap = argparse.ArgumentParser(prog="python -m examples.sim --check")
     ap.add_argument("--bench-json", help="a real quick benchmark's JSON to compare with (default: run it now)")
     ap.add_argument("--shaped-json", help="a real shaped-link run's JSON (default: run it now, root only)")
@@ -170,7 +172,7 @@ def main(argv: list[str]) -> int:
 
     p, sources = params_from_bench(real["config"], real["modes"]["ideal"], fit_pull(transport, "ucx-pull [shm]"),
                                    fit_ctx_on_ideal=a.fit_ctx, host_us_per_pull=host_us(real["config"], "ucx-pull [shm]"))
-    sim = {m: replay(p, m) for m in MODES}
+    sim = dict(zip(MODES, run_all([(p, m) for m in MODES], jobs=jobs)))
     text, rows, ok = compare(real, sim)
     ok_all &= ok
     print("\nquick benchmark (loopback): real vs replay\n" + "\n".join(f"  {k}: {v}" for k, v in sources.items()))
@@ -185,7 +187,7 @@ def main(argv: list[str]) -> int:
                                         link_mbit=cfg.get("link_mbit") or a.link_mbit, fit_ctx_on_ideal=a.fit_ctx,
                                         host_us_per_pull=host_us(cfg, "ucx-pull [netns]"))
         q = dataclasses.replace(q, osl=cfg["osl"])
-        sim_q = {m: replay(q, m) for m in MODES}
+        sim_q = dict(zip(MODES, run_all([(q, m) for m in MODES], jobs=jobs)))
         text, rows, ok = compare(shaped, sim_q)
         step_ms = q.step_s(cfg["max_num_seqs"]) * 1e3
         xfer_ms = cfg["request_kv_bytes"] / (q.link_gbyte_s * 1e9) * 1e3 + q.link_latency_us / 1e3

@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from ._model import SimParams
-from ._replay import replay
+from ._parallel import run_all
+from ._replay import ModeResult
 
 BUDGETS = (8192, 32768)  # tokens: one request (the public case), four
 BANDWIDTHS = (50.0, 12.5, 3.125)  # GB/s per GEN rank
@@ -28,40 +29,59 @@ CTX_SLOTS = (1, 4)
 
 def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int, ...] = BUDGETS,
           bandwidths: tuple[float, ...] = BANDWIDTHS, tps: tuple[int, ...] = TPS, warmup: int = 32,
-          requests: int = 192, ctx_slots: tuple[int, ...] = CTX_SLOTS) -> int:
+          requests: int = 192, ctx_slots: tuple[int, ...] = CTX_SLOTS, jobs: int | None = None) -> int:
+    """Replays every point (``jobs`` side by side, see ``_parallel``), then writes the JSON and the PNG."""
     # exact steps (iterations_per_step 1): with long transfers, a coarser step changes inline's outcome
     # (results/sim_iterations_per_step.json); fewer requests instead, so the grid runs in minutes
     base = dataclasses.replace(base, warmup=min(base.warmup, warmup), requests=min(base.requests, requests),
                                iterations_per_step=1)
     t0 = time.perf_counter()
-    points: list[dict[str, Any]] = []
-    ideal: dict[str, float] = {}
+    work: list[tuple[SimParams, str]] = []
+    refs: dict[str, int] = {}  # "slots/tp" -> index in work of its ideal
+    grid: list[tuple[int, int, int, float, str, int]] = []  # slots, tp, budget, bandwidth, mode, index in work
     for slots in ctx_slots:
         for tp in tps:
             p = dataclasses.replace(base, gen_tp=tp, ctx_prefill_slots=slots)
-            ideal[f"{slots}/{tp}"] = ref = replay(p, "ideal").output_tok_s
+            refs[f"{slots}/{tp}"] = len(work)
+            work.append((p, "ideal"))
             for budget in (budgets if tp == 4 or len(tps) == 1 else budgets[:1]):  # the budget axis at TP4 only
                 for bw in bandwidths:
                     q = dataclasses.replace(p, max_tokens_in_buffer=budget, link_gbyte_s=bw)
                     for mode in ("inline", "orchestrated"):
-                        r = replay(q, mode)
-                        points.append({"ctx_slots": slots, "gen_tp": tp, "budget_tokens": budget, "link_gbyte_s": bw,
-                                       "mode": mode, "vs_ideal": r.output_tok_s / ref, **r.summary()})
-                        print(f"  ctx={slots} tp={tp} budget={budget} bw={bw} {mode}: {r.output_tok_s / ref:.3f} x ideal "
-                              f"({r.wall_s:.1f} s)", file=sys.stderr)
-    pipelined = []
+                        grid.append((slots, tp, budget, bw, mode, len(work)))
+                        work.append((q, mode))
     tp = 4 if 4 in tps else tps[0]
-    if f"{base.ctx_prefill_slots}/{tp}" not in ideal:
-        ideal[f"{base.ctx_prefill_slots}/{tp}"] = replay(dataclasses.replace(base, gen_tp=tp), "ideal").output_tok_s
+    key = f"{base.ctx_prefill_slots}/{tp}"
+    if key not in refs:
+        refs[key] = len(work)
+        work.append((dataclasses.replace(base, gen_tp=tp), "ideal"))
+    piped_at: list[tuple[float, SimParams, int]] = []  # bandwidth, params, index of the plain run (piped: +1)
     for bw in bandwidths:
         q = dataclasses.replace(base, gen_tp=tp, link_gbyte_s=bw)
-        plain, piped = replay(q, "orchestrated"), replay(dataclasses.replace(q, pipelined=True), "orchestrated")
+        piped_at.append((bw, q, len(work)))
+        work += [(q, "orchestrated"), (dataclasses.replace(q, pipelined=True), "orchestrated")]
+
+    def done(i: int, r: ModeResult) -> None:
+        q, mode = work[i]
+        print(f"  [{time.perf_counter() - t0:4.0f} s] ctx={q.ctx_prefill_slots} tp={q.gen_tp} "
+              f"budget={q.max_tokens_in_buffer} bw={q.link_gbyte_s} {mode}{' pipelined' if q.pipelined else ''}: "
+              f"{r.output_tok_s:,.0f} tok/s ({r.wall_s:.1f} s)", file=sys.stderr)
+
+    results = run_all(work, jobs=jobs, on_done=done)
+    ideal = {k: results[i].output_tok_s for k, i in refs.items()}
+    points: list[dict[str, Any]] = []
+    for slots, gtp, budget, bw, mode, i in grid:
+        r = results[i]
+        points.append({"ctx_slots": slots, "gen_tp": gtp, "budget_tokens": budget, "link_gbyte_s": bw,
+                       "mode": mode, "vs_ideal": r.output_tok_s / ideal[f"{slots}/{gtp}"], **r.summary()})
+    pipelined = []
+    for bw, q, i in piped_at:
+        plain, piped = results[i], results[i + 1]
         pipelined.append({"gen_tp": tp, "link_gbyte_s": bw, "budget_tokens": q.max_tokens_in_buffer,
                           "kv_wait_ms": [plain.kv_wait_ms_mean, piped.kv_wait_ms_mean],
                           "tpot_ms": [plain.tpot_ms_mean, piped.tpot_ms_mean],
                           "ttft_ms": [plain.ttft_ms_mean, piped.ttft_ms_mean],
-                          "vs_ideal": [plain.output_tok_s / ideal[f"{base.ctx_prefill_slots}/{tp}"],
-                                       piped.output_tok_s / ideal[f"{base.ctx_prefill_slots}/{tp}"]]})
+                          "vs_ideal": [plain.output_tok_s / ideal[key], piped.output_tok_s / ideal[key]]})
     payload = {"base": base.describe(), "ideal_output_tok_s": ideal, "points": points, "pipelined": pipelined,
                "wall_s": time.perf_counter() - t0}
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
