@@ -26,7 +26,8 @@ M = [
  ("cancel-safe waiter", "orchestrator/_budget.py", "                waiter.grant.release()\n", "                pass\n", "tests/test_budget.py"),
  ("timeout", "orchestrator/_receiver.py", "deadline = anyio.current_time() + self._timeout_s", "deadline = anyio.current_time() + float('inf')", "tests/test_engine.py"),
  ("a receive past its deadline is a timeout, not an abort", "orchestrator/_receiver.py", "scope.cancelled_caught and anyio.current_time() >= deadline:", "scope.cancelled_caught and False:", "tests/test_engine.py tests/test_faults.py -k 'timeout or never_arrives'"),
- ("abort tells CTX", "orchestrator/_receiver.py", "                self._spawn(self._release, part.peer, rid, part.handle)\n", "                pass\n", "tests/test_engine.py"),
+ ("abort tells CTX", "orchestrator/_receiver.py", "await self._release(peers[0].peer, rid, peers[0].handle)", "pass", "tests/test_engine.py"),
+ ("1 every source of a fan-in hears its release", "orchestrator/_receiver.py", "                    self._spawn(self._release, part.peer, rid, part.handle)\n", "                    pass\n", "tests/test_fan_in.py"),
 
  # issue 5: each fault protection, removed once, must fail its real-process test
  ("abort while waiting tells CTX", "orchestrator/_engine.py", "            self._tell_ctx(seq)  # the CTX may free its copy now\n", "            pass\n", "tests/test_faults.py -k abort_in_flight"),
@@ -159,6 +160,8 @@ M = [
  ("report stats reach every rank", "examples/two_node/gen.py", "isinstance(command, list) and command[0] == gen_tp.REPORT_STATS", "isinstance(command, tuple) and command[0] == gen_tp.REPORT_STATS", "tests/test_tp_two_node.py -k 'equals_a_single_process and 2'"),
  ("17 host pools advised onto huge pages", "transports/_layout.py", "region.madvise(mmap.MADV_HUGEPAGE)", "region.madvise(mmap.MADV_NORMAL)", "tests/test_host_memory.py"),
  ("17 host pools on a private mapping", "transports/_layout.py", "flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)", "flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)", "tests/test_host_memory.py"),
+ ("17 a pull lands in place only into one ascending run (short id lists)", "transports/_layout.py", "ids != list(range(first, first + n))", "False", "tests/test_kvpool.py -k whole_run"),
+ ("17 a pull lands in place only into one ascending run (long id lists)", "transports/_layout.py", "not bool((np.diff(arr) == 1).all())", "False", "tests/test_kvpool.py -k whole_run"),
  ("17 the READ poller keeps each READ's deadline", "transports/_nixl_poller.py", "if state == \"PROC\" and now < deadline:", "if state == \"PROC\":", "tests/test_dataplane_nixl.py -k never_ends"),
  ("17 the READ poller lets go of an ended READ", "transports/_nixl_poller.py", "                with self._cond:\n                    self._reads.remove(entry)\n", "                pass\n", "tests/test_dataplane_nixl.py -k one_thread"),
  # issue 17, item 3: the lean ucxx pull (a zero-copy PULL served in the CTX's read loop)

@@ -99,6 +99,12 @@ def test_a_whole_run_view_only_for_one_ascending_run_of_whole_blocks() -> None:
     assert run_start(torch.tensor([6])) == 6
     for ids in ([3, 5, 6], [3, 2, 5], [4, 4, 5], [5, 4, 3], []):  # a gap, out of order with the right ends, a repeat
         assert run_start(torch.tensor(ids, dtype=torch.int64)) is None, ids
+    for n in (100, 5000):  # a request's ids (checked as a list) and a long prompt's (checked with numpy)
+        run = torch.arange(7, 7 + n)
+        assert run_start(run) == 7 and run_start(run.reshape(2, -1)) == 7
+        swapped = run.clone()
+        swapped[[10, 11]] = swapped[[11, 10]]  # the ends right, the middle out of order
+        assert run_start(swapped) is None
     if LAYOUT.num_kv_heads > 1:
         part = dataclasses.replace(whole, head_end=whole.head_end - 1)
         assert whole_run_view(pool.kv, torch.tensor([3, 4]), part) is None

@@ -151,11 +151,20 @@ def run_start(block_ids: torch.Tensor) -> int | None:
     n = int(block_ids.numel())
     if n == 0:
         return None
-    ids = block_ids.detach().cpu().numpy().reshape(-1)  # on every pull's path: numpy, not torch, for small arrays
-    first = int(ids[0])
-    if n > 1 and (int(ids[-1]) - first != n - 1 or not bool((np.diff(ids) == 1).all())):
+    if n <= _LIST_CHECK_MAX:  # on every pull's path: a Python list beats numpy's per-call cost for a request's ids
+        ids = block_ids.reshape(-1).tolist()
+        first = int(ids[0])
+        if n > 1 and (int(ids[-1]) - first != n - 1 or ids != list(range(first, first + n))):
+            return None
+        return first
+    arr = block_ids.detach().cpu().numpy().reshape(-1)
+    first = int(arr[0])
+    if int(arr[-1]) - first != n - 1 or not bool((np.diff(arr) == 1).all()):
         return None
     return first
+
+
+_LIST_CHECK_MAX = 1024
 
 
 def whole_run_view(pool: torch.Tensor, block_ids: torch.Tensor, kv_slice: KVSlice) -> torch.Tensor | None:
