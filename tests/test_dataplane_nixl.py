@@ -14,6 +14,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 import torch
 
@@ -97,11 +98,11 @@ async def test_a_dead_gen_s_pin_still_ends_with_its_lease() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("off_loop", [False, True], ids=["inline", "worker-thread"])
+@pytest.mark.parametrize("off_loop", [False, True], ids=["inline", "poller-thread"])
 async def test_a_transfer_that_raises_ends_its_landing_and_its_pin(monkeypatch: pytest.MonkeyPatch,
                                                                    off_loop: bool) -> None:
-    """Also when transfer() runs in a worker thread (a READ large enough that its inline copy on one
-    host would stall the event loop)."""
+    """Also when the poller thread posts it (a READ large enough that its inline copy on one host
+    would stall the event loop)."""
     if off_loop:
         monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", 0)
     async with _served() as (store, handle, server, peer, t):
@@ -117,6 +118,36 @@ async def test_a_transfer_that_raises_ends_its_landing_and_its_pin(monkeypatch: 
         assert not landing.busy
         await _until(lambda: server.statistics().pinned == 0)
         assert store.statistics().held_requests == 1 and not t._pinned
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("in_progress", [False, True], ids=["copied-at-once", "reported-in-progress"])
+async def test_a_large_read_is_posted_by_the_poller_thread_not_the_loop(monkeypatch: pytest.MonkeyPatch,
+                                                                         in_progress: bool) -> None:
+    """transfer() copies on one host: a READ over the inline limit is posted (and copied) by the GEN's
+    poller thread, a small one on the loop; both land the CTX's bytes. A posted READ that
+    transfer() reports still in progress (between hosts) is then watched by the same thread."""
+    async with _served() as (store, handle, server, peer, t):
+        await t.connect(peer)
+        real, callers = t.agent.transfer, []
+
+        def recorded(xfer, notif=b""):  # noqa: ANN001
+            callers.append(threading.current_thread().name)
+            state = real(xfer) if not notif else real(xfer, notif)
+            return "PROC" if in_progress and state == "DONE" else state  # check_xfer_state says DONE later
+
+        t.agent.transfer = recorded
+        want = gather(store.pool, IDS, LAYOUT.full_slice())
+        into = _into()
+        monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", into.nbytes - 1)
+        with anyio.fail_after(10):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
+        assert torch.equal(into, want) and callers == ["nixl-read-poller"] and t._poller.watched == 1
+        monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", into.nbytes)
+        small = _into()
+        await t.pull(peer, "r1", LAYOUT.full_slice(), small, handle=handle, release=False)
+        assert torch.equal(small, want) and callers[1] == threading.current_thread().name
+        await _until(lambda: server.statistics().pinned == 0)
 
 
 @pytest.mark.anyio

@@ -45,8 +45,8 @@ put before the connection's epoch is READ pinned). docs/transport.md, "Unpinned 
 
 A READ cannot be withdrawn: a pull keeps ``landing`` busy until NIXL reports the transfer no longer
 in progress, also after the pull was cancelled. A READ that ``transfer()`` completed at once (one
-host: NIXL copies inline; over 1 MiB that call runs in a worker thread, off the event loop) needs
-no task; otherwise one thread for the whole GEN (``_nixl_poller.ReadPoller``) polls every READ in
+host: NIXL copies inline) needs no task; over 1 MiB that call is made by the GEN's poller thread,
+off the event loop. One thread for the whole GEN (``_nixl_poller.ReadPoller``) posts those and polls every READ in
 progress (20 µs naps doubling to 1 ms; asyncio cannot sleep less than 1 ms), each for at most
 ``read_timeout_s``, after which its watcher drops the peer (which ends the READ). The NIXL progress
 thread sleeps in ``poll()`` (``progress_delay_us``; NIXL's Python API would make it spin a core).
@@ -108,7 +108,7 @@ from ._protocol import Landing, parse_peer
 
 log = structlog.get_logger("transports.nixl")
 
-_INLINE_TRANSFER_BYTES = 1 << 20  # READs larger than this call transfer() in a worker thread
+_INLINE_TRANSFER_BYTES = 1 << 20  # READs larger than this are posted by the poller thread (transfer() may copy)
 
 
 # -- GEN side ---------------------------------------------------------------------------------------
@@ -543,7 +543,7 @@ class NIXLTransport:
             conn.read_begins(request_id)  # a revocation of it is acknowledged only once it ended
             posting = None
             if nbytes > _INLINE_TRANSFER_BYTES:  # on one host transfer() copies inline: off the loop
-                posting = asyncio.get_running_loop().run_in_executor(None, self.agent.transfer, xfer)
+                posting = self._poller.post(xfer, self.config.read_timeout_s)
                 state = "POSTING"
             else:
                 try:
@@ -624,22 +624,12 @@ class NIXLTransport:
 
     async def _watch(self, conn: _Conn, request_id: str, token: str | None, xfer: Any, landing: Landing, adhoc: Any,
                      posting: asyncio.Future[str] | None = None) -> str:
-        """Wait for ``posting`` (a ``transfer()`` running in a worker thread) if any, then for the
-        GEN's poller to see the READ no longer in progress, at most ``read_timeout_s``; then drop its
-        peer (closing NIXL's connection to it ends the READ) and wait as long again. ``landing`` ends
-        only once NIXL says the READ is over."""
+        """Wait for the GEN's poller to see the READ no longer in progress (``posting``: the poller
+        posts it first), at most ``read_timeout_s``; then drop its peer (closing NIXL's connection
+        to it ends the READ) and wait as long again. ``landing`` ends only once NIXL says the READ
+        is over (a READ NIXL refused to post never began: ``ERR``)."""
         timeout = self.config.read_timeout_s
-        if posting is not None:
-            try:
-                state = await posting
-            except Exception as exc:  # NIXL refused to post it: nothing can land
-                log.warning("nixl_read_not_posted", peer=conn.peer, reason=str(exc))
-                state = "ERR"
-            if state != "PROC":
-                self._unpin(conn, token, tell=state != "DONE")
-                self._read_over(conn, request_id, xfer, adhoc, landing)
-                return state
-        state = await self._poller.wait(xfer, timeout)
+        state = await (posting if posting is not None else self._poller.wait(xfer, timeout))
         if state == "PROC":
             log.warning("nixl_read_timeout", peer=conn.peer, timeout_s=timeout)
             conn.fail(PeerClosed(f"a READ from {conn.peer} was still in progress after {timeout}s", peer=conn.peer))
