@@ -54,20 +54,21 @@ class ReadPoller:
 
     def wait(self, xfer: Any, timeout_s: float) -> asyncio.Future[str]:
         """A future of the READ's state once it leaves ``PROC``, or ``PROC`` after ``timeout_s``."""
-        return self._add(self._reads, xfer, timeout_s)
+        return self._add(False, xfer, timeout_s)
 
     def post(self, xfer: Any, timeout_s: float) -> asyncio.Future[str]:
         """``transfer(xfer)`` on this thread, then as ``wait`` (``timeout_s`` from now)."""
-        return self._add(self._to_post, xfer, timeout_s)
+        return self._add(True, xfer, timeout_s)
 
-    def _add(self, where: list[Any], xfer: Any, timeout_s: float) -> asyncio.Future[str]:
+    def _add(self, to_post: bool, xfer: Any, timeout_s: float) -> asyncio.Future[str]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[str] = loop.create_future()
         with self._cond:
             if self._closed:
-                fut.set_result("PROC" if where is self._reads else "ERR")  # a READ not posted moved nothing
+                fut.set_result("ERR" if to_post else "PROC")  # a READ not posted moved nothing
                 return fut
-            where.append((xfer, loop, fut, time.monotonic() + timeout_s))
+            # the list is looked up under the lock: the thread swaps ``_to_post`` for a new one
+            (self._to_post if to_post else self._reads).append((xfer, loop, fut, time.monotonic() + timeout_s))
             self.watched += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="nixl-read-poller", daemon=True)
@@ -100,6 +101,9 @@ class ReadPoller:
                 posts, self._to_post = self._to_post, []
             for entry in posts:  # outside the lock: the copy may take a while
                 xfer, loop, fut, deadline = entry
+                if self._closed:  # closed meanwhile: what is not posted yet never will be
+                    _deliver([(loop, fut, "ERR")])
+                    continue
                 try:
                     state = self._agent.transfer(xfer)
                 except Exception as exc:  # NIXL refused to post it: nothing can land
