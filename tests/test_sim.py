@@ -404,3 +404,14 @@ def test_cli_refuses_an_unknown_mode() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--preset", "tiny", "--modes", "ideal,fast"])
     assert exc.value.code == 2
+
+
+def test_a_replay_reports_its_progress_every_tenth_of_its_requests() -> None:
+    p = tiny()
+    seen: list[tuple[int, int]] = []
+    r = replay(p, "orchestrated", progress=lambda ended, total: seen.append((ended, total)))
+    total = p.warmup + p.requests
+    assert r.finished == total and all(t == total for _, t in seen)
+    ended = [e for e, _ in seen]
+    assert ended == sorted(ended) and 8 <= len(ended) <= 12 and ended[-1] == total
+    assert _key(r) == _key(replay(p, "orchestrated"))  # watching changes nothing

@@ -65,7 +65,7 @@ def run_modes(p: SimParams, modes: tuple[str, ...], *, progress: bool = True, jo
             print(f"  {modes[i]}: {r.wall_s:.1f} s real for {r.virtual_s:.1f} s virtual, {r.engine_steps} engine steps "
                   f"({time.perf_counter() - t0:.0f} s since start)", file=sys.stderr)
 
-    results = run_all([(p, m) for m in modes], jobs=jobs, on_done=done)
+    results = run_all([(p, m) for m in modes], jobs=jobs, on_done=done, progress=progress)
     return dict(zip(modes, results))
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
@@ -46,21 +48,38 @@ def _init_worker(cpus: Any) -> None:
             pass
 
 
-def _one(params: SimParams, mode: str) -> ModeResult:
-    return replay(params, mode)
+def _one(params: SimParams, mode: str, progress: bool = False) -> ModeResult:
+    return replay(params, mode, progress=_Progress(params, mode) if progress else None)
+
+
+class _Progress:
+    """One line on stderr per tenth of a long replay's requests (where it runs, as it runs)."""
+
+    LONG = 4096  # requests: a replay shorter than this ends before it would matter
+
+    def __init__(self, params: SimParams, mode: str) -> None:
+        self.label = f"{mode}, GEN TP{params.gen_tp}"
+        self.t0 = time.perf_counter()
+        self.on = params.warmup + params.requests >= self.LONG
+
+    def __call__(self, ended: int, total: int) -> None:
+        if self.on and ended < total:
+            print(f"    {self.label}: {ended:,} / {total:,} requests ended ({time.perf_counter() - self.t0:.0f} s)",
+                  file=sys.stderr, flush=True)
 
 
 def run_all(work: Sequence[tuple[SimParams, str]], *, jobs: int | None = None,
-            on_done: Callable[[int, ModeResult], None] | None = None) -> list[ModeResult]:
+            on_done: Callable[[int, ModeResult], None] | None = None, progress: bool = False) -> list[ModeResult]:
     """Every ``(params, mode)`` of ``work`` replayed; results in ``work``'s order. ``on_done(i, result)``
-    as each ends (in the order they end, on this thread)."""
+    as each ends (in the order they end, on this thread); ``progress``: a line on stderr per tenth
+    of the requests of each long replay (4,096 requests or more)."""
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     results: list[ModeResult | None] = [None] * len(work)
     if jobs == 1 or len(work) <= 1:
         for i, (params, mode) in enumerate(work):
-            results[i] = r = replay(params, mode)
+            results[i] = r = _one(params, mode, progress)
             if on_done is not None:
                 on_done(i, r)
         return results  # type: ignore[return-value]
@@ -74,7 +93,7 @@ def run_all(work: Sequence[tuple[SimParams, str]], *, jobs: int | None = None,
     # so that the cheap ones fill in at the end
     order = sorted(range(len(work)), key=lambda i: -_cost(*work[i]))
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(cpus,)) as pool:
-        pending: dict[Future[ModeResult], int] = {pool.submit(_one, *work[i]): i for i in order}
+        pending: dict[Future[ModeResult], int] = {pool.submit(_one, *work[i], progress): i for i in order}
         try:
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)

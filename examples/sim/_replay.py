@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -135,6 +136,10 @@ class _Replay:
         self.max_admitted = 0
         self.admission_order: list[str] = []
         self._unstamped: list[str] = []
+        self.progress: Callable[[int, int], None] | None = None
+        """Called as requests end, every tenth of them and at the last: (ended so far, total)."""
+        self._ended = 0
+        self._next_report = 0
 
     def _on_output(self, out: Any, _running: RequestState = RequestState.RUNNING) -> None:
         # on the execution thread, inside step(), once per token: kept small
@@ -217,6 +222,11 @@ class _Replay:
                 self.first_gen_token[rid] = now
             self._unstamped = []
         ends, self.ends = self.ends, []
+        if ends and self.progress is not None:
+            self._ended += len(ends)
+            if self._ended >= self._next_report or self._ended == self.total:
+                self._next_report = self._ended + max(1, self.total // 10)
+                self.progress(self._ended, self.total)
         for out in ends:
             i = int(out.request_id[1:])
             self.records[i, 3] = now
@@ -283,8 +293,10 @@ class _Replay:
         return sum(1 for a, b in zip(seq, seq[1:]) if b < a)
 
 
-def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False) -> ModeResult:
-    """Run one mode of ``p`` in virtual time; returns what a benchmark would report."""
+def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> ModeResult:
+    """Run one mode of ``p`` in virtual time; returns what a benchmark would report.
+    ``progress(ended, total)``: as requests end, every tenth of them (for long runs)."""
     p.check()
     mode = Mode(mode)
     seed_scheduler(p.seed)
@@ -294,6 +306,7 @@ def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False) -> Mo
     async def main() -> None:
         clock = VirtualClock(mock)
         r = holder["r"] = _Replay(p, mode, clock, keep_requests)
+        r.progress = progress
         await r.run()
         r._step()  # results published while stopping free their blocks here
 
