@@ -415,3 +415,22 @@ def test_a_replay_reports_its_progress_every_tenth_of_its_requests() -> None:
     ended = [e for e, _ in seen]
     assert ended == sorted(ended) and 8 <= len(ended) <= 12 and ended[-1] == total
     assert _key(r) == _key(replay(p, "orchestrated"))  # watching changes nothing
+
+
+def test_a_replay_that_fails_on_a_worker_fails_the_lot_at_once() -> None:
+    """The error comes back as raised, and the replay still running beside it (the public case: a
+    minute or more) is stopped, not waited for."""
+    from examples.sim._parallel import run_all
+
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="concurrency"):
+        # the bad one runs after a short good one, on the second worker: the long one has started by then
+        run_all([(public_case(), "orchestrated"), (tiny(), "ideal"), (dataclasses.replace(tiny(), concurrency=0), "ideal")],
+                jobs=2)
+    assert time.perf_counter() - t0 < 30
+    import multiprocessing
+
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:  # (joins the ended ones)
+        time.sleep(0.1)
+    assert multiprocessing.active_children() == []  # not left running until this process exits

@@ -102,8 +102,11 @@ def run_all(work: Sequence[tuple[SimParams, str]], *, jobs: int | None = None,
                     results[i] = r = fut.result()
                     if on_done is not None:
                         on_done(i, r)
-        except BaseException:  # interrupted, or a replay raised: nothing more starts
-            pool.shutdown(wait=False, cancel_futures=True)
+        except BaseException:  # interrupted, or a replay raised: nothing more starts, nothing runs on
+            procs = list((getattr(pool, "_processes", None) or {}).values())  # (no public way to stop them;
+            pool.shutdown(wait=False, cancel_futures=True)                    # shutdown forgets them)
+            for proc in procs:
+                proc.terminate()
             raise
     return results  # type: ignore[return-value]
 
