@@ -113,7 +113,7 @@ async def test_a_transfer_that_raises_ends_its_landing_and_its_pin(monkeypatch: 
 
         t.agent.transfer = broken
         landing = Landing()
-        with pytest.raises(PeerClosed, match="could not be posted|failed"):
+        with pytest.raises(PeerClosed, match="could not be posted|failed"), anyio.fail_after(10):  # never hangs
             await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, landing=landing)
         assert not landing.busy
         await _until(lambda: server.statistics().pinned == 0)
