@@ -449,6 +449,7 @@ class ReceiveGroup:
         rid, peer = job.request_id, job.peer
         landing = Landing()
         box = [0]  # bytes moved by finished pulls (of every part)
+        timed_out = False  # a transport's own timeout
         try:
             # one scope for both endings: its deadline (from the start of this receive) and a cancel
             deadline = anyio.current_time() + self._timeout_s
@@ -472,9 +473,8 @@ class ReceiveGroup:
                         self._on_received(rid, job.block_ids)
                     moved = box[0]
                     result = ReceiveResult(rid, peer, moved, time.perf_counter() - started)
-                except TimeoutError:  # a transport's own timeout
-                    moved = box[0]
-                    result = self._failed(job, moved, started, FailureReason.TIMEOUT, f"no KV within {self._timeout_s:.3f} s")
+                except TimeoutError:  # a transport's own timeout: told below, as the scope's deadline is
+                    timed_out = True
                 except TransportError as exc:
                     moved = box[0]
                     result = self._failed(job, moved + exc.bytes_moved, started, failure_reason(exc), str(exc))
@@ -482,7 +482,7 @@ class ReceiveGroup:
                     moved = box[0]
                     log.exception("receive_crashed", request_id=rid, peer=peer)
                     result = self._failed(job, moved, started, FailureReason.INTERNAL, repr(exc))
-            if result is None and scope.cancelled_caught and anyio.current_time() >= deadline:
+            if result is None and (timed_out or (scope.cancelled_caught and anyio.current_time() >= deadline)):
                 moved = box[0]
                 result = self._failed(job, moved, started, FailureReason.TIMEOUT, f"no KV within {self._timeout_s:.3f} s")
             elif result is None:

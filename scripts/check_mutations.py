@@ -25,7 +25,8 @@ M = [
  ("free blocks on end", "orchestrator/_engine.py", "            if seq.block_ids is not None:\n                self.pool.free(seq.block_ids)\n                seq.block_ids = None\n            self._release_grant(seq)\n            self._forget(seq)\n", "            self._release_grant(seq)\n            self._forget(seq)\n", "tests/test_engine.py"),
  ("cancel-safe waiter", "orchestrator/_budget.py", "                waiter.grant.release()\n", "                pass\n", "tests/test_budget.py"),
  ("timeout", "orchestrator/_receiver.py", "deadline = anyio.current_time() + self._timeout_s", "deadline = anyio.current_time() + float('inf')", "tests/test_engine.py"),
- ("a receive past its deadline is a timeout, not an abort", "orchestrator/_receiver.py", "scope.cancelled_caught and anyio.current_time() >= deadline:", "scope.cancelled_caught and False:", "tests/test_engine.py tests/test_faults.py -k 'timeout or never_arrives'"),
+ ("a transport's own timeout is a timeout", "orchestrator/_receiver.py", "            if result is None and (timed_out or (", "            if result is None and (False or (", "tests/test_engine.py -k own_timeout"),
+ ("a receive past its deadline is a timeout, not an abort", "orchestrator/_receiver.py", "scope.cancelled_caught and anyio.current_time() >= deadline))", "scope.cancelled_caught and False))", "tests/test_engine.py tests/test_faults.py -k 'timeout or never_arrives'"),
  ("abort tells CTX", "orchestrator/_receiver.py", "await self._release(peers[0].peer, rid, peers[0].handle)", "pass", "tests/test_engine.py"),
  ("1 every source of a fan-in hears its release", "orchestrator/_receiver.py", "                    self._spawn(self._release, part.peer, rid, part.handle)\n", "                    pass\n", "tests/test_fan_in.py"),
 

@@ -117,6 +117,16 @@ async def test_timeout_fails_the_request_within_kv_transfer_timeout(harness_fact
     assert h.peer.store.statistics().held_requests == 0  # the CTX was told to release
 
 
+async def test_a_transports_own_timeout_fails_the_request_as_a_timeout(harness_factory) -> None:
+    """A pull that raises TimeoutError (a transport's own bound, e.g. ``fail_after``) is a TIMEOUT,
+    as the receive's deadline is, not an internal error."""
+    h = await harness_factory()
+    h.transport.fail("x", TimeoutError("no answer"))
+    h.submit("x")
+    await h.run_until_idle()
+    assert h.final("x").state is RequestState.FAILED and h.final("x").failure is FailureReason.TIMEOUT
+
+
 async def test_abort_while_waiting_receiving_and_running(harness_factory) -> None:
     h = await harness_factory(make_config(transfer_budget_bytes=2 * BLOCK))
     h.submit("running", prompt_len=1, max_tokens=100)

@@ -57,7 +57,7 @@ class InProcTransport:
         self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
         self.latency_s = latency_s
         self.connect_latency_s = connect_latency_s
-        self._failures: dict[str, TransportError] = {}
+        self._failures: dict[str, TransportError | TimeoutError] = {}
         self._stalled: set[str] = set()
         self._stalled_landings: dict[str, Landing | None] = {}
         self._busy: dict[str, int] = {}
@@ -67,7 +67,7 @@ class InProcTransport:
         self.counters = InProcCounters()
 
     # -- fault injection ---------------------------------------------------------------------------
-    def fail(self, request_id: str, error: TransportError) -> None:
+    def fail(self, request_id: str, error: TransportError | TimeoutError) -> None:
         self._failures[request_id] = error
 
     def stall(self, request_id: str) -> None:
