@@ -96,7 +96,8 @@ def _tokens(batch: Any) -> list[int]:
 
 
 class _Replay:
-    def __init__(self, p: SimParams, mode: Mode, clock: VirtualClock, keep_requests: bool) -> None:
+    def __init__(self, p: SimParams, mode: Mode, clock: VirtualClock, keep_requests: bool,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         self.p, self.mode, self.clock = p, mode, clock
         self.keep_requests = keep_requests
         self.ready_at: dict[str, float] | None = {} if p.pipelined else None
@@ -136,7 +137,7 @@ class _Replay:
         self.max_admitted = 0
         self.admission_order: list[str] = []
         self._unstamped: list[str] = []
-        self.progress: Callable[[int, int], None] | None = None
+        self.progress = progress
         """Called as requests end, every tenth of them and at the last: (ended so far, total)."""
         self._ended = 0
         self._next_report = 0
@@ -305,8 +306,7 @@ def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False,
 
     async def main() -> None:
         clock = VirtualClock(mock)
-        r = holder["r"] = _Replay(p, mode, clock, keep_requests)
-        r.progress = progress
+        r = holder["r"] = _Replay(p, mode, clock, keep_requests, progress)
         await r.run()
         r._step()  # results published while stopping free their blocks here
 

@@ -38,7 +38,7 @@ def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int,
     t0 = time.perf_counter()
     work: list[tuple[SimParams, str]] = []
     refs: dict[str, int] = {}  # "slots/tp" -> index in work of its ideal
-    grid: list[tuple[int, int, int, float, str, int]] = []  # slots, tp, budget, bandwidth, mode, index in work
+    grid: list[int] = []  # indices in work of the inline and orchestrated points
     for slots in ctx_slots:
         for tp in tps:
             p = dataclasses.replace(base, gen_tp=tp, ctx_prefill_slots=slots)
@@ -48,17 +48,17 @@ def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int,
                 for bw in bandwidths:
                     q = dataclasses.replace(p, max_tokens_in_buffer=budget, link_gbyte_s=bw)
                     for mode in ("inline", "orchestrated"):
-                        grid.append((slots, tp, budget, bw, mode, len(work)))
+                        grid.append(len(work))
                         work.append((q, mode))
     tp = 4 if 4 in tps else tps[0]
     key = f"{base.ctx_prefill_slots}/{tp}"
     if key not in refs:
         refs[key] = len(work)
         work.append((dataclasses.replace(base, gen_tp=tp), "ideal"))
-    piped_at: list[tuple[float, SimParams, int]] = []  # bandwidth, params, index of the plain run (piped: +1)
+    piped_at: list[int] = []  # index in work of each bandwidth's plain run (its pipelined twin: the next)
     for bw in bandwidths:
         q = dataclasses.replace(base, gen_tp=tp, link_gbyte_s=bw)
-        piped_at.append((bw, q, len(work)))
+        piped_at.append(len(work))
         work += [(q, "orchestrated"), (dataclasses.replace(q, pipelined=True), "orchestrated")]
 
     def done(i: int, r: ModeResult) -> None:
@@ -70,14 +70,15 @@ def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int,
     results = run_all(work, jobs=jobs, on_done=done)
     ideal = {k: results[i].output_tok_s for k, i in refs.items()}
     points: list[dict[str, Any]] = []
-    for slots, gtp, budget, bw, mode, i in grid:
-        r = results[i]
-        points.append({"ctx_slots": slots, "gen_tp": gtp, "budget_tokens": budget, "link_gbyte_s": bw,
-                       "mode": mode, "vs_ideal": r.output_tok_s / ideal[f"{slots}/{gtp}"], **r.summary()})
+    for i in grid:
+        (q, mode), r = work[i], results[i]
+        points.append({"ctx_slots": q.ctx_prefill_slots, "gen_tp": q.gen_tp, "budget_tokens": q.max_tokens_in_buffer,
+                       "link_gbyte_s": q.link_gbyte_s, "mode": mode,
+                       "vs_ideal": r.output_tok_s / ideal[f"{q.ctx_prefill_slots}/{q.gen_tp}"], **r.summary()})
     pipelined = []
-    for bw, q, i in piped_at:
-        plain, piped = results[i], results[i + 1]
-        pipelined.append({"gen_tp": tp, "link_gbyte_s": bw, "budget_tokens": q.max_tokens_in_buffer,
+    for i in piped_at:
+        q, (plain, piped) = work[i][0], results[i : i + 2]
+        pipelined.append({"gen_tp": tp, "link_gbyte_s": q.link_gbyte_s, "budget_tokens": q.max_tokens_in_buffer,
                           "kv_wait_ms": [plain.kv_wait_ms_mean, piped.kv_wait_ms_mean],
                           "tpot_ms": [plain.tpot_ms_mean, piped.tpot_ms_mean],
                           "ttft_ms": [plain.ttft_ms_mean, piped.ttft_ms_mean],
