@@ -211,6 +211,8 @@ M = [
  ("17 the epoch reaches the pull", "orchestrator/_receiver.py", "            named[\"remote_epoch\"] = part.epoch\n", "            pass\n", "tests/test_fan_in.py -k named"),
  ("17 the epoch crosses the step message", "orchestrator/_step.py", "_runs(s.kv_blocks), s.kv_epoch]", "_runs(s.kv_blocks), None]", "tests/test_one_step.py -k round_trips"),
  ("17 the prefill reply names the epoch", "examples/two_node/ctx.py", "\"kv_epoch\": epoch}]}", "}]}", "tests/test_two_node.py -k 'loopback and nixl'"),
+ ("17 a landing is busy while any receive may write", "transports/_protocol.py", "        return self._pending > 0\n", "        return False\n", "tests/test_landing.py tests/test_nixl_transport.py -k landing"),
+ ("17 a landing's callbacks wait for its last end", "transports/_protocol.py", "            if self._pending:\n                return\n            callbacks", "            callbacks", "tests/test_landing.py"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

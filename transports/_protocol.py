@@ -44,23 +44,20 @@ class Landing:
     the ``end()`` that makes it idle.
     """
 
-    __slots__ = ("_pending", "_idle", "_callbacks", "_lock")
+    __slots__ = ("_pending", "_callbacks", "_lock")
 
     def __init__(self) -> None:
-        self._pending = 0
-        self._idle = threading.Event()
-        self._idle.set()
+        self._pending = 0  # written under the lock; one int read is atomic, so ``busy`` needs none
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 
     @property
     def busy(self) -> bool:
-        return not self._idle.is_set()
+        return self._pending > 0
 
     def begin(self) -> None:
         with self._lock:
             self._pending += 1
-            self._idle.clear()
 
     def end(self) -> None:
         with self._lock:
@@ -69,7 +66,6 @@ class Landing:
             self._pending -= 1
             if self._pending:
                 return
-            self._idle.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()

@@ -442,14 +442,16 @@ class NIXLTransport:
     async def _pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, handle: str | None,
                     release: bool, landing: Landing, remote_blocks: Sequence[int] | None,
                     remote_epoch: int | None) -> int:
-        ask = {"rid": request_id, "handle": handle,
-               "slice": [kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start, kv_slice.head_end],
-               "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release}
+        def ask(kind: str) -> dict[str, Any]:  # a lookup or a pin (an unpinned READ asks nothing)
+            return {"t": kind, "rid": request_id, "handle": handle,
+                    "slice": [kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start, kv_slice.head_end],
+                    "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release}
+
         confirm: tuple[int, asyncio.Future[dict[str, Any]]] | None = None
         token: str | None
         unpinned = False
         if remote_blocks is None:  # learn the block ids (and pin them) first: one round trip
-            conn, answer = await self._lookup(peer, {"t": "lookup", **ask})
+            conn, answer = await self._lookup(peer, ask("lookup"))
             if answer.get("t") == "error":
                 raise _error(answer, peer, request_id)
             if answer.get("t") != "found" or not isinstance(answer.get("token"), str):
@@ -464,7 +466,7 @@ class NIXLTransport:
                 token, unpinned = None, True  # the CTX's revocations keep the blocks: nothing to ask
             else:
                 token = secrets.token_hex(12)
-                confirm = conn.ask({"t": "pin", **ask, "token": token, "blocks": raw_blocks})
+                confirm = conn.ask({**ask("pin"), "token": token, "blocks": raw_blocks})
         if token is not None:
             self._pin(conn, token)  # renewed from here until the READ ends
         try:
