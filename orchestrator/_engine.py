@@ -359,6 +359,8 @@ class GenEngine:
             busy = result.landing is not None and result.landing.busy
             if busy:
                 self._unquiet[seq.seq_no] = result.landing
+                if result.failure is None:  # a transport bug: its blocks are held until it ends (_end)
+                    log.error("receive_ok_while_landing_busy", request_id=result.request_id, rank=self.rank)
             msg.outcomes.append(Outcome(seq.seq_no, result.failure, result.message, quiet=not busy))
         if self._unquiet:
             for seq_no, landing in list(self._unquiet.items()):
@@ -741,6 +743,13 @@ class GenEngine:
             self._failed[failure] += 1
             # the receive task logged the one warning event (request id, peer, reason, bytes moved)
             log.debug("request_failed", request_id=seq.request_id, peer=seq.request.peer, reason=failure.value)
+        if not keep_blocks and seq.block_ids is not None and self._landing_busy(seq):
+            # every rank reported its receive whole, yet some rank's transport may still write into
+            # these blocks: held until that landing ends, as a failed receive's are (DESIGN: no block
+            # freed under a live receive, on every path)
+            keep_blocks = True
+            self._ending[seq.seq_no] = seq
+            self._quarantined_blocks += int(seq.block_ids.numel())
         if not keep_blocks:
             if seq.block_ids is not None:
                 self.pool.free(seq.block_ids)
@@ -748,6 +757,12 @@ class GenEngine:
             self._release_grant(seq)
             self._forget(seq)
         self._emit(RequestOutput(seq.request_id, new_tokens, state, failure, message))
+
+    def _landing_busy(self, seq: Sequence) -> bool:
+        """A receive every rank reported (so not a failed one: those are held by ``_end_receiving``)
+        whose blocks some rank has not reported quiet."""
+        everyone = self._everyone
+        return seq.reported & everyone == everyone and seq.quiet & everyone != everyone
 
     def _tell_ctx(self, seq: Sequence) -> None:
         """Rank 0: every CTX holding ``seq``'s KV may free its copy now (best effort, on the event loop)."""

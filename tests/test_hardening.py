@@ -248,6 +248,31 @@ async def test_blocks_stay_quarantined_until_the_late_receive_ends(harness_facto
     assert h.engine.statistics().quarantined_blocks == 0
 
 
+async def test_a_receive_reported_whole_while_its_landing_is_busy_keeps_its_blocks_until_it_ends(harness_factory) -> None:
+    # A transport bug: the pull returns (success) while the receive it posted may still write into
+    # the blocks. The request decodes and finishes, but its blocks are held until the landing ends.
+    h = await harness_factory(make_config(num_blocks=3, transfer_budget_bytes=4 * BLOCK))
+    h.transport.land_late("early")  # the pull completes, its landing stays busy
+    h.submit("early", prompt_len=8, max_tokens=4)  # 3 blocks: the whole pool
+    with structlog.testing.capture_logs() as logs, anyio.fail_after(10):
+        while not (h.outputs.get("early") and h.outputs["early"][-1].finished):
+            await h.step()
+            await anyio.sleep(0.001)  # the pull's modelled transfer time passes
+    assert h.final("early").state is RequestState.FINISHED
+    assert any(e["event"] == "receive_ok_while_landing_busy" for e in logs)
+    s = h.engine.statistics()
+    assert s.quarantined_blocks == 3 and s.pool.used_blocks == 3
+    h.submit("next", prompt_len=4, max_tokens=4)  # needs 2 blocks: none is reusable yet
+    for _ in range(5):
+        await h.step()
+    assert h.engine.statistics().waiting == 1
+    assert h.engine.rest_problems()
+    h.transport.finish_landing("early")
+    await h.run_until_idle()
+    assert h.final("next").state is RequestState.FINISHED
+    assert h.engine.statistics().quarantined_blocks == 0 and not h.engine.rest_problems()
+
+
 # -- 5. CUDA: scatters on a transfer stream, staging kept until its event -----------------------------
 class _FakeStreamScatter:
     """Stands for the CUDA transfer stream: scatters are queued, and ``wait`` returns only when the

@@ -7,6 +7,7 @@ waiting (an anyio sleep, so the CPU stays free), and faults can be injected per 
     transport.stall(request_id)                       # its pull never completes (until cancelled)
     transport.stall_landing(request_id)               # ... and its posted receive outlives the
                                                       # cancellation until finish_landing(request_id)
+    transport.land_late(request_id)                   # its pull succeeds, its landing busy until then
     transport.busy(request_id, times)                 # its next ``times`` pulls raise PeerBusy
     transport.set_peer_down(peer, True)               # connect and pull to it raise PeerUnreachable
 
@@ -75,6 +76,12 @@ class InProcTransport:
 
     def stall_landing(self, request_id: str) -> None:
         self._stalled.add(request_id)
+        self._stalled_landings[request_id] = None
+
+    def land_late(self, request_id: str) -> None:
+        """The next pull of ``request_id`` succeeds while its landing stays busy until
+        ``finish_landing``: a transport that reports a receive whole before it is over (a bug a
+        GEN must survive without reusing the blocks)."""
         self._stalled_landings[request_id] = None
 
     def finish_landing(self, request_id: str) -> None:
