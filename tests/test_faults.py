@@ -310,3 +310,32 @@ def test_clients_resetting_mid_stream_do_not_kill_gen(backend: str) -> None:
         stats = anyio.run(scenario, backend="asyncio")
         assert gen_node.alive()
         assert stats["engine"]["pool"]["used_blocks"] == 0
+
+
+def _load_drill():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "kvo_scripts_drill_ctx_kill"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / "drill_ctx_kill.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_drill_ctx_killed_mid_load_then_restarted_gen_at_rest_every_round(backend: str) -> None:
+    # The node-CLI drill (scripts/drill_ctx_kill.py) in small: 3 MiB pulls (over NIXL, READs the
+    # GEN's poller thread posts), the CTX SIGKILLed at a random moment of each round's load.
+    import io
+
+    out = io.StringIO()
+    report = _load_drill().run_drill(kv_transport=backend, rounds=2, requests=48, concurrency=8, seed=1, out=out)
+    assert report["ok"], out.getvalue()
+    assert len(report["rounds"]) == 2
+    for r in report["rounds"]:
+        assert r["failed"] > 0, f"the kill came after the load ended: it tested nothing ({out.getvalue()})"
+        assert not r["rest_problems"]
