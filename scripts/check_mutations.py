@@ -213,6 +213,9 @@ M = [
  ("17 the prefill reply names the epoch", "examples/two_node/ctx.py", "\"kv_epoch\": epoch}]}", "}]}", "tests/test_two_node.py -k 'loopback and nixl'"),
  ("17 a landing is busy while any receive may write", "transports/_protocol.py", "        return self._pending > 0\n", "        return False\n", "tests/test_landing.py tests/test_nixl_transport.py -k landing"),
  ("17 a landing's callbacks wait for its last end", "transports/_protocol.py", "            if self._pending:\n                return\n            callbacks", "            callbacks", "tests/test_landing.py"),
+ ("a finished request's blocks wait for a landing its transport left busy", "orchestrator/_engine.py", "if not keep_blocks and seq.block_ids is not None and self._landing_busy(seq):", "if False:", "tests/test_hardening.py -k landing_is_busy"),
+ ("17 a poller-posted READ ends its landing (unit and end-to-end)", "transports/nixl.py", "        if self._end_read(xfer, adhoc):\n            landing.end()\n", "        if self._end_read(xfer, adhoc):\n            pass\n", "tests/test_dataplane_nixl.py tests/test_nixl_transport.py"),
+ ("17 a poller-posted READ ends its landing, seen from the node CLIs", "transports/nixl.py", "        if self._end_read(xfer, adhoc):\n            landing.end()\n", "        if self._end_read(xfer, adhoc):\n            pass\n", "tests/test_faults.py -k 'drill and nixl'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:
