@@ -734,15 +734,6 @@ class GenEngine:
         self._ready.pop(seq.request_id, None)
         self._receiving.pop(seq.request_id, None)
         seq.state = state
-        if state is RequestState.FINISHED:
-            self._finished += 1
-        elif state is RequestState.ABORTED:
-            self._aborted += 1
-        else:
-            assert failure is not None
-            self._failed[failure] += 1
-            # the receive task logged the one warning event (request id, peer, reason, bytes moved)
-            log.debug("request_failed", request_id=seq.request_id, peer=seq.request.peer, reason=failure.value)
         if not keep_blocks and seq.block_ids is not None and self._landing_busy(seq):
             # every rank reported its receive whole, yet some rank's transport may still write into
             # these blocks: held until that landing ends, as a failed receive's are (DESIGN: no block
@@ -756,6 +747,17 @@ class GenEngine:
                 seq.block_ids = None
             self._release_grant(seq)
             self._forget(seq)
+        # counted once its blocks and grant are back (or quarantined): a statistics() read from
+        # another thread that counts it ended reads its pool and budget after that (they come last)
+        if state is RequestState.FINISHED:
+            self._finished += 1
+        elif state is RequestState.ABORTED:
+            self._aborted += 1
+        else:
+            assert failure is not None
+            self._failed[failure] += 1
+            # the receive task logged the one warning event (request id, peer, reason, bytes moved)
+            log.debug("request_failed", request_id=seq.request_id, peer=seq.request.peer, reason=failure.value)
         self._emit(RequestOutput(seq.request_id, new_tokens, state, failure, message))
 
     def _landing_busy(self, seq: Sequence) -> bool:
@@ -846,10 +848,11 @@ class GenEngine:
             pool=self.pool.statistics(),
         )
 
-    def rest_problems(self) -> list[str]:
+    def rest_problems(self, stats: EngineStatistics | None = None) -> list[str]:
         """Why the engine is not at rest (empty when it is): budget full, nothing in flight, no
-        request live, every KV block free."""
-        s = self.statistics()
+        request live, every KV block free. ``stats``: judge that snapshot (a caller reporting both
+        gets answers that agree) instead of a new one."""
+        s = stats if stats is not None else self.statistics()
         problems = []
         if s.budget.in_use or s.budget.holders or s.budget.waiters:
             problems.append(f"budget not full: {s.budget}")

@@ -273,6 +273,32 @@ async def test_a_receive_reported_whole_while_its_landing_is_busy_keeps_its_bloc
     assert h.engine.statistics().quarantined_blocks == 0 and not h.engine.rest_problems()
 
 
+async def test_statistics_count_a_request_ended_only_once_its_blocks_are_back(harness_factory) -> None:
+    # A node's stats reply is read from another thread while the execution thread ends requests;
+    # it reads the counters before the pool. Counted first and freed after, a reply could say
+    # "6 aborted" with their blocks still used and a rest check taken a moment later saying "at
+    # rest" (CI: test_clients_resetting_mid_stream_do_not_kill_gen saw 98 blocks used).
+    h = await harness_factory(make_config(num_blocks=64, transfer_budget_bytes=64 * BLOCK))
+    seen: list[tuple[int, int]] = []
+    free = h.engine.pool.free
+
+    def spying_free(ids):  # the moment just before a request's blocks come back
+        s = h.engine.statistics()
+        seen.append((s.finished + s.aborted + sum(s.failed.values()), len(seen)))
+        free(ids)
+
+    h.engine.pool.free = spying_free  # type: ignore[method-assign]
+    for i in range(4):
+        h.submit(f"r{i}", prompt_len=8, max_tokens=3)
+    h.submit("gone", prompt_len=8, max_tokens=50)
+    await h.step()
+    await h.step()
+    h.engine.abort("gone")
+    await h.run_until_idle()
+    assert len(seen) == 5
+    assert all(counted == freed_before for counted, freed_before in seen), seen
+
+
 # -- 5. CUDA: scatters on a transfer stream, staging kept until its event -----------------------------
 class _FakeStreamScatter:
     """Stands for the CUDA transfer stream: scatters are queued, and ``wait`` returns only when the

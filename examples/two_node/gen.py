@@ -348,7 +348,7 @@ class GenNode:
                 "pool": dataclasses.asdict(s.pool),
             },
             "loop": self._loop_stats(),
-            "rest_problems": self.engine.rest_problems(),
+            "rest_problems": self.engine.rest_problems(s),  # judged on the snapshot reported above
             "tp": self._tp_stats(),
         }
 
