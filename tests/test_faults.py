@@ -20,6 +20,7 @@ import torch
 from examples.two_node import control
 from examples.two_node.launch import NodeProcess, node_env
 from orchestrator import DecodeBatch, FailureReason, GenEngine, GenRequest, OrchestratorConfig, RequestState
+from tests._scripts import load_script
 from tests._ucx_peer import LAYOUT, handle_for
 from tests.test_ucx_transport import BACKENDS, Peer, expected, make_transport, wait_released
 
@@ -312,28 +313,13 @@ def test_clients_resetting_mid_stream_do_not_kill_gen(backend: str) -> None:
         assert stats["engine"]["pool"]["used_blocks"] == 0
 
 
-def _load_drill():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "kvo_scripts_drill_ctx_kill"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / "drill_ctx_kill.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def test_drill_ctx_killed_mid_load_then_restarted_gen_at_rest_every_round(backend: str) -> None:
     # The node-CLI drill (scripts/drill_ctx_kill.py) in small: 3 MiB pulls (over NIXL, READs the
     # GEN's poller thread posts), the CTX SIGKILLed at a random moment of each round's load.
     import io
 
     out = io.StringIO()
-    report = _load_drill().run_drill(kv_transport=backend, rounds=2, requests=48, concurrency=8, seed=1, out=out)
+    report = load_script("drill_ctx_kill.py").run_drill(kv_transport=backend, rounds=2, requests=48, concurrency=8, seed=1, out=out)
     assert report["ok"], out.getvalue()
     assert len(report["rounds"]) == 2
     for r in report["rounds"]:

@@ -13,32 +13,17 @@ series below.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._scripts import load_script
 
-
-def _load_soak():
-    name = "kvo_scripts_soak"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_soak()
+soak = load_script("soak.py")
 
 
 def _series(rss: list[float], dt: float = 1.0, t0: float = 1000.0) -> list[dict[str, float]]:

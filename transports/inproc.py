@@ -75,8 +75,8 @@ class InProcTransport:
         self._stalled.add(request_id)
 
     def stall_landing(self, request_id: str) -> None:
-        self._stalled.add(request_id)
-        self._stalled_landings[request_id] = None
+        self.stall(request_id)
+        self.land_late(request_id)
 
     def land_late(self, request_id: str) -> None:
         """The next pull of ``request_id`` succeeds while its landing stays busy until
