@@ -535,13 +535,16 @@ class GenEngine:
                 state = RequestState.ABORTED if reason is FailureReason.ABORTED else RequestState.FAILED
                 self._end_receiving(seq, state, reason, message)
             elif seq.reported & everyone == everyone:  # every rank holds its slice
-                self._release_grant(seq)
+                if seq.quiet & everyone == everyone:  # else its bytes may still move: budget kept
+                    self._release_grant(seq)
                 if not self._pull_releases:
                     self._tell_ctx(seq)
                 self._run(seq)
                 return
         if seq.state.terminal and seq.seq_no in self._ending and seq.quiet & everyone == everyone:
             self._release(seq)
+        elif seq.grant is not None and not seq.state.terminal and seq.quiet & everyone == everyone:
+            self._release_grant(seq)  # READY or RUNNING: the landing its transport left busy ended
 
     def _end_receiving(self, seq: Sequence, state: RequestState, failure: FailureReason, message: str) -> None:
         """A receive phase ends badly: the client hears now; blocks and budget stay until every

@@ -250,7 +250,8 @@ async def test_blocks_stay_quarantined_until_the_late_receive_ends(harness_facto
 
 async def test_a_receive_reported_whole_while_its_landing_is_busy_keeps_its_blocks_until_it_ends(harness_factory) -> None:
     # A transport bug: the pull returns (success) while the receive it posted may still write into
-    # the blocks. The request decodes and finishes, but its blocks are held until the landing ends.
+    # the blocks. The request decodes and finishes, but its blocks, and its budget (its bytes may
+    # still be moving: DESIGN 9), are held until the landing ends.
     h = await harness_factory(make_config(num_blocks=3, transfer_budget_bytes=4 * BLOCK))
     h.transport.land_late("early")  # the pull completes, its landing stays busy
     h.submit("early", prompt_len=8, max_tokens=4)  # 3 blocks: the whole pool
@@ -262,6 +263,7 @@ async def test_a_receive_reported_whole_while_its_landing_is_busy_keeps_its_bloc
     assert any(e["event"] == "receive_ok_while_landing_busy" for e in logs)
     s = h.engine.statistics()
     assert s.quarantined_blocks == 3 and s.pool.used_blocks == 3
+    assert s.budget.in_use == 2 * BLOCK
     h.submit("next", prompt_len=4, max_tokens=4)  # needs 2 blocks: none is reusable yet
     for _ in range(5):
         await h.step()
@@ -271,6 +273,29 @@ async def test_a_receive_reported_whole_while_its_landing_is_busy_keeps_its_bloc
     await h.run_until_idle()
     assert h.final("next").state is RequestState.FINISHED
     assert h.engine.statistics().quarantined_blocks == 0 and not h.engine.rest_problems()
+
+
+async def test_a_busy_landing_that_ends_while_its_request_runs_gives_the_budget_back_then(harness_factory) -> None:
+    # The same transport bug, the landing ending while the request still decodes: the budget comes
+    # back at that step (not only when the request ends), and the blocks stay with the request.
+    h = await harness_factory(make_config(num_blocks=16, transfer_budget_bytes=4 * BLOCK))
+    h.transport.land_late("long")
+    h.submit("long", prompt_len=8, max_tokens=40)
+    with anyio.fail_after(10):
+        while h.engine.statistics().running == 0:
+            await h.step()
+            await anyio.sleep(0.001)
+    for _ in range(3):
+        await h.step()
+    s = h.engine.statistics()
+    assert s.running == 1 and s.budget.in_use == 2 * BLOCK  # decoding, its bytes may still move
+    h.transport.finish_landing("long")
+    await h.step()
+    await h.step()
+    s = h.engine.statistics()
+    assert s.running == 1 and s.budget.in_use == 0 and s.quarantined_blocks == 0
+    await h.run_until_idle()
+    assert h.final("long").state is RequestState.FINISHED and not h.engine.rest_problems()
 
 
 async def test_statistics_count_a_request_ended_only_once_its_blocks_are_back(harness_factory) -> None:
