@@ -76,6 +76,7 @@ def running_front(folder: Path, cluster_yaml: str, *, secret: str | None = None,
         info = json.loads(line[6:])
         info["secret"] = Path(info["secret_file"]).read_bytes() if own_secret else secret.encode()
         info["url"] = f"http://{info['http']}"
+        info["log"] = folder / "front.log"
         yield info
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -297,6 +298,82 @@ def test_client_gone_not_streamed_is_aborted_within_100ms(front: Any) -> None:
     assert value(m, "kvo_front_requests_total", endpoint="/v1/completions", status="499") >= 1
 
 
+def test_client_gone_from_a_streamed_n_choices_request_leaves_the_front_whole(front: Any) -> None:
+    """A client that closed a streamed ``n`` > 1 request made its producer raise (wrapped in an
+    ExceptionGroup) into the front's task group, which also runs the node poller and the supervisor:
+    the stats froze, every later streamed ``n`` > 1 request got a 500 and kept its admission slots."""
+    url = front["url"]
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 200, "n": 2, "stream": True, "ignore_eos": True}
+    for _ in range(3):
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            assert [line for line, _ in zip(r.iter_lines(), range(2))][0].startswith("data: ")
+    time.sleep(1.0)  # several stats rounds (stats_interval_s 0.25)
+    m = metrics(url + "/metrics")
+    ages = [v for (name, _), v in m.items() if name == "kvo_front_node_stats_age_seconds"]
+    assert ages and max(ages) < 2.0, ages  # the node poller still runs
+    whole = dict(body, max_tokens=5)
+    with httpx.stream("POST", url + "/v1/completions", json=whole, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert {json.loads(line[6:])["choices"][0]["index"] for line in lines[:-1]} == {0, 1}
+    deadline = time.monotonic() + 20
+    while True:
+        m = metrics(url + "/metrics")
+        gen, ctx = node_stats(front, "gen"), node_stats(front, "ctx")
+        if value(m, "kvo_front_requests_running") == 0 and not gen["rest_problems"] and ctx["store"]["held_requests"] == 0:
+            break
+        assert time.monotonic() < deadline, (value(m, "kvo_front_requests_running"), gen["rest_problems"], ctx["store"])
+        time.sleep(0.1)
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    assert "background_task_failed" not in front["log"].read_text()  # a client gone is no failure
+
+
+def test_client_gone_during_the_prefill_has_its_kv_released_not_left_to_the_lease(front: Any) -> None:
+    """A non-streamed client that went away while its prompt was being prefilled cancelled the
+    front's prefill call: the CTX prefilled anyway and held the KV, with no handle at the front to
+    release it, until its lease (30 s) ended. Each of these clients leaves at a different moment."""
+    before = node_stats(front, "ctx")["store"]
+    host, port = front["http"].rsplit(":", 1)
+    for i in range(12):
+        body = json.dumps({"model": "tiny", "prompt": f"{i} " + "x" * 480, "max_tokens": 50}).encode()
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.003 * i)
+        sock.close()
+    deadline = time.monotonic() + 5  # well inside the CTX's lease
+    while (ctx := node_stats(front, "ctx")["store"])["held_requests"]:
+        assert time.monotonic() < deadline, ctx
+        time.sleep(0.05)
+    assert ctx["expired"] == before["expired"]  # released, none left to the lease
+    assert not node_stats(front, "gen")["rest_problems"]
+
+
+def test_bodies_json_cannot_hold_are_400s_not_500s(front: Any) -> None:
+    url = front["url"]
+    deep = b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "foo": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    huge = b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}"
+    for raw in (deep, huge):
+        r = httpx.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    for path, body, param in (
+            ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+            ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\udfffb"}]}',
+             "messages")):
+        r = httpx.post(url + path, content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [1.0, 2.0]})
+    assert r.status_code == 400 and "integers" in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True,
+                                                  "stream_options": {"include_usage": "yes"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_usage", r.text
+    # values of refused fields that ask for nothing: accepted
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                       "max_tokens": 2, "tools": [], "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+
+
 def test_metrics_move_with_requests(front: Any, client: openai.OpenAI) -> None:
     url = front["url"] + "/metrics"
     time.sleep(0.6)  # two polls of the nodes' stats: an earlier test's last receive is counted before this
@@ -417,6 +494,33 @@ def test_nodes_down_503_and_saturated_429() -> None:
     fams = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     statuses = {s.labels["status"] for s in fams["kvo_front_requests"].samples}
     assert {"429", "503"} <= statuses
+
+
+def test_a_requests_background_work_that_raises_never_stops_the_front() -> None:
+    """The front's task group also runs the node poller and the supervisor: an exception from one
+    request's background work (a response producer, a release) is logged there and goes no further."""
+    import structlog
+
+    front = _front()
+    ran: list[int] = []
+
+    async def broken() -> None:
+        raise RuntimeError("a bug in one response")
+
+    async def fine() -> None:
+        ran.append(1)
+
+    with TestClient(front.app) as http, structlog.testing.capture_logs() as logs:
+        assert http.portal is not None
+        http.portal.call(front.spawn, broken)
+        for _ in range(3):
+            http.portal.call(anyio.sleep, 0.05)
+            http.portal.call(front.spawn, fine)  # raises once the task group has died
+        http.portal.call(anyio.sleep, 0.05)
+        assert ran == [1, 1, 1]
+        assert http.get("/health").status_code == 503  # the nodes are down: answered, not crashed
+    assert [e["task"] for e in logs if e["event"] == "background_task_failed"] == [
+        "test_a_requests_background_work_that_raises_never_stops_the_front.<locals>.broken"]
 
 
 def test_text_stream_stop_eos_and_length() -> None:

@@ -50,6 +50,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "inva
                 413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
 
 
+NO_OPS: dict[str, tuple[Any, ...]] = {"tools": ([],), "response_format": ({"type": "text"},), "modalities": (["text"],)}
+"""Values of refused fields that ask for nothing (some clients send them by default): accepted."""
 REFUSED = {
     "tools": "no tool calling: the tiny model has no tool-call format",
     "tool_choice": "no tool calling",
@@ -122,7 +124,7 @@ def parse_completion(body: dict[str, Any], *, model: str, limits: Limits, max_mo
 
 
 def parse_chat(body: dict[str, Any], *, model: str, limits: Limits, max_model_len: int) -> Generation:
-    prompt_ids = TOKENIZER.encode(render_chat(body.get("messages")))
+    prompt_ids = _encode(render_chat(body.get("messages")), "messages")
     return _common(body, "chat", prompt_ids, model=model, limits=limits, max_model_len=max_model_len,
                    max_tokens_fields=("max_completion_tokens", "max_tokens"))
 
@@ -153,15 +155,24 @@ def render_chat(messages: Any) -> str:
     return "".join(out)
 
 
+def _encode(text: str, param: str) -> list[int]:
+    try:
+        return TOKENIZER.encode(text)
+    except UnicodeEncodeError as exc:  # JSON may carry a lone surrogate ("\ud800"): not text
+        raise invalid(f"{param} is not valid Unicode text: {exc.reason} at character {exc.start}", param) from None
+
+
 def _prompt_ids(prompt: Any) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return TOKENIZER.encode(prompt)
+        return _encode(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < TOKENIZER.vocab_size for t in prompt):
             raise invalid(f"prompt token ids must be in [0, {TOKENIZER.vocab_size})", "prompt")
         return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, (int, float)) for t in prompt):
+        raise invalid("prompt token ids must be integers", "prompt")
     if isinstance(prompt, list) and len(prompt) > 1:
         raise invalid("only one prompt per request is supported", "prompt", "unsupported_parameter")
     raise invalid("prompt must be a string, a list of token ids, or a list of one of those", "prompt")
@@ -175,7 +186,7 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     if name != model:
         raise invalid(f"the model {name!r} does not exist; this server serves {model!r}", "model", "model_not_found")
     for f in REFUSED:
-        if body.get(f) is not None:
+        if body.get(f) is not None and body[f] not in NO_OPS.get(f, ()):
             raise invalid(f"{f} is not supported by this server ({REFUSED[f]})", f, "unsupported_parameter")
     max_tokens, max_field = limits.default_max_tokens, "max_tokens"
     for f in max_tokens_fields:
@@ -231,7 +242,7 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
                       "unsupported_parameter")
     if options:
         _known_or_refuse(options, {"include_usage", "continuous_usage_stats"}, "stream_options.")
-    include_usage = bool(options) and _bool(options, "include_usage")
+    include_usage = bool(options) and _bool(options, "include_usage", param="stream_options.include_usage")
     _log_ignored(body, kind)
     ignore_eos = _bool(body, "ignore_eos")
     sampling = None
@@ -312,12 +323,12 @@ def _int(body: dict[str, Any], name: str, *, lo: int) -> int:
     return v
 
 
-def _bool(body: dict[str, Any], name: str) -> bool:
+def _bool(body: dict[str, Any], name: str, *, param: str | None = None) -> bool:
     v = body.get(name, False)
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise invalid(f"{name} must be a boolean", name)
+        raise invalid(f"{param or name} must be a boolean", param or name)
     return v
 
 

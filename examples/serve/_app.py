@@ -358,13 +358,34 @@ class Front:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the body's JSON is nested too deeply", code="invalid_json") from None
+        except ValueError as exc:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+            raise ApiError(400, f"the body's JSON holds a value this server cannot read: {exc}",
+                           code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
         return body
 
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run a request's background work in the front's task group, which also runs the node
+        poller and the supervisor: an exception is logged here and goes no further, so no request
+        can take those down (a client gone mid-stream, a bug in one response)."""
+        if self._tg is None:
+            raise RuntimeError("the front is not running")
+        self._tg.start_soon(self._guarded, fn, args)
+
+    @staticmethod
+    async def _guarded(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            await fn(*args)
+        except Exception as exc:
+            log.error("background_task_failed", task=getattr(fn, "__qualname__", repr(fn)),
+                      error=f"{type(exc).__name__}: {exc}", exc_info=True)
+
     def spawn_release(self, node: Node, request_id: str, handle: str) -> None:
-        if self._tg is not None:
-            self._tg.start_soon(self._release, node, request_id, handle)
+        if self._tg is not None:  # (not running: the CTX's lease frees it)
+            self.spawn(self._release, node, request_id, handle)
 
     async def _release(self, node: Node, request_id: str, handle: str) -> None:
         try:

@@ -93,11 +93,7 @@ class Flight:
                 raise self._last_error
             self.ctx = self._hold(ctx)
             try:
-                self.prefill = await control.call(ctx.addr, {
-                    "op": "prefill", "request_id": g.request_id, "prompt_ids": g.prompt_ids, "max_tokens": g.max_tokens,
-                    **({"sampling": g.sampling} if g.sampling else {}),
-                    **({"logprobs": g.logprobs} if g.logprobs is not None else {}),
-                }, secret=front.secret, timeout=front.cfg.routing.request_timeout_s)
+                self.prefill = await self._prefill(ctx)
                 break
             except control.ControlError as exc:  # the node refused (no free KV blocks in time, ...)
                 self._last_error = ApiError(503, f"CTX {ctx.addr} refused the prefill: {exc}", code="ctx_refused",
@@ -156,6 +152,41 @@ class Flight:
                 raise self._last_error
             self.retries += 1
             front.metrics.retries.labels("gen").inc()
+
+    async def _prefill(self, ctx: Node) -> dict[str, Any]:
+        """The prefill call on ``ctx``, made so that a cancellation (its client went away) loses
+        nothing: the call runs on in the front's task group, and a prefill that answers after its
+        caller left has its KV released on the CTX at once (not when the CTX's lease ends)."""
+        front, g = self.front, self.g
+        box: dict[str, Any] = {}
+        done = anyio.Event()
+        left = False
+
+        async def call() -> None:
+            try:
+                box["answer"] = await control.call(ctx.addr, {
+                    "op": "prefill", "request_id": g.request_id, "prompt_ids": g.prompt_ids, "max_tokens": g.max_tokens,
+                    **({"sampling": g.sampling} if g.sampling else {}),
+                    **({"logprobs": g.logprobs} if g.logprobs is not None else {}),
+                }, secret=front.secret, timeout=front.cfg.routing.request_timeout_s)
+            except Exception as exc:
+                box["error"] = exc
+            finally:
+                done.set()
+            if left:  # nobody waits for it any more (and the caller saw no answer): give it back
+                front.spawn_release(ctx, g.request_id, box["answer"]["kv_handle"])
+
+        front.spawn(call)
+        try:
+            await done.wait()
+        except anyio.get_cancelled_exc_class():
+            left = True
+            if "answer" in box:  # it answered as the caller was cancelled: released here, once
+                front.spawn_release(ctx, g.request_id, box["answer"]["kv_handle"])
+            raise
+        if "error" in box:
+            raise box["error"]
+        return box["answer"]  # type: ignore[no-any-return]
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
         """(text, token ids) as they come, the first token's first; ends with ``text.finish_reason`` set
@@ -288,15 +319,18 @@ class _ChoicesResponse(StreamingResponse):
 
     async def _one(self, i: int, f: Flight, send: Any) -> None:
         g, first, done, offset = self.g, True, 0, 0
-        async with send:
-            async for piece, ids in f.pieces():
-                if piece or first or (g.return_token_ids and ids) or (g.logprobs is not None and ids):
-                    lp = _api.logprobs_obj(g, ids, f.logprobs[done:done + len(ids)], offset)
-                    await send.send(_api.chunk(g, piece, role=first, token_ids=ids, logprobs=lp, index=i))
-                done, offset = done + len(ids), offset + len(piece)
-                first = False
-            if f.error is None:
-                await send.send(_api.chunk(g, "", finish_reason=f.text.finish_reason, index=i))
+        try:
+            async with send:
+                async for piece, ids in f.pieces():
+                    if piece or first or (g.return_token_ids and ids) or (g.logprobs is not None and ids):
+                        lp = _api.logprobs_obj(g, ids, f.logprobs[done:done + len(ids)], offset)
+                        await send.send(_api.chunk(g, piece, role=first, token_ids=ids, logprobs=lp, index=i))
+                    done, offset = done + len(ids), offset + len(piece)
+                    first = False
+                if f.error is None:
+                    await send.send(_api.chunk(g, "", finish_reason=f.text.finish_reason, index=i))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the response stopped reading (the client went away): __call__ aborts every choice
 
     async def _produce(self) -> None:
         try:
@@ -318,8 +352,7 @@ class _ChoicesResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         status = "200"
-        assert self.front._tg is not None
-        self.front._tg.start_soon(self._produce)
+        self.front.spawn(self._produce)
         try:
             await super().__call__(scope, receive, send)
         except BaseException:
