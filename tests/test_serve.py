@@ -372,6 +372,11 @@ def test_bodies_json_cannot_hold_are_400s_not_500s(front: Any) -> None:
     r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                                        "max_tokens": 2, "tools": [], "response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                       "max_completion_tokens": 3, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text  # checked, not dropped
+    r = httpx.get(url + "/v1/completions")
+    assert r.status_code == 405 and "POST" in r.headers["allow"], r.headers
 
 
 def test_metrics_move_with_requests(front: Any, client: openai.OpenAI) -> None:

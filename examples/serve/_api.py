@@ -189,10 +189,9 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
         if body.get(f) is not None and body[f] not in NO_OPS.get(f, ()):
             raise invalid(f"{f} is not supported by this server ({REFUSED[f]})", f, "unsupported_parameter")
     max_tokens, max_field = limits.default_max_tokens, "max_tokens"
-    for f in max_tokens_fields:
+    for f in reversed(max_tokens_fields):  # each one given is checked; the first listed wins
         if body.get(f) is not None:
             max_tokens, max_field = _int(body, f, lo=1), f  # errors name the field the client sent
-            break
     if max_tokens > limits.max_tokens:
         raise invalid(f"{max_field}={max_tokens} exceeds this server's limit of {limits.max_tokens}", max_field)
     if len(prompt_ids) > limits.max_prompt_tokens:

@@ -244,7 +244,9 @@ class Front:
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return await self._api_error(request, ApiError(exc.status_code, str(exc.detail), code=None))
+        answer = await self._api_error(request, ApiError(exc.status_code, str(exc.detail), code=None))
+        answer.headers.update(exc.headers or {})  # a 405's Allow
+        return answer
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         log.error("request_failed", path=request.url.path, error=f"{type(exc).__name__}: {exc}")
@@ -252,8 +254,9 @@ class Front:
 
     async def _api_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        self.metrics.requests.labels(request.url.path if request.url.path in _ENDPOINTS else "other",
-                                     str(exc.status)).inc()
+        path = request.url.path
+        endpoint = path if path in _ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
+        self.metrics.requests.labels(endpoint, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     # -- one request -----------------------------------------------------------------------------
