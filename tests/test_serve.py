@@ -528,6 +528,39 @@ def test_a_requests_background_work_that_raises_never_stops_the_front() -> None:
         "test_a_requests_background_work_that_raises_never_stops_the_front.<locals>.broken"]
 
 
+def test_a_prefill_that_fails_after_its_client_left_asks_nothing_more() -> None:
+    """The prefill call outlives a caller that was cancelled: when it then fails (here the CTX
+    accepts and hangs up without an answer), there is nothing to release and nothing to log."""
+    import structlog
+
+    from examples.serve._flight import Flight
+    from examples.serve.cluster import Node
+
+    front = _front()
+    g = _api.parse_completion({"model": "tiny", "prompt": "x", "max_tokens": 2}, model="tiny",
+                              limits=front.cfg.limits, max_model_len=front.max_model_len)
+    srv = socket.create_server(("127.0.0.1", 0))
+    ctx = Node("ctx", "127.0.0.1:%d" % srv.getsockname()[1], down=None)
+    released: list[str] = []
+    front.spawn_release = lambda node, rid, handle: released.append(rid)  # type: ignore[method-assign]
+
+    async def leave_early() -> None:
+        flight = Flight(front, g, "/v1/completions", 0.0)
+        with anyio.move_on_after(0.2):
+            await flight._prefill(ctx)
+        flight.holds_slot = False
+        await flight.aclose()
+
+    with TestClient(front.app) as http, structlog.testing.capture_logs() as logs:
+        assert http.portal is not None
+        http.portal.call(leave_early)
+        conn, _ = srv.accept()  # the call is still waiting for an answer: the CTX goes away
+        conn.close()
+        srv.close()
+        http.portal.call(anyio.sleep, 0.3)
+    assert not released and not [e for e in logs if e["event"] == "background_task_failed"], logs
+
+
 def test_text_stream_stop_eos_and_length() -> None:
     ids = list(b"hello world")
     s = TextStream(max_tokens=50, stop=("o w",))

@@ -173,7 +173,7 @@ class Flight:
                 box["error"] = exc
             finally:
                 done.set()
-            if left:  # nobody waits for it any more (and the caller saw no answer): give it back
+            if left and "answer" in box:  # nobody waits for it any more (the caller saw no answer): give it back
                 front.spawn_release(ctx, g.request_id, box["answer"]["kv_handle"])
 
         front.spawn(call)
