@@ -288,6 +288,58 @@ def test_client_cancel_mid_generation_releases_everything(backend: str) -> None:
         assert stats["engine"]["pool"]["used_blocks"] == 0 and stats["engine"]["budget"]["in_use"] == 0
 
 
+def test_ctx_stopped_during_the_first_connect_then_continued_gen_lives_and_serves(backend: str) -> None:
+    # A CTX stopped (SIGSTOP) before the GEN's first connect to it: the kernel accepts the TCP
+    # connection, UCX gets no answer. The receive times out (2 s) and the connect gives up (5 s).
+    # Regression (ucx): the given-up ucxx create_endpoint left its peer-info receive posted into a
+    # freed buffer, and the GEN died of SIGSEGV when the CTX was continued. Found by an outside drill.
+    import os
+
+    env = node_env()
+    kv = ["--kv-transport", backend]
+    with NodeProcess.start(["ctx", "--num-blocks", "256", *kv], env=env) as ctx, \
+            NodeProcess.start(["gen", "--num-blocks", "256", "--kv-transfer-timeout-ms", "2000", *kv],
+                              env=env) as gen_node:
+
+        async def generate(rid: str) -> dict:
+            r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
+                                                      "prompt_ids": list(range(40, 100)), "max_tokens": 4},
+                                   secret=ctx.secret)
+            if rid == "frozen":
+                os.killpg(ctx.proc.pid, signal.SIGSTOP)
+            stream = await control.connect(gen_node.info["ctrl"], secret=gen_node.secret)
+            try:
+                await stream.send({"op": "generate", "request_id": rid, "prompt_len": r["prompt_len"],
+                                   "first_token": r["first_token"], "max_tokens": 4, "kv_peer": r["kv_peer"],
+                                   "kv_handle": r["kv_handle"]})
+                while not (msg := await stream.receive()).get("done"):
+                    pass
+                return msg
+            finally:
+                await stream.aclose()
+
+        async def scenario() -> dict:
+            t0 = time.monotonic()
+            with anyio.fail_after(10):
+                failed = await generate("frozen")
+            assert failed["state"] == "failed" and failed["failure"] == "timeout", failed
+            await anyio.sleep(max(0.0, 7.0 - (time.monotonic() - t0)))  # past the connect's 5 s
+            os.killpg(ctx.proc.pid, signal.SIGCONT)
+            await anyio.sleep(2.0)  # the CTX answers what it was sent while stopped
+            assert gen_node.alive(), gen_node.log_tail(40)
+            with anyio.fail_after(20):
+                while (done := await generate("after")).get("failure") == "peer_error":
+                    await anyio.sleep(0.5)  # (nixl: the peer marked down for a moment)
+            assert done["state"] == "finished", done
+            return await wait_aborted_and_at_rest(gen_node, 0, timeout=10)
+
+        try:
+            anyio.run(scenario, backend="asyncio")
+        finally:
+            os.killpg(ctx.proc.pid, signal.SIGCONT)
+        assert gen_node.alive()
+
+
 def test_clients_resetting_mid_stream_do_not_kill_gen(backend: str) -> None:
     # A client that vanishes with a TCP reset while tokens stream: GEN's next send fails before (or
     # instead of) its EOF watcher noticing. Regression: that error escaped the request's task group

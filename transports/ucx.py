@@ -40,6 +40,7 @@ environment wins. See docs/transport.md for the measurements.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -111,6 +112,7 @@ class UCXTransport:
             self._open, max_peers=config.max_peers, backoff_s=config.dead_peer_backoff_s,
             usable=lambda c: c.error is None, discard=lambda c: c.abort())
         self._background: set[asyncio.Future[Any]] = set()
+        self._unanswered: dict[str, asyncio.Future[Any]] = {}  # connects given up on, still running (see _create_endpoint)
         self._txids = itertools.count(1)
         self._pulls_ok = 0
         self._pulls_failed = 0
@@ -157,13 +159,7 @@ class UCXTransport:
             raise PeerUnreachable(f"connect to {peer} failed: {why}", peer=peer) from exc
         if self._ucxx is None:
             self._ucxx = _ucx_acquire()
-        try:
-            with anyio.fail_after(timeout):
-                ep = await self._ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=timeout)
-        except TimeoutError as exc:
-            raise PeerUnreachable(f"connect to {peer} timed out after {timeout}s", peer=peer) from exc
-        except Exception as exc:
-            raise PeerUnreachable(f"connect to {peer} failed: {type(exc).__name__}: {exc}", peer=peer) from exc
+        ep = await self._create_endpoint(peer, host, port, timeout)
         conn = _Endpoint(peer, ep, self.config.limits)
         try:
             conn.watch_close()
@@ -180,6 +176,46 @@ class UCXTransport:
         conn.slots = anyio.Semaphore(info.max_pulls)
         log.info("ucx_connected", peer=peer, max_pulls=info.max_pulls, lease_ms=info.lease_ms)
         return conn
+
+    async def _create_endpoint(self, peer: str, host: str, port: int, timeout: float) -> Any:
+        """ucxx's ``create_endpoint``, never cancelled: cancelling it (or its own ``connect_timeout``)
+        while the peer has not answered ucxx's peer-info exchange leaves that exchange's receive
+        posted into a buffer Python then frees, and the process dies of a segmentation fault when
+        the peer answers after all (a CTX stopped with SIGSTOP, then continued). So the call gets no
+        timeout of its own and runs to its end; past ``timeout`` this connect fails and the call is
+        left to finish (the peer answers, then its endpoint is closed, or fails, or the transport
+        closes), and until it has, a new connect to that peer fails at once."""
+        pending = self._unanswered.get(peer)
+        if pending is not None and not pending.done():
+            raise PeerUnreachable(f"connect to {peer}: an earlier connect is still unanswered "
+                                  "(the peer accepted TCP but its UCX does not answer: stopped or hung?)", peer=peer)
+        call = asyncio.ensure_future(self._ucxx.create_endpoint(host, port, endpoint_error_handling=True,
+                                                                connect_timeout=None))
+        try:
+            await asyncio.wait({call}, timeout=timeout)  # cancelling this wait leaves ``call`` running
+        finally:
+            if not call.done():
+                self._unanswered[peer] = call
+                call.add_done_callback(lambda fut: self._abandoned(peer, fut))
+        if not call.done():
+            log.warning("ucx_connect_unanswered", peer=peer, timeout_s=timeout)
+            raise PeerUnreachable(f"connect to {peer} timed out after {timeout}s", peer=peer) from TimeoutError()
+        try:
+            return call.result()
+        except Exception as exc:
+            raise PeerUnreachable(f"connect to {peer} failed: {type(exc).__name__}: {exc}", peer=peer) from exc
+
+    def _abandoned(self, peer: str, call: asyncio.Future[Any]) -> None:
+        """A connect given up on has ended: close what it made (or consume its error)."""
+        if self._unanswered.get(peer) is call:
+            del self._unanswered[peer]
+        if call.cancelled():
+            return
+        if call.exception() is None:
+            ep = call.result()
+            with contextlib.suppress(Exception):
+                ep.abort()
+            log.info("ucx_connect_answered_late", peer=peer)
 
     def _check_layout(self, peer: str, info: wire.PeerInfo) -> None:
         layout = self.layout
