@@ -466,6 +466,32 @@ def test_release_needs_the_handle_of_the_prefill(nodes: Any) -> None:
 
 
 @pytest.mark.integration
+def test_a_prefill_whose_client_left_before_the_answer_is_released_at_once(nodes: Any) -> None:
+    # Its client cannot release that KV (the handle was in the answer it never read): the CTX held
+    # it for the whole lease (30 s here), so a front or load client that died at high concurrency
+    # could fill the CTX's pool for that long. Found by an outside drill (load client SIGKILLed).
+    ctx, _ = nodes
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        before = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+        for i in range(8):
+            stream = await control.connect(ctx.info["ctrl"], secret=ctx.secret)
+            await stream.send({"op": "prefill", "request_id": f"left-{i}", "prompt_ids": [7] * 300, "max_tokens": 4})
+            await stream.aclose()  # gone before the answer
+        with anyio.fail_after(5):  # well inside the lease
+            while True:
+                s = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+                if s["prefills"] == before["prefills"] + 8 and s["store"]["held_requests"] == 0:
+                    return before, s
+                await anyio.sleep(0.05)
+
+    before, s = run(scenario)
+    assert s["prefills_abandoned"] == before["prefills_abandoned"] + 8
+    assert s["pool"]["used_blocks"] == 0 and s["store"]["expired"] == before["store"]["expired"]
+    assert s["store"]["released"] >= before["store"]["released"] + 8
+
+
+@pytest.mark.integration
 def test_without_the_secret_nothing_can_be_prefilled_released_or_generated(nodes: Any) -> None:
     ctx, gen_node = nodes
 
@@ -545,17 +571,22 @@ def test_idle_connections_to_a_node_are_closed_and_the_cap_holds(nodes: Any) -> 
 
 
 @pytest.mark.integration
-def test_an_insecure_node_says_so_once_and_leaves_no_folder(tmp_path: Path) -> None:
+def test_an_insecure_node_says_so_once_and_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    # the node's folder is made here, not in /tmp, where nodes of tests running beside this one
+    # (another worker) come and go
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     env = {k: v for k, v in node_env().items() if k != _auth.SECRET_ENV}
-    before = set(Path("/tmp").glob("kvo-*"))
+    before = set(tmp_path.glob("kvo-*"))
     with NodeProcess.start(["ctx", "--insecure", "--num-blocks", "16"], env=env) as ctx:
         folder = ctx.log_path.parent
         assert ctx.secret is None
         assert run(lambda: control.call(ctx.info["ctrl"], {"op": "ping"}, secret=None))["role"] == "ctx"
         with pytest.raises(AuthError, match="cannot authenticate"):
             run(lambda: control.call(ctx.info["ctrl"], {"op": "ping"}, secret=SECRET))
-    assert not folder.exists() and set(Path("/tmp").glob("kvo-*")) <= before
+    assert folder.parent == tmp_path and not folder.exists() and set(tmp_path.glob("kvo-*")) <= before
     assert ctx.log_tail(200).count('"control_insecure"') == 1
     with pytest.raises(RuntimeError, match="unrecognized arguments"):
         NodeProcess.start(["ctx", "--no-such-flag"], env=env)
-    assert set(Path("/tmp").glob("kvo-*")) <= before
+    assert set(tmp_path.glob("kvo-*")) <= before

@@ -53,6 +53,7 @@ class CtxNode:
         self._freed = anyio.Event()
         self._exec = anyio.CapacityLimiter(1)  # the CTX execution thread: one prefill at a time
         self._prefills = 0
+        self._abandoned = 0  # prefills whose client closed the connection before the answer (KV released)
         self.registration: membership.Registration | None = None  # --etcd: this node's entry
         self.group: ctx_tp.CtxGroup | None = None
         self.healer: tp_group.Healer | None = None  # rank 0 of a group: re-forms it when it breaks
@@ -116,12 +117,12 @@ class CtxNode:
     async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
         op = msg.get("op")
         if op == "prefill":
-            await stream.send(await self._prefill(msg))
+            reply = await self._prefill_while_watched(msg, stream)
+            if reply is not None:
+                await stream.send(reply)
         elif op == "release":  # only with the handle of the prefill: a wrong one releases nothing
             rid, handle = control.request_id(msg), control.kv_handle(msg)
-            released = (await self._in_group(("release", rid, handle)) if self.group is not None
-                        else self.store.release(rid, handle=handle))
-            await stream.send({"ok": True, "released": released})
+            await stream.send({"ok": True, "released": await self._release(rid, handle)})
         elif op == "stats":
             await stream.send(await self.stats())
         elif op == "drain":  # a front's POST /admin/drain (etcd membership): as on SIGTERM
@@ -149,10 +150,50 @@ class CtxNode:
                 ranks = await self._in_group(("stats",))
         store = {k: sum(r["store"][k] for r in ranks) for k in ranks[0]["store"]}
         pool = {k: sum(r["pool"][k] for r in ranks) for k in ranks[0]["pool"]}
-        return {"ok": True, "role": "ctx", "prefills": self._prefills, "store": store, "pool": pool,
+        return {"ok": True, "role": "ctx", "prefills": self._prefills, "prefills_abandoned": self._abandoned,
+                "store": store, "pool": pool,
                 "tp": {"world_size": self.args.tp, "ranks": ranks, "rank_pids": getattr(self.args, "tp_pids", []),
                        **(self.healer.statistics() if self.healer is not None else {})},
                 "control": dataclasses.asdict(self.control.statistics()), **self._health()}
+
+    async def _release(self, rid: str, handle: str | None) -> bool:
+        return (await self._in_group(("release", rid, handle)) if self.group is not None
+                else self.store.release(rid, handle=handle))
+
+    async def _prefill_while_watched(self, msg: dict[str, Any], stream: control.JsonStream) -> dict[str, Any] | None:
+        """The prefill, its connection watched meanwhile: a client that closed it (gave up, died)
+        before the answer can never release that KV (it has no handle), so the KV is released here
+        at once rather than held for the lease; None then (nobody to answer). A prefill already
+        running is let finish (it holds blocks the execution thread is writing)."""
+        gone = False
+        error: Exception | None = None
+        reply: dict[str, Any] | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:  # a prefill's client sends nothing more: EOF means it left
+                nonlocal gone
+                try:
+                    while True:
+                        await stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                        control.ControlError, ConnectionError):
+                    gone = True
+
+            tg.start_soon(watch)
+            try:
+                reply = await self._prefill(msg)
+            except Exception as exc:  # raised below, not wrapped in the task group's ExceptionGroup
+                error = exc
+            tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        assert reply is not None
+        if not gone:
+            return reply
+        released = await self._release(reply["request_id"], reply["kv_handle"])
+        self._abandoned += 1
+        log.info("prefill_client_gone", request_id=reply["request_id"], released=released)
+        return None
 
     async def _prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
         cfg = self.model.config
