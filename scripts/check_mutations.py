@@ -227,6 +227,7 @@ M = [
  ("front: a prefill that failed after its client left has nothing to release", "examples/serve/_flight.py", "            if left and \"answer\" in box:", "            if left:", "tests/test_serve.py -k fails_after_its_client_left"),
  ("ucx: a connect given up on is never cancelled (else SIGSEGV when the peer answers)", "transports/ucx.py", "            await asyncio.wait({call}, timeout=timeout)  # cancelling this wait leaves ``call`` running\n", "            await asyncio.wait({call}, timeout=timeout)\n            call.cancel()\n", "tests/test_faults.py -k 'first_connect and ucx'"),
  ("ctx: a prefill whose client left before the answer is released at once", "examples/two_node/ctx.py", "        if not gone:\n            return reply\n", "        if True:\n            return reply\n", "tests/test_control.py -k client_left_before"),
+ ("node: a SIGTERM exit wrapped by a task group is still 143", "examples/two_node/__main__.py", "    except BaseExceptionGroup as group:\n", "    except ZeroDivisionError as group:\n", "tests/test_control.py -k sigterm_exit_wrapped"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -6,6 +6,8 @@ import argparse
 import logging
 import signal
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import structlog
 
@@ -83,7 +85,35 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     common.node_secret(args)  # a missing or bad secret: one line on stderr, before anything starts
     _configure_logging(args.log_level)
-    return {"ctx": ctx.main, "gen": gen.main}[args.role](args)
+    return run_role({"ctx": ctx.main, "gen": gen.main}[args.role], args)
+
+
+def run_role(role_main: Any, args: argparse.Namespace) -> int:
+    """A node's main; the SIGTERM exit (``sys.exit(143)`` raised wherever the main thread was)
+    comes out as that exit status even when a task group wrapped it in an exception group (a
+    SIGTERM that lands inside a task group, e.g. while a generate stream sends): exit status 1 and
+    a traceback would tell a supervisor the node crashed."""
+    try:
+        return int(role_main(args) or 0)
+    except BaseExceptionGroup as group:
+        exits = group.subgroup(SystemExit)
+        if exits is None:
+            raise
+        first = next(iter(_leaves(exits)))
+        others = group.subgroup(lambda e: not isinstance(e, (SystemExit, BaseExceptionGroup))
+                                and type(e).__name__ not in ("CancelledError", "Cancelled"))
+        if others is not None:  # what the unwinding also raised: named, not a traceback
+            print(f"exiting ({first.code}); also raised on the way out: "
+                  + ", ".join(f"{type(e).__name__}: {e}" for e in _leaves(others)), file=sys.stderr)
+        return int(first.code) if isinstance(first.code, int) else 1
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[Any]:
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from _leaves(e)
+        else:
+            yield e
 
 
 if __name__ == "__main__":
