@@ -439,7 +439,10 @@ class GenEngine:
             return
         self.stopped = True
         self.mark_unhealthy(cause)
-        log.error("engine_broken", rank=self.rank, world_size=self.world_size, cause=cause)
+        if self.receiver is not None and self.receiver.cancelled:  # the node is stopping: no failure
+            log.info("engine_stopped", rank=self.rank, world_size=self.world_size, cause=cause)
+        else:
+            log.error("engine_broken", rank=self.rank, world_size=self.world_size, cause=cause)
 
     def _apply_tokens(self, tokens: Seq[int]) -> None:
         """Rank 0's tokens (and finish decisions) for the batch this rank decoded last step."""

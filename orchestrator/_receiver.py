@@ -240,6 +240,8 @@ class ReceiveGroup:
         self._quarantined = 0  # jobs finished while their landing was still busy
         self._closing = False  # close() was called: a stop now is a shutdown, not a death
         self.failure: str | None = None
+        self.cancelled = False
+        """It stopped because its owner's scope was cancelled (a node shutting down), not on an error."""
         """Why the group stopped serving, when it died (not set by a normal ``close()``)."""
         # -- event-loop thread only --
         self._tg: anyio.abc.TaskGroup | None = None
@@ -398,9 +400,13 @@ class ReceiveGroup:
     def _died(self, exc: BaseException | None) -> None:
         if self.failure is not None:
             return
-        self.failure = "cancelled from outside" if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()) \
-            else f"{type(exc).__name__}: {exc}"
-        log.error("receive_group_failed", reason=self.failure, exc_info=exc if isinstance(exc, Exception) else None)
+        if not isinstance(exc, Exception):  # cancelled (or the interpreter exiting): its owner is stopping
+            self.cancelled = True
+            self.failure = "cancelled from outside"
+            log.info("receive_group_stopped", reason=self.failure)
+            return
+        self.failure = f"{type(exc).__name__}: {exc}"
+        log.error("receive_group_failed", reason=self.failure, exc_info=exc)
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
         if self._tg is not None:

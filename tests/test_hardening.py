@@ -102,8 +102,11 @@ async def test_a_dead_receive_group_fails_live_requests_and_the_engine_refuses_n
     assert h.engine.health() is not None
     with pytest.raises(Unavailable, match="receive group stopped"):
         h.engine.submit(h.request("late"))
-    for _ in range(3):
-        h.engine.step()  # never raises although the loop is gone
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            h.engine.step()  # never raises although the loop is gone
+    # a cancelled group is its node stopping (SIGTERM), not a failure: said once, at info
+    assert [(e["event"], e["log_level"]) for e in logs if e["event"].startswith("engine_")] == [("engine_stopped", "info")]
     outs = {o.request_id: o for o in h.engine.poll()}
     assert outs["receiving"].state is RequestState.FAILED and outs["receiving"].failure is FailureReason.INTERNAL
     assert outs["waiting"].state is RequestState.FAILED and "unavailable" in outs["waiting"].message
