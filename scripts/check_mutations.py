@@ -229,6 +229,7 @@ M = [
  ("ctx: a prefill whose client left before the answer is released at once", "examples/two_node/ctx.py", "        if not gone:\n            return reply\n", "        if True:\n            return reply\n", "tests/test_control.py -k client_left_before"),
  ("node: a SIGTERM exit wrapped by a task group is still 143", "examples/two_node/__main__.py", "    except BaseExceptionGroup as group:\n", "    except ZeroDivisionError as group:\n", "tests/test_control.py -k sigterm_exit_wrapped"),
  ("node stopping is no failure: a cancelled receive group stops the engine at info", "orchestrator/_engine.py", "        if self.receiver is not None and self.receiver.cancelled:", "        if False:", "tests/test_hardening.py -k dead_receive_group"),
+ ("node: a port in use is one line, not a traceback", "examples/two_node/__main__.py", "        if in_use is not None:  # a port taken", "        if False:  # a port taken", "tests/test_control.py -k port_in_use"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -619,3 +620,22 @@ def test_a_sigterm_exit_wrapped_by_a_task_group_is_still_the_nodes_exit_status(c
     with pytest.raises(ExceptionGroup):
         run_role(crashed, None)
     assert run_role(lambda _: None, None) == 0
+
+
+@pytest.mark.integration
+def test_a_port_in_use_is_one_line_and_exit_status_1() -> None:
+    # It was a 40-70 line traceback of task groups (and, for --ucx-port, ucxx's "Device is busy").
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    env = node_env()
+    try:
+        for args in (["ctx", "--port", port], ["ctx", "--ucx-port", port], ["gen", "--port", port, "--step", "device"]):
+            r = subprocess.run([sys.executable, "-m", "examples.two_node", *args], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=120)
+            last = r.stderr.strip().splitlines()[-1]
+            assert r.returncode == 1 and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
+            assert last.startswith(f"{args[0]}: cannot start: ") and port in last, (args, last)
+    finally:
+        taken.close()

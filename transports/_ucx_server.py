@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -164,13 +165,24 @@ class UCXKVServer:
 
     async def __aenter__(self) -> UCXKVServer:
         ucxx = _ucx_acquire()
+        entered = False
         try:
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
-            self._listener = ucxx.create_listener(self._on_connect, port=self._requested_port, endpoint_error_handling=True)
+            entered = True
+            try:
+                self._listener = ucxx.create_listener(self._on_connect, port=self._requested_port,
+                                                      endpoint_error_handling=True)
+            except Exception as exc:  # ucxx says "Device is busy" for a port in use
+                raise OSError(errno.EADDRINUSE, f"cannot listen for UCX on port {self._requested_port or '(any)'}: "
+                                                f"{type(exc).__name__}: {exc} (is the port in use?)") from exc
             self._tg.start_soon(self._expire_loop)
             self._tg.start_soon(self._summary_loop)
         except BaseException:
+            if entered:
+                self._tg.cancel_scope.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._tg.__aexit__(None, None, None)
             _ucx_release()
             raise
         log.info("ucx_server_listening", port=self.port)

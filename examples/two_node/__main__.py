@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
 import sys
@@ -95,7 +96,14 @@ def run_role(role_main: Any, args: argparse.Namespace) -> int:
     a traceback would tell a supervisor the node crashed."""
     try:
         return int(role_main(args) or 0)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        return _in_use(args, exc)
     except BaseExceptionGroup as group:
+        in_use = group.subgroup(lambda e: isinstance(e, OSError) and e.errno == errno.EADDRINUSE)
+        if in_use is not None:  # a port taken: one line, not the task groups' traceback
+            return _in_use(args, next(iter(_leaves(in_use))))
         exits = group.subgroup(SystemExit)
         if exits is None:
             raise
@@ -106,6 +114,11 @@ def run_role(role_main: Any, args: argparse.Namespace) -> int:
             print(f"exiting ({first.code}); also raised on the way out: "
                   + ", ".join(f"{type(e).__name__}: {e}" for e in _leaves(others)), file=sys.stderr)
         return int(first.code) if isinstance(first.code, int) else 1
+
+
+def _in_use(args: Any, exc: OSError) -> int:
+    print(f"{getattr(args, 'role', 'node')}: cannot start: {exc}", file=sys.stderr)
+    return 1
 
 
 def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[Any]:

@@ -355,7 +355,11 @@ class ControlServer:
 
     async def serve(self, host: str, port: int, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         """Listen, report the bound port, serve until cancelled."""
-        listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
+        try:
+            listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
+        except OSError as exc:  # the address in the message (the node's start says it in one line)
+            raise OSError(exc.errno, f"cannot listen for control connections on {host}:{port}: "
+                                     f"{exc.strerror or exc}") from exc
         bound = listener.extra(anyio.abc.SocketAttribute.local_port)
         if self.insecure:
             log.warning("control_insecure", port=bound, detail="accepting unauthenticated control connections")
