@@ -210,7 +210,7 @@ M = [
  ("17 an unpinned READ past the lease is not used", "transports/nixl.py", "        if unpinned and not conn.leased():", "        if False:", "tests/test_nixl_unpinned.py -k outlived"),
  ("17 the epoch reaches the pull", "orchestrator/_receiver.py", "            named[\"remote_epoch\"] = part.epoch\n", "            pass\n", "tests/test_fan_in.py -k named"),
  ("17 the epoch crosses the step message", "orchestrator/_step.py", "_runs(s.kv_blocks), s.kv_epoch]", "_runs(s.kv_blocks), None]", "tests/test_one_step.py -k round_trips"),
- ("17 the prefill reply names the epoch", "examples/two_node/ctx.py", "\"kv_epoch\": epoch}]}", "}]}", "tests/test_two_node.py -k 'loopback and nixl'"),
+ ("17 the prefill reply names the epoch", "examples/two_node/ctx.py", "\"kv_epoch\": epoch,\n", "\n", "tests/test_two_node.py -k 'loopback and nixl'"),
  ("17 a landing is busy while any receive may write", "transports/_protocol.py", "        return self._pending > 0\n", "        return False\n", "tests/test_landing.py tests/test_nixl_transport.py -k landing"),
  ("17 a landing's callbacks wait for its last end", "transports/_protocol.py", "            if self._pending:\n                return\n            callbacks", "            callbacks", "tests/test_landing.py"),
  ("a finished request's blocks wait for a landing its transport left busy", "orchestrator/_engine.py", "if not keep_blocks and seq.block_ids is not None and self._landing_busy(seq):", "if False:", "tests/test_hardening.py -k landing_is_busy"),
@@ -230,6 +230,7 @@ M = [
  ("node: a SIGTERM exit wrapped by a task group is still 143", "examples/two_node/__main__.py", "    except BaseExceptionGroup as group:\n", "    except ZeroDivisionError as group:\n", "tests/test_control.py -k sigterm_exit_wrapped"),
  ("node stopping is no failure: a cancelled receive group stops the engine at info", "orchestrator/_engine.py", "        if self.receiver is not None and self.receiver.cancelled:", "        if False:", "tests/test_hardening.py -k dead_receive_group"),
  ("node: a port in use is one line, not a traceback", "examples/two_node/__main__.py", "        if in_use is not None:  # a port taken", "        if False:  # a port taken", "tests/test_control.py -k port_in_use"),
+ ("gen: a CTX on the other data plane is refused by name", "examples/two_node/gen.py", "                if isinstance(theirs, str) and theirs != self.config.kv_transport:", "                if False:", "tests/test_control.py -k other_data_plane"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

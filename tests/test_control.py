@@ -639,3 +639,26 @@ def test_a_port_in_use_is_one_line_and_exit_status_1() -> None:
             assert last.startswith(f"{args[0]}: cannot start: ") and port in last, (args, last)
     finally:
         taken.close()
+
+
+@pytest.mark.integration
+def test_a_ctx_on_the_other_data_plane_is_refused_by_name() -> None:
+    # A nixl GEN pulling from a ucx CTX waited out a 5 s handshake timeout per attempt, a ucx GEN
+    # pulling from a nixl CTX read "connection reset": neither said the nodes disagree.
+    pytest.importorskip("nixl_cu12")
+    env = node_env()
+    with NodeProcess.start(["ctx", "--num-blocks", "64", "--kv-transport", "ucx"], env=env) as ctx, \
+            NodeProcess.start(["gen", "--num-blocks", "64", "--kv-transport", "nixl", "--step", "device"],
+                              env=env) as gen_node:
+
+        async def scenario() -> tuple[str, dict[str, Any]]:
+            r = await prefill(ctx, "other-plane")
+            assert r["kv_sources"][0]["kv_transport"] == "ucx"
+            with pytest.raises(ControlError) as refused:
+                await control.call(gen_node.info["ctrl"], {**generate_msg("other-plane", r), "kv_sources": r["kv_sources"]},
+                                   secret=gen_node.secret)
+            return str(refused.value), (await at_rest(ctx, gen_node))[1]
+
+        message, g = run(scenario)
+        assert "serves KV over 'ucx', this GEN pulls over 'nixl'" in message and "--kv-transport" in message
+        assert g["engine"]["waiting"] == 0 and not g["rest_problems"]

@@ -39,6 +39,7 @@ import structlog
 import torch
 
 from examples.two_node import tp_group
+from examples.two_node.common import backend
 from examples.two_node.gen_tp import head_checksums
 
 log = structlog.get_logger("examples.ctx_tp")
@@ -242,7 +243,7 @@ class CtxGroup:
             return {"ok": False, "error": next(p["error"] for p in parts if not p["ok"])}
         return {"ok": True, "first_token": first, "kv_sources": [
             {"peer": p["peer"], "head_start": p["head_start"], "head_end": p["head_end"], "kv_blocks": p["blocks"],
-             "kv_epoch": p["epoch"]}
+             "kv_epoch": p["epoch"], "kv_transport": backend(node.args)}
             for p in parts],
             "head_checksums": merge_head_checksums(parts) if checksums else []}
 
