@@ -116,6 +116,15 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
 
+    def fingerprint(self) -> str:
+        """Which model this is (every field that shapes its KV, the seed of its weights included;
+        not ``max_seq_len``), as 16 hex digits: a CTX and a GEN of different models would exchange
+        KV of the right shape and decode garbage without a word."""
+        import hashlib
+
+        fields = dataclasses.replace(self, max_seq_len=1)
+        return hashlib.sha256(repr(dataclasses.astuple(fields)).encode()).hexdigest()[:16]
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
             if getattr(self, name) <= 0:

@@ -662,3 +662,21 @@ def test_a_ctx_on_the_other_data_plane_is_refused_by_name() -> None:
         message, g = run(scenario)
         assert "serves KV over 'ucx', this GEN pulls over 'nixl'" in message and "--kv-transport" in message
         assert g["engine"]["waiting"] == 0 and not g["rest_problems"]
+
+
+@pytest.mark.integration
+def test_a_ctx_of_another_model_is_refused_by_name() -> None:
+    # Same KV geometry, other weights (--seed): the GEN decoded the CTX's KV with its own model and
+    # answered garbage without a word (outside drill). The prefill reply names its model.
+    env = node_env()
+    with NodeProcess.start(["ctx", "--num-blocks", "64", "--seed", "1"], env=env) as ctx, \
+            NodeProcess.start(["gen", "--num-blocks", "64", "--step", "device"], env=env) as gen_node:
+
+        async def scenario() -> str:
+            r = await prefill(ctx, "other-model")
+            with pytest.raises(ControlError) as refused:
+                await control.call(gen_node.info["ctrl"], {**generate_msg("other-model", r), "kv_sources": r["kv_sources"]},
+                                   secret=gen_node.secret)
+            return str(refused.value)
+
+        assert "serves KV of another model" in run(scenario)

@@ -251,7 +251,7 @@ class CtxNode:
                 "head_checksums": per_head,
                 "kv_sources": [{"peer": self.ucx_addr, "head_start": 0, "head_end": self.head_range[1],
                                 "kv_blocks": [int(b) for b in block_ids.tolist()], "kv_epoch": epoch,
-                                "kv_transport": backend(self.args)}]}
+                                "kv_transport": backend(self.args), "model": self.model.config.fingerprint()}]}
 
     async def _prefill_in_group(self, rid: str, prompt: list[int], block_ids: torch.Tensor) -> dict[str, Any]:
         """Every rank prefills its shard and holds its heads under one handle; the reply names them all."""

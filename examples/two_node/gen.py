@@ -216,13 +216,19 @@ class GenNode:
         limit = self.config.max_model_len
         rid = control.request_id(msg)  # before anything is allocated for it
         pulls = self.config.mode is not Mode.IDEAL
-        if pulls:  # a CTX on the other data plane would fail the pull obscurely (a reset, a handshake timeout)
+        if pulls:  # a CTX on the other data plane would fail the pull obscurely (a reset, a handshake
+            # timeout); one of another model (same KV shape, other weights) would decode garbage silently
             for src in msg.get("kv_sources") or ():
                 theirs = src.get("kv_transport") if isinstance(src, dict) else None
                 if isinstance(theirs, str) and theirs != self.config.kv_transport:
                     raise control.ControlError(
                         f"CTX {str(src.get('peer'))[:64]} serves KV over {theirs[:16]!r}, this GEN pulls over "
                         f"{self.config.kv_transport!r}: start both nodes with the same --kv-transport")
+                model = src.get("model") if isinstance(src, dict) else None
+                if isinstance(model, str) and model != self.model.config.fingerprint():
+                    raise control.ControlError(
+                        f"CTX {str(src.get('peer'))[:64]} serves KV of another model (fingerprint {model[:16]}, this "
+                        f"GEN's {self.model.config.fingerprint()}): start both nodes with the same model flags and --seed")
         request = GenRequest(
             request_id=rid,
             prompt_len=control.field(msg, "prompt_len", int, lo=1, hi=limit),
