@@ -482,14 +482,17 @@ def test_a_prefill_whose_client_left_before_the_answer_is_released_at_once(nodes
         with anyio.fail_after(5):  # well inside the lease
             while True:
                 s = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
-                if s["prefills"] == before["prefills"] + 8 and s["store"]["held_requests"] == 0:
+                if s["prefills_abandoned"] == before["prefills_abandoned"] + 8 and s["store"]["held_requests"] == 0:
                     return before, s
                 await anyio.sleep(0.05)
 
     before, s = run(scenario)
-    assert s["prefills_abandoned"] == before["prefills_abandoned"] + 8
+    # one prefill runs at a time and the pool holds three of these: the ones still waiting for the
+    # execution thread or for blocks when their client left were cancelled, never run
+    assert s["prefills"] - before["prefills"] < 8
     assert s["pool"]["used_blocks"] == 0 and s["store"]["expired"] == before["store"]["expired"]
-    assert s["store"]["released"] >= before["store"]["released"] + 8
+    # every prefill that ran was released (none expired, none held)
+    assert s["store"]["released"] - before["store"]["released"] == s["prefills"] - before["prefills"]
 
 
 @pytest.mark.integration

@@ -162,12 +162,15 @@ class CtxNode:
 
     async def _prefill_while_watched(self, msg: dict[str, Any], stream: control.JsonStream) -> dict[str, Any] | None:
         """The prefill, its connection watched meanwhile: a client that closed it (gave up, died)
-        before the answer can never release that KV (it has no handle), so the KV is released here
-        at once rather than held for the lease; None then (nobody to answer). A prefill already
-        running is let finish (it holds blocks the execution thread is writing)."""
+        before the answer can never release that KV (it has no handle). A prefill still waiting for
+        blocks or for the execution thread is cancelled (``_prefill`` frees what it took); one
+        already running is let finish and its KV released at once rather than held for the lease
+        (and so is every prefill of a tensor-parallel CTX, whose group runs it). None then (nobody
+        to answer)."""
         gone = False
         error: Exception | None = None
         reply: dict[str, Any] | None = None
+        waiting = anyio.CancelScope()  # the prefill, cancelled when its client leaves
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:  # a prefill's client sends nothing more: EOF means it left
@@ -178,21 +181,27 @@ class CtxNode:
                 except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
                         control.ControlError, ConnectionError):
                     gone = True
+                    if self.group is None:
+                        waiting.cancel()
 
             tg.start_soon(watch)
             try:
-                reply = await self._prefill(msg)
+                with waiting:
+                    reply = await self._prefill(msg)
             except Exception as exc:  # raised below, not wrapped in the task group's ExceptionGroup
                 error = exc
             tg.cancel_scope.cancel()
         if error is not None:
             raise error
-        assert reply is not None
+        if reply is None:  # cancelled before it stored anything: its client is gone
+            self._abandoned += 1
+            log.info("prefill_client_gone", request_id=str(msg.get("request_id"))[:128], ran=False)
+            return None
         if not gone:
             return reply
         released = await self._release(reply["request_id"], reply["kv_handle"])
         self._abandoned += 1
-        log.info("prefill_client_gone", request_id=reply["request_id"], released=released)
+        log.info("prefill_client_gone", request_id=reply["request_id"], ran=True, released=released)
         return None
 
     async def _prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
