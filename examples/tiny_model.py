@@ -76,6 +76,7 @@ the blocks plus the float64 conversion, ~1.5 ms per layer), which is bandwidth b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -116,10 +117,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
 
+    @functools.cached_property
     def fingerprint(self) -> str:
         """Which model this is (every field that shapes its KV, the seed of its weights included;
-        not ``max_seq_len``), as 16 hex digits: a CTX and a GEN of different models would exchange
-        KV of the right shape and decode garbage without a word."""
+        not ``max_seq_len``), as 16 hex digits, computed once: a CTX and a GEN of different models
+        would exchange KV of the right shape and decode garbage without a word."""
         import hashlib
 
         fields = dataclasses.replace(self, max_seq_len=1)

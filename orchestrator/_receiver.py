@@ -240,9 +240,9 @@ class ReceiveGroup:
         self._quarantined = 0  # jobs finished while their landing was still busy
         self._closing = False  # close() was called: a stop now is a shutdown, not a death
         self.failure: str | None = None
+        """Why the group stopped serving, when it died (not set by a normal ``close()``)."""
         self.cancelled = False
         """It stopped because its owner's scope was cancelled (a node shutting down), not on an error."""
-        """Why the group stopped serving, when it died (not set by a normal ``close()``)."""
         # -- event-loop thread only --
         self._tg: anyio.abc.TaskGroup | None = None
         self._stop: anyio.Event | None = None

@@ -231,8 +231,8 @@ M = [
  ("node stopping is no failure: a cancelled receive group stops the engine at info", "orchestrator/_engine.py", "        if self.receiver is not None and self.receiver.cancelled:", "        if False:", "tests/test_hardening.py -k dead_receive_group"),
  ("node: a port in use is one line, not a traceback", "examples/two_node/__main__.py", "        if in_use is not None:  # a port taken", "        if False:  # a port taken", "tests/test_control.py -k port_in_use"),
  ("gen: a CTX on the other data plane is refused by name", "examples/two_node/gen.py", "                if isinstance(theirs, str) and theirs != self.config.kv_transport:", "                if False:", "tests/test_control.py -k other_data_plane"),
- ("gen: a CTX of another model is refused by name", "examples/two_node/gen.py", "                if isinstance(model, str) and model != self.model.config.fingerprint():", "                if False:", "tests/test_control.py -k another_model"),
- ("ctx: a waiting prefill whose client left is cancelled, not run", "examples/two_node/ctx.py", "                    if self.group is None:\n                        waiting.cancel()\n", "                    pass\n", "tests/test_control.py -k client_left_before"),
+ ("gen: a CTX of another model is refused by name", "examples/two_node/gen.py", "                if isinstance(model, str) and model != self.model.config.fingerprint:", "                if False:", "tests/test_control.py -k another_model"),
+ ("ctx: a waiting prefill whose client left is cancelled, not run", "examples/two_node/ctx.py", "                if self.group is None:\n                    waiting.cancel()\n", "                pass\n", "tests/test_control.py -k client_left_before"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

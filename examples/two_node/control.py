@@ -149,6 +149,16 @@ class JsonStream:
         await self._stream.aclose()
 
 
+async def until_closed(stream: JsonStream) -> None:
+    """Return once the peer closed ``stream`` (or it broke, or sent a line too long), ignoring
+    whatever it sends until then: how a server notices a client that gave up."""
+    try:
+        while True:
+            await stream.receive()
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ControlError, ConnectionError):
+        pass
+
+
 def _decode(line: bytes, max_line: int) -> dict[str, Any]:
     if len(line) > max_line:
         raise ControlError(f"control line longer than {max_line} bytes")

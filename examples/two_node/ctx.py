@@ -175,14 +175,10 @@ class CtxNode:
 
             async def watch() -> None:  # a prefill's client sends nothing more: EOF means it left
                 nonlocal gone
-                try:
-                    while True:
-                        await stream.receive()
-                except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
-                        control.ControlError, ConnectionError):
-                    gone = True
-                    if self.group is None:
-                        waiting.cancel()
+                await control.until_closed(stream)
+                gone = True
+                if self.group is None:
+                    waiting.cancel()
 
             tg.start_soon(watch)
             try:
@@ -260,7 +256,7 @@ class CtxNode:
                 "head_checksums": per_head,
                 "kv_sources": [{"peer": self.ucx_addr, "head_start": 0, "head_end": self.head_range[1],
                                 "kv_blocks": [int(b) for b in block_ids.tolist()], "kv_epoch": epoch,
-                                "kv_transport": backend(self.args), "model": self.model.config.fingerprint()}]}
+                                "kv_transport": backend(self.args), "model": self.model.config.fingerprint}]}
 
     async def _prefill_in_group(self, rid: str, prompt: list[int], block_ids: torch.Tensor) -> dict[str, Any]:
         """Every rank prefills its shard and holds its heads under one handle; the reply names them all."""

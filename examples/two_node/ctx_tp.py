@@ -243,7 +243,7 @@ class CtxGroup:
             return {"ok": False, "error": next(p["error"] for p in parts if not p["ok"])}
         return {"ok": True, "first_token": first, "kv_sources": [
             {"peer": p["peer"], "head_start": p["head_start"], "head_end": p["head_end"], "kv_blocks": p["blocks"],
-             "kv_epoch": p["epoch"], "kv_transport": backend(node.args), "model": node.model.config.fingerprint()}
+             "kv_epoch": p["epoch"], "kv_transport": backend(node.args), "model": node.model.config.fingerprint}
             for p in parts],
             "head_checksums": merge_head_checksums(parts) if checksums else []}
 

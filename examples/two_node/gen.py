@@ -225,10 +225,10 @@ class GenNode:
                         f"CTX {str(src.get('peer'))[:64]} serves KV over {theirs[:16]!r}, this GEN pulls over "
                         f"{self.config.kv_transport!r}: start both nodes with the same --kv-transport")
                 model = src.get("model") if isinstance(src, dict) else None
-                if isinstance(model, str) and model != self.model.config.fingerprint():
+                if isinstance(model, str) and model != self.model.config.fingerprint:
                     raise control.ControlError(
                         f"CTX {str(src.get('peer'))[:64]} serves KV of another model (fingerprint {model[:16]}, this "
-                        f"GEN's {self.model.config.fingerprint()}): start both nodes with the same model flags and --seed")
+                        f"GEN's {self.model.config.fingerprint}): start both nodes with the same model flags and --seed")
         request = GenRequest(
             request_id=rid,
             prompt_len=control.field(msg, "prompt_len", int, lo=1, hi=limit),
@@ -267,12 +267,7 @@ class GenNode:
             async with anyio.create_task_group() as tg:
 
                 async def watch_client() -> None:  # EOF before "done": the client gave up
-                    try:
-                        while True:
-                            await stream.receive()
-                    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
-                            control.ControlError, ConnectionError):
-                        pass
+                    await control.until_closed(stream)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_client)
