@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import socket
 import threading
@@ -99,13 +100,10 @@ async def test_a_dead_gen_s_pin_still_ends_with_its_lease() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("off_loop", [False, True], ids=["inline", "poller-thread"])
-async def test_a_transfer_that_raises_ends_its_landing_and_its_pin(monkeypatch: pytest.MonkeyPatch,
-                                                                   off_loop: bool) -> None:
+async def test_a_transfer_that_raises_ends_its_landing_and_its_pin(off_loop: bool) -> None:
     """Also when the poller thread posts it (a READ large enough that its inline copy on one host
     would stall the event loop)."""
-    if off_loop:
-        monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", 0)
-    async with _served() as (store, handle, server, peer, t):
+    async with _served(inline_copy_bytes=0 if off_loop else 1 << 20) as (store, handle, server, peer, t):
         await t.connect(peer)
 
         def broken(xfer, notif=b""):  # noqa: ANN001
@@ -139,11 +137,12 @@ async def test_a_large_read_is_posted_by_the_poller_thread_not_the_loop(monkeypa
         t.agent.transfer = recorded
         want = gather(store.pool, IDS, LAYOUT.full_slice())
         into = _into()
-        monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", into.nbytes - 1)
+        monkeypatch.setattr(t, "config", dataclasses.replace(t.config, inline_copy_bytes=into.nbytes - 1))
         with anyio.fail_after(10):
             await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
         assert torch.equal(into, want) and callers == ["nixl-read-poller"] and t._poller.watched == 1
-        monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", into.nbytes)
+        assert (await t._conn(peer)).copies_inline is (not in_progress)  # learnt from what transfer() said
+        monkeypatch.setattr(t, "config", dataclasses.replace(t.config, inline_copy_bytes=into.nbytes))
         small = _into()
         await t.pull(peer, "r1", LAYOUT.full_slice(), small, handle=handle, release=False)
         assert torch.equal(small, want) and callers[1] == threading.current_thread().name
@@ -262,14 +261,14 @@ async def test_whole_block_reads_into_a_registered_pool_use_prepared_descriptor_
     async with _served() as (store, handle, server, peer, t):
         pool = LAYOUT.new_pool(16).zero_()
         t.register(pool)
-        monkeypatch.setattr("transports.nixl._INLINE_TRANSFER_BYTES", 0)  # the second READ off the loop
         want = gather(store.pool, IDS, LAYOUT.full_slice())
         into = pool[3:3 + len(IDS)]
-        with monkeypatch.context() as m:
-            m.setattr("transports.nixl._INLINE_TRANSFER_BYTES", 1 << 30)  # the first inline
-            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)  # inline
         assert torch.equal(into, want) and t.statistics().prepped_reads == 1
         assert not pool[:3].any() and not pool[3 + len(IDS):].any()  # nothing else written
+        # the second READ off the loop: a peer not known to copy inline, a limit it exceeds
+        monkeypatch.setattr(t, "config", dataclasses.replace(t.config, inline_copy_bytes=0))
+        (await t._conn(peer)).copies_inline = None
         into2 = pool[9:9 + len(IDS)]
         await t.pull(peer, "r1", LAYOUT.full_slice(), into2, handle=handle, release=False)
         assert torch.equal(into2, want) and t.statistics().prepped_reads == 2
@@ -278,6 +277,124 @@ async def test_whole_block_reads_into_a_registered_pool_use_prepared_descriptor_
         await t.pull(peer, "r1", part, sub, handle=handle, release=False)
         assert torch.equal(sub, gather(store.pool, IDS, part)) and t.statistics().prepped_reads == 2
         await _until(lambda: server.statistics().pinned == 0)
+
+
+@contextlib.asynccontextmanager
+async def _in_pieces(**config_kw: object) -> AsyncIterator[tuple[KVStore, str, NIXLKVServer, str, NIXLTransport,
+                                                                 torch.Tensor, list[str], list[int], list[bytes]]]:
+    """A GEN whose READs of more than two blocks are posted in pieces (one host: NIXL copies
+    inline), into a registered pool; ``calls`` records the thread of every transfer(), ``sizes``
+    the blocks of every prepared READ and ``notifs`` every notification the CTX got."""
+    async with _served(inline_copy_bytes=2 * LAYOUT.block_bytes, **config_kw) as (store, handle, server, peer, t):
+        pool = LAYOUT.new_pool(16).zero_()
+        t.register(pool)
+        small = store.put("r2", torch.tensor([10, 11]), num_tokens=8, lease_s=60)
+        for _ in range(2):  # the first READ of a connection is in progress (UCX wires its endpoint up)
+            await t.pull(peer, "r2", LAYOUT.full_slice(), pool[:2], remote_blocks=[10, 11], handle=small, release=False)
+        assert (await t._conn(peer)).copies_inline is True  # learnt from the last READ: copied at once
+        pool[:2] = 0
+        real_transfer, real_prep, real_notifs = t.agent.transfer, t.agent.make_prepped_xfer, server.agent.get_new_notifs
+        calls: list[str] = []
+        sizes: list[int] = []
+        notifs: list[bytes] = []
+
+        def transfer(xfer, notif=b""):  # noqa: ANN001
+            calls.append(threading.current_thread().name)
+            return real_transfer(xfer, notif) if notif else real_transfer(xfer)
+
+        def make_prepped_xfer(op, local, local_ids, remote, remote_ids, notif=b"", *a, **kw):  # noqa: ANN001, ANN002, ANN003
+            sizes.append(len(remote_ids))
+            return real_prep(op, local, local_ids, remote, remote_ids, notif, *a, **kw)
+
+        def get_new_notifs():  # noqa: ANN202
+            got = real_notifs()
+            notifs.extend(m for msgs in got.values() for m in msgs)
+            return got
+
+        t.agent.transfer, t.agent.make_prepped_xfer, server.agent.get_new_notifs = transfer, make_prepped_xfer, get_new_notifs
+        await _until(lambda: server.statistics().pinned == 0)
+        notifs.clear()
+        yield store, handle, server, peer, t, pool, calls, sizes, notifs
+
+
+@pytest.mark.anyio
+async def test_a_large_read_from_a_peer_that_copies_inline_is_posted_on_the_loop_in_pieces() -> None:
+    """One host: a READ of 7 whole blocks over the inline limit (2 blocks) is posted by the loop
+    itself as 4 READs of at most 2 blocks (no hand-over to the poller thread), the loop's other work
+    between them; the CTX gets one notification, with the last, and releases only then (its
+    release overwrites the blocks: a release before the last piece would show in the bytes)."""
+    async with _in_pieces() as (store, handle, server, peer, t, pool, calls, sizes, notifs):
+        want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+        prepped, watched, seen = t.statistics().prepped_reads, t._poller.watched, set()
+
+        async def ticker() -> None:  # the loop's other work runs between the pieces
+            while True:
+                seen.add(len(calls))
+                await asyncio.sleep(0)
+
+        tick = asyncio.ensure_future(ticker())
+        landing = Landing()
+        into = pool[3:3 + len(IDS)]
+        with anyio.fail_after(10):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, landing=landing)
+        tick.cancel()
+        assert torch.equal(into, want) and not landing.busy
+        assert calls == [threading.current_thread().name] * 4 and sizes == [2, 2, 2, 1] and t._poller.watched == watched
+        assert t.statistics().prepped_reads - prepped == 4 and {1, 2, 3} <= seen
+        await _until(lambda: store.statistics().held_requests == 1 and server.statistics().pinned == 0)  # r2 only
+        assert len(notifs) == 1, notifs
+        assert not pool[:3].any() and not pool[3 + len(IDS):].any()  # nothing else written
+
+
+@pytest.mark.anyio
+async def test_a_read_in_pieces_cancelled_between_them_ends_its_landing_and_pin_and_keeps_the_kv() -> None:
+    """Cancelled after its first piece: nothing is in flight (each piece was copied at once), so the
+    landing ends at once, the pin is given back, no notification went (the CTX keeps the request:
+    the GEN never finished reading it) and a later pull reads it whole."""
+    async with _in_pieces() as (store, handle, server, peer, t, pool, calls, sizes, notifs):
+        want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+        landing = Landing()
+        task = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), pool[3:3 + len(IDS)], handle=handle,
+                                            landing=landing))
+        real = t.agent.transfer
+
+        def cancel_after_first(xfer, notif=b""):  # noqa: ANN001
+            task.cancel()  # delivered at the pull's next await: between two pieces
+            return real(xfer, notif) if notif else real(xfer)
+
+        t.agent.transfer = cancel_after_first
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        t.agent.transfer = real
+        assert len(calls) == 1 and not landing.busy and not t._pinned
+        await _until(lambda: server.statistics().pinned == 0)
+        assert notifs == [] and store.statistics().held_requests == 2
+        into = _into()
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
+        assert torch.equal(into, want)
+
+
+@pytest.mark.anyio
+async def test_a_piece_nixl_reports_in_progress_is_watched_and_the_rest_follows_as_one_read() -> None:
+    """A peer learnt to copy inline whose second piece transfer() reports in progress (not a
+    one-host copy after all): that piece is watched to its end and the rest posted as one READ;
+    the bytes are the CTX's and everything ends."""
+    async with _in_pieces() as (store, handle, server, peer, t, pool, calls, sizes, notifs):
+        want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+        real = t.agent.transfer
+
+        def second_in_progress(xfer, notif=b""):  # noqa: ANN001
+            state = real(xfer, notif) if notif else real(xfer)
+            return "PROC" if len(calls) == 2 else state  # check_xfer_state says DONE later
+
+        t.agent.transfer = second_in_progress
+        landing, watched = Landing(), t._poller.watched
+        into = pool[3:3 + len(IDS)]
+        with anyio.fail_after(10):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False, landing=landing)
+        assert torch.equal(into, want) and not landing.busy and sizes == [2, 2, 3] and t._poller.watched == watched + 1
+        await _until(lambda: server.statistics().pinned == 0)
+        assert len(notifs) == 1 and store.statistics().held_requests == 2 and not t._reads
 
 
 @pytest.mark.anyio

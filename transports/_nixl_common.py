@@ -41,6 +41,11 @@ class NIXLConfig:
     handshake_timeout_s: float = 5.0
     request_timeout_s: float = 5.0  # a lookup or release answer
     pin_timeout_s: float = 30.0  # CTX: a pin's lease: GEN renews it while it may READ the blocks (every third of it)
+    # GEN: the most one READ posted on the event loop may copy (on one host NIXL's transfer() copies
+    # inline: 4 MiB ~120 µs here, each transfer() ~20 µs more): larger READs of whole blocks from such
+    # a peer are posted in pieces of at most this, the loop's other work between them; other large
+    # READs by the poller thread
+    inline_copy_bytes: int = 4 << 20
     read_timeout_s: float = 60.0  # GEN: a READ still in progress this long gets its peer dropped (which ends it)
     close_timeout_s: float = 5.0  # GEN: aclose() waits this long for READs in flight (then drops their peers)
     max_unauthenticated: int = 64  # CTX: control connections still in their handshake; more are closed at once
@@ -53,6 +58,8 @@ class NIXLConfig:
 
     def __post_init__(self) -> None:
         _auth.check_config_secret("NIXLConfig", self.secret, self.allow_insecure)
+        if self.inline_copy_bytes < 0:
+            raise ValueError(f"NIXLConfig.inline_copy_bytes must be >= 0, got {self.inline_copy_bytes}")
 
 
 def make_agent(name: str, config: NIXLConfig) -> Any:

@@ -45,6 +45,13 @@ class _Conn:
         self.reading: dict[str, int] = {}  # request id -> READs of it in flight on this connection
         self._acks_due: dict[str, list[int]] = {}  # revocations acknowledged once those READs end
         self._alive: int | None = None  # the id of the "alive" question not answered yet
+        self.copies_inline: bool | None = None  # transfer() of a READ from this peer copied it at once (one host)
+
+    def copied(self, state: str) -> None:
+        """What ``transfer()`` answered for a READ from this peer (any thread): done at once means
+        NIXL copies inline here (one host), in progress that it does not."""
+        if state in ("DONE", "PROC"):
+            self.copies_inline = state == "DONE"
 
     # -- unpinned READs ------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -41,7 +42,8 @@ class ReadPoller:
         self._agent = agent
         self._cond = threading.Condition()
         self._reads: list[tuple[Any, asyncio.AbstractEventLoop, asyncio.Future[str], float]] = []
-        self._to_post: list[tuple[Any, asyncio.AbstractEventLoop, asyncio.Future[str], float]] = []
+        self._to_post: list[tuple[Any, asyncio.AbstractEventLoop, asyncio.Future[str], float,
+                                  Callable[[str], None] | None]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
         self.watched = 0
@@ -56,11 +58,13 @@ class ReadPoller:
         """A future of the READ's state once it leaves ``PROC``, or ``PROC`` after ``timeout_s``."""
         return self._add(False, xfer, timeout_s)
 
-    def post(self, xfer: Any, timeout_s: float) -> asyncio.Future[str]:
-        """``transfer(xfer)`` on this thread, then as ``wait`` (``timeout_s`` from now)."""
-        return self._add(True, xfer, timeout_s)
+    def post(self, xfer: Any, timeout_s: float, posted: Callable[[str], None] | None = None) -> asyncio.Future[str]:
+        """``transfer(xfer)`` on this thread, then as ``wait`` (``timeout_s`` from now); ``posted``
+        is told (on this thread) what ``transfer()`` answered."""
+        return self._add(True, xfer, timeout_s, posted)
 
-    def _add(self, to_post: bool, xfer: Any, timeout_s: float) -> asyncio.Future[str]:
+    def _add(self, to_post: bool, xfer: Any, timeout_s: float,
+             posted: Callable[[str], None] | None = None) -> asyncio.Future[str]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[str] = loop.create_future()
         with self._cond:
@@ -68,7 +72,11 @@ class ReadPoller:
                 fut.set_result("ERR" if to_post else "PROC")  # a READ not posted moved nothing
                 return fut
             # the list is looked up under the lock: the thread swaps ``_to_post`` for a new one
-            (self._to_post if to_post else self._reads).append((xfer, loop, fut, time.monotonic() + timeout_s))
+            deadline = time.monotonic() + timeout_s
+            if to_post:
+                self._to_post.append((xfer, loop, fut, deadline, posted))
+            else:
+                self._reads.append((xfer, loop, fut, deadline))
             self.watched += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="nixl-read-poller", daemon=True)
@@ -93,14 +101,13 @@ class ReadPoller:
                     nap = _FIRST_NAP_S
                 if self._closed:
                     ended = [(loop, fut, "PROC") for _, loop, fut, _ in self._reads]
-                    ended += [(loop, fut, "ERR") for _, loop, fut, _ in self._to_post]
+                    ended += [(loop, fut, "ERR") for _, loop, fut, _, _ in self._to_post]
                     self._reads.clear()
                     self._to_post.clear()
                     _deliver(ended)
                     return
                 posts, self._to_post = self._to_post, []
-            for entry in posts:  # outside the lock: the copy may take a while
-                xfer, loop, fut, deadline = entry
+            for xfer, loop, fut, deadline, posted in posts:  # outside the lock: the copy may take a while
                 if self._closed:  # closed meanwhile: what is not posted yet never will be
                     _deliver([(loop, fut, "ERR")])
                     continue
@@ -109,9 +116,11 @@ class ReadPoller:
                 except Exception as exc:  # NIXL refused to post it: nothing can land
                     log.warning("nixl_read_not_posted", reason=str(exc))
                     state = "ERR"
+                if posted is not None:
+                    posted(state)
                 if state == "PROC":
                     with self._cond:
-                        self._reads.append(entry)
+                        self._reads.append((xfer, loop, fut, deadline))
                 else:
                     _deliver([(loop, fut, state)])
             with self._cond:

@@ -108,7 +108,6 @@ from ._protocol import Landing, parse_peer
 
 log = structlog.get_logger("transports.nixl")
 
-_INLINE_TRANSFER_BYTES = 1 << 20  # READs larger than this are posted by the poller thread (transfer() may copy)
 
 
 # -- GEN side ---------------------------------------------------------------------------------------
@@ -527,10 +526,18 @@ class NIXLTransport:
             notif = NOTIF_PREFIX + str(token).encode()
         else:  # JSON [id, handle, keep]: the CTX releases on it (unless kept), the handle vouching for the GEN
             notif = NOTIF_READ + f'["{request_id}","{unpinned[0]}",{"true" if unpinned[1] else "false"}]'.encode()
+        limit = self.config.inline_copy_bytes
+        # one host (transfer() copies inline, learnt from this peer's first READ): a large READ of
+        # whole blocks is posted on the loop in pieces of at most `limit`, the loop's other work
+        # between them; the notification travels with the last piece
+        step = max(1, limit // conn.remote.block_bytes) if whole and nbytes > limit and conn.copies_inline else 0
+        first = min(step, len(blocks)) if step else len(blocks)
         # posted and accounted for with no await in between: cancellation cannot split them
         try:
-            xfer = self._prepped_xfer(conn, blocks, kv_slice, into, notif) if whole else None
-            if xfer is None:  # descriptors built for this READ
+            xfer = self._prepped_xfer(conn, blocks[:first], into[:first],
+                                      notif if first == len(blocks) else b"") if whole else None
+            if xfer is None:  # descriptors built for this READ (one READ: no pieces)
+                step = 0
                 remote, local, lengths = pieces if pieces is not None else segments(conn.remote, blocks, kv_slice)
                 if not self._registered(into):
                     adhoc = self.agent.register_memory(into)
@@ -544,8 +551,8 @@ class NIXLTransport:
             landing.begin()
             conn.read_begins(request_id)  # a revocation of it is acknowledged only once it ended
             posting = None
-            if nbytes > _INLINE_TRANSFER_BYTES:  # on one host transfer() copies inline: off the loop
-                posting = self._poller.post(xfer, self.config.read_timeout_s)
+            if nbytes > limit and not step:  # on one host transfer() copies inline: off the loop
+                posting = self._poller.post(xfer, self.config.read_timeout_s, posted=conn.copied)
                 state = "POSTING"
             else:
                 try:
@@ -554,32 +561,90 @@ class NIXLTransport:
                     landing.end()  # NIXL refused to post it: nothing can land
                     conn.read_ends(request_id)
                     raise
+                conn.copied(state)
         except Exception as exc:
             self._end_read(xfer, adhoc)
             self._unpin(conn, token, tell=True)
             raise PeerClosed(f"NIXL READ from {peer} could not be posted: {exc}", peer=peer) from None
         if unpinned is not None:
             self._unpinned += 1
+        if step and first < len(blocks) and state in ("DONE", "PROC"):  # the first piece of several posted
+            return await self._read_rest(conn, request_id, token, blocks, into, notif, landing, first, step, xfer, state)
         if state not in ("PROC", "POSTING"):  # done at once (one host: NIXL copied it inline): no task
             self._end_read(xfer, adhoc)
             landing.end()
             conn.read_ends(request_id)
             self._unpin(conn, token, tell=state != "DONE")
             return state
+        watch = self._watch_task(conn, request_id, token, xfer, landing, adhoc, posting)
+        try:
+            return await asyncio.shield(watch)
+        except BaseException:  # cancelled: the watcher goes on until NIXL ends the READ
+            self._keep(watch)
+            raise
+
+    async def _read_rest(self, conn: _Conn, request_id: str, token: str | None, blocks: list[int], into: torch.Tensor,
+                         notif: bytes, landing: Landing, done: int, step: int, xfer: Any, state: str) -> str:
+        """The rest of a READ posted on the loop in pieces of ``step`` blocks, one at a time (its
+        first, ``blocks[:done]``, posted as ``xfer``, now in ``state``), the loop's other work between
+        them; the last carries the notification. ``landing`` and the request's READ count, begun for
+        the whole READ, end here; a piece NIXL reports in progress (not a one-host copy after all)
+        is watched with counts of its own, and the rest follows it as one READ. Cancelled while a
+        piece may still be read, the pin ends once NIXL let go of it."""
+        peer, total, watch = conn.peer, len(blocks), None
+        try:
+            while True:
+                if state == "PROC":
+                    landing.begin()
+                    conn.read_begins(request_id)
+                    watch = self._watch_task(conn, request_id, None, xfer, landing, None, None)
+                    state = await asyncio.shield(watch)
+                    watch = None
+                else:
+                    self._end_read(xfer, None)
+                if state != "DONE" or done == total:
+                    break
+                await asyncio.sleep(0)  # the loop's other work: it is stalled one piece at a time
+                hi = min(done + step, total) if conn.copies_inline else total
+                xfer = self._prepped_xfer(conn, blocks[done:hi], into[done:hi], notif if hi == total else b"")
+                try:
+                    state = self.agent.transfer(xfer)
+                except Exception as exc:
+                    self._end_read(xfer, None)
+                    raise PeerClosed(f"NIXL READ from {peer} could not be posted: {exc}", peer=peer) from None
+                conn.copied(state)
+                done = hi
+        except BaseException:
+            landing.end()
+            conn.read_ends(request_id)
+            if watch is None:
+                self._unpin(conn, token, tell=True)
+            else:  # that piece may still be read: its pin ends with it
+                self._keep(watch)
+                watch.add_done_callback(lambda _: self._unpin(conn, token, tell=True))
+            raise
+        landing.end()
+        conn.read_ends(request_id)
+        if state != "TIMEOUT":  # a piece NIXL still reports in progress keeps the pin (and its landing)
+            self._unpin(conn, token, tell=state != "DONE")
+        return state
+
+    def _watch_task(self, conn: _Conn, request_id: str, token: str | None, xfer: Any, landing: Landing, adhoc: Any,
+                    posting: asyncio.Future[str] | None) -> asyncio.Future[str]:
+        """``_watch`` as a task (the READ's agent counted as in use until it ends)."""
         name = conn.agent_name
         self._reads[name] = self._reads.get(name, 0) + 1
         watch = asyncio.ensure_future(self._watch(conn, request_id, token, xfer, landing, adhoc, posting))
         watch.add_done_callback(lambda _: self._read_ended(name))
-        try:
-            return await asyncio.shield(watch)
-        except BaseException:  # cancelled: the watcher goes on until NIXL ends the READ
-            self._background.add(watch)
-            watch.add_done_callback(self._background.discard)
-            raise
+        return watch
 
-    def _prepped_xfer(self, conn: _Conn, blocks: list[int], kv_slice: KVSlice, into: torch.Tensor,
-                      notif: bytes) -> Any:
-        """A READ of whole blocks (the caller checked that ``kv_slice`` is the full one) into whole
+    def _keep(self, watch: asyncio.Future[Any]) -> None:
+        """A watcher its caller no longer awaits: kept (and awaited by ``aclose``) until it ends."""
+        self._background.add(watch)
+        watch.add_done_callback(self._background.discard)
+
+    def _prepped_xfer(self, conn: _Conn, blocks: list[int], into: torch.Tensor, notif: bytes) -> Any:
+        """A READ of whole blocks (the caller checked that the slice is the full one) into whole
         blocks of a registered region, from descriptor lists prepared once (the CTX pool's per peer
         agent, the region's at ``register``); None when the pull is not of that shape (another
         block size, unaligned ``into``)."""
