@@ -9,9 +9,11 @@ serves without one. ``--gather-delay S`` makes every gather sleep S seconds (to 
 ``--send-delay S`` sleeps before it sends (to cancel a pull whose receive is posted). ``--runs`` holds
 each request in one ascending run of blocks, which the UCX server sends from a zero-copy view of its
 pool in its read loop (the scattered default takes its gather path).
-``--corrupt short|long|foreign`` (UCX only) answers pulls of ``req-1`` with half the KV, the KV and
-64 more bytes, or no KV (the empty message) and a PULL_ERR that names another pull: a CTX bug that
-GEN must catch.
+``--corrupt short|short1|short7|short-told|whole-foreign|long|foreign`` (UCX only) answers pulls of
+``req-1`` with half the KV, the KV less its last byte or its last 7, the KV less its last byte and
+a PULL_WHOLE that names that length (its probe forced into the byte it ends in) or the whole
+length but another pull, the KV and 64 more bytes, or no KV (the empty message) and a PULL_ERR
+that names another pull: a CTX bug that GEN must catch.
 """
 
 from __future__ import annotations
@@ -105,6 +107,14 @@ async def _main(args: argparse.Namespace) -> None:
                 sent = flat[:0]
             elif args.corrupt == "short":
                 sent = flat[: flat.numel() // 2].clone()
+            elif args.corrupt in ("short1", "short7", "short-told", "whole-foreign"):  # bytes: 1 or 7 short
+                sent = flat.view(torch.uint8)[: -7 if args.corrupt == "short7" else -1].clone()
+                if args.corrupt in ("short-told", "whole-foreign"):  # it ends in the probe; a PULL_WHOLE
+                    sent[-1] = msg.probe
+                    told = wire.encode_frame(wire.PullWhole(msg.txid, sent.numel()) if args.corrupt == "short-told"
+                                             else wire.PullWhole(msg.txid + 1000, msg.nbytes))
+                    reply = post_send(ep, told, 2 * msg.txid)
+                    await asyncio.shield(reply.future)
             else:
                 sent = torch.cat([flat, torch.zeros(32, dtype=flat.dtype)])
             buf = _ucx_buffer(sent)
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-gathers", type=int, default=4)
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--insecure", action="store_true")
-    p.add_argument("--corrupt", choices=["short", "long", "foreign"], default=None)
+    p.add_argument("--corrupt", choices=["short", "short1", "short7", "short-told", "whole-foreign", "long", "foreign"], default=None)
     p.add_argument("--runs", action="store_true", help="hold each request in one ascending run of blocks (zero-copy sends)")
     p.add_argument("--backend", choices=["ucx", "nixl"], default="ucx", help="serve with UCXKVServer or NIXLKVServer")
     args = p.parse_args(argv)

@@ -850,19 +850,24 @@ async def test_peers_are_bounded(peer: Peer, backend: str) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # ucxx tag messages (NIXL: test_nixl_transport)
-@pytest.mark.parametrize("corrupt", ["short", "long", "foreign"])
+@pytest.mark.parametrize("corrupt", ["short", "short1", "short7", "short-told", "whole-foreign", "long", "foreign"])
 async def test_a_wrong_kv_message_fails_its_pull_only(transport: UCXTransport, corrupt: str) -> None:
     """Invariant 12: a CTX that answers a PULL with a short KV message (ucxx completes it into the
-    larger receive without a word) and no PULL_ERR, a long one, or no KV and a PULL_ERR that names
-    another pull fails that pull with ProtocolViolation; its landing ends, the endpoint and the other
-    pulls go on."""
+    larger receive without a word: half the KV, or all but its last byte or 7, with no reply; or all
+    but the last byte, ending in the probe, with a PULL_WHOLE naming its length, or the whole length
+    and another pull), a long one, or no
+    KV and a PULL_ERR that names another pull fails that pull with ProtocolViolation; `into` is as
+    it was but for what the short message wrote, its landing ends, the endpoint and the other pulls
+    go on."""
     bad = Peer("--corrupt", corrupt)
     try:
         with anyio.fail_after(20):
-            into, landing = empty(), Landing()
-            with pytest.raises(ProtocolViolation, match="shorter|longer|unexpected reply"):
+            into, landing = empty().fill_(3.0), Landing()
+            with pytest.raises(ProtocolViolation, match="shorter|longer|unexpected reply|its PULL asked"):
                 await transport.pull(bad.address, "req-1", LAYOUT.full_slice(), into, landing=landing)
             await wait_idle(landing)
+            before = empty().fill_(3.0).reshape(-1).view(torch.uint8)[-1]
+            assert into.reshape(-1).view(torch.uint8)[-1] == before  # the byte the probe replaced, put back
             conn = transport._eps[bad.address]
             assert conn.error is None and transport.statistics().endpoints == 1
             for i in (0, 2):
@@ -874,46 +879,69 @@ async def test_a_wrong_kv_message_fails_its_pull_only(transport: UCXTransport, c
         bad.stop()
 
 
-@pytest.mark.anyio  # the ucxx pull's sentinel
-async def test_a_kv_ending_in_the_sentinel_fails_as_short_never_silently(run_peer: Peer,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sentinel GEN writes last in ``into`` is a random 64-bit value the CTX never sees; a KV
-    whose last 8 bytes equal it (1 pull in 2**64, forced here) is taken for a short message: no
-    PULL_ERR explains it, so the pull fails with ProtocolViolation after the grace, never a silent
-    success. The endpoint stays; the next pull lands. More than ``MAX_UNANSWERED`` such pulls cost
-    the endpoint (their reply receives stay posted), which a new pull replaces."""
+@pytest.mark.anyio  # the ucxx pull's probe byte
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["gathered", "zero-copy"])
+async def test_a_kv_ending_in_the_probe_lands_whole_told_by_a_pull_whole(monkeypatch: pytest.MonkeyPatch,
+                                                                         zero_copy: bool) -> None:
+    """The probe GEN writes over the last byte of ``into`` is random; a KV that ends in it (1 pull
+    in 256, forced here) looks like a short message, so the CTX, which sees the last byte of what it
+    sends, follows the KV with a PULL_WHOLE naming its length: the pull succeeds with the whole KV
+    (the probe's byte is the KV's, not put back), on the gathered path and on the zero-copy one
+    (which hands such a pull to its task). Then unforced pulls need no reply (none counted)."""
     from transports import _ucx_endpoint
 
-    pool = make_pool(LAYOUT, TOTAL)
+    peer = Peer(*(["--runs"] if zero_copy else []))
+    try:
+        pool = make_pool(LAYOUT, TOTAL)
 
-    def want(i: int) -> torch.Tensor:
-        return pool[block_ids(i, BLOCKS, TOTAL, runs=True)]
+        def want(i: int) -> torch.Tensor:
+            return pool[block_ids(i, BLOCKS, TOTAL, runs=zero_copy)]
 
-    def sentinel_is_the_tail_of(i: int) -> Callable[[int], int]:
-        last8 = int.from_bytes(bytes(want(i).reshape(-1).view(torch.uint8)[-8:].tolist()), "little")
-        return lambda bits: last8 >> (64 - bits)
+        last = int(want(13).reshape(-1).view(torch.uint8)[-1])
+        async with UCXTransport(UCXConfig(secret=SECRET, cancel_grace_s=0.2)) as t:
+            with anyio.fail_after(30):
+                for _ in range(3):
+                    with monkeypatch.context() as m:
+                        m.setattr(_ucx_endpoint.random, "getrandbits", lambda bits: last)
+                        into, landing = empty(), Landing()
+                        await t.pull(peer.address, "req-13", LAYOUT.full_slice(), into, landing=landing, release=False)
+                    assert torch.equal(into, want(13)) and not landing.busy
+                stats = peer.stats()
+                assert stats["pulls_ending_in_probe"] == 3 and stats["pulls_served"] == 3
+                conn = t._eps[peer.address]
+                assert conn.error is None and not conn.unanswered
+                for i in (13, 14):
+                    b = empty()
+                    await t.pull(peer.address, f"req-{i}", LAYOUT.full_slice(), b, release=False)
+                    assert torch.equal(b, want(i))
+    finally:
+        peer.stop()
 
-    async with UCXTransport(UCXConfig(secret=SECRET, cancel_grace_s=0.2)) as t:
-        with anyio.fail_after(30):
-            with monkeypatch.context() as m:
-                m.setattr(_ucx_endpoint.random, "getrandbits", sentinel_is_the_tail_of(13))
-                into, landing = empty(), Landing()
+
+@pytest.mark.anyio  # the ucxx pull's probe byte
+async def test_short_messages_no_reply_explains_are_bounded_per_endpoint() -> None:
+    """A short message leaves the probe; with no PULL_ERR or PULL_WHOLE within the grace the pull
+    fails as short, its reply receive stays posted: more than ``MAX_UNANSWERED`` of them cost the
+    endpoint, which a new pull replaces."""
+    from transports import _ucx_endpoint
+
+    bad = Peer("--corrupt", "short1")
+    try:
+        async with UCXTransport(UCXConfig(secret=SECRET, cancel_grace_s=0.2)) as t:
+            with anyio.fail_after(30):
                 with pytest.raises(ProtocolViolation, match="shorter"):
-                    await t.pull(run_peer.address, "req-13", LAYOUT.full_slice(), into, landing=landing, release=False)
-                assert not landing.busy
-            conn = t._eps[run_peer.address]
-            assert conn.error is None and len(conn.unanswered) == 1
-            await t.pull(run_peer.address, "req-13", LAYOUT.full_slice(), into)
-            assert torch.equal(into, want(13))
-            with monkeypatch.context() as m:
-                m.setattr(_ucx_endpoint.random, "getrandbits", sentinel_is_the_tail_of(14))
+                    await t.pull(bad.address, "req-1", LAYOUT.full_slice(), empty(), release=False)
+                conn = t._eps[bad.address]
+                assert conn.error is None and len(conn.unanswered) == 1
                 for _ in range(_ucx_endpoint.MAX_UNANSWERED):
                     with pytest.raises(ProtocolViolation, match="shorter"):
-                        await t.pull(run_peer.address, "req-14", LAYOUT.full_slice(), empty(), release=False)
-            assert conn.error is not None and t.statistics().endpoints == 0  # 17 unanswered: the endpoint went
-            b = empty()
-            await t.pull(run_peer.address, "req-14", LAYOUT.full_slice(), b)
-            assert torch.equal(b, want(14))
+                        await t.pull(bad.address, "req-1", LAYOUT.full_slice(), empty(), release=False)
+                assert conn.error is not None and t.statistics().endpoints == 0  # 17 unanswered: the endpoint went
+                b = empty()
+                await t.pull(bad.address, "req-2", LAYOUT.full_slice(), b)
+                assert torch.equal(b, expected(2))
+    finally:
+        bad.stop()
 
 
 @pytest.mark.anyio

@@ -111,6 +111,11 @@ def _ucx_buffer(t: torch.Tensor) -> Any:
     return flat if flat.is_cuda else flat.numpy()
 
 
+def ends_in(buf: Any, probe: int) -> bool:
+    """Whether a byte view (``_ucx_buffer``) ends in the byte ``probe`` (CUDA: a one-byte device read)."""
+    return len(buf) > 0 and int(buf[-1]) == probe
+
+
 def _tag(ep: Any, tag: int, key: str) -> Any:
     from ucxx._lib_async.utils import hash64bits
     from ucxx.types import Tag

@@ -160,31 +160,31 @@ class _Endpoint:
             self.error = PeerClosed(f"endpoint to {self.peer} closed", peer=self.peer)
 
 
-SENTINEL_BYTES = 8  # a random 64-bit value GEN writes last in ``into``: a full KV message replaces it
 MAX_UNANSWERED = 16  # reply receives an endpoint keeps posted for short messages no PULL_ERR explained
 
 
 class _PullIO:
     """One pull's messages on its endpoint, posted before its PULL leaves: the receive of the KV
-    (into ``into``, tag 2*txid+1, a random sentinel first written into its last ``SENTINEL_BYTES``
-    bytes), then the PULL itself. No reply is posted: a CTX that serves the pull sends the KV alone.
+    (into ``into``, tag 2*txid+1, a random byte, the probe, first written over its last byte), then
+    the PULL itself, which names the probe. No reply is posted: a CTX that serves the pull sends the
+    KV alone.
 
-    When the receive ends, the last bytes of ``into`` tell what came (ucxx reports no length): not
-    the sentinel, the whole KV (a long message fails its receive as truncated); still the sentinel,
-    no KV (the empty message that follows a PULL_ERR) or a short one. Only then is the reply (tag
-    2*txid) received: a PULL_ERR is the refusal; none within ``grace`` seconds, or anything else,
-    fails the pull as a short message (the endpoint keeps that receive posted, at most
-    ``MAX_UNANSWERED`` of them). The sentinel is the GEN's own (the CTX never sees it), so a whole
-    KV leaves it only when its last 8 bytes equal a random 64-bit value: 1 pull in 2**64, failed as
-    short, never a silent success.
+    When the receive ends, the last byte of ``into`` tells what came (ucxx reports no length): not
+    the probe, the whole KV (a long message fails its receive as truncated; a short one never
+    reaches that byte); still the probe, a KV that ends in it (1 pull in 256: the CTX then sends a
+    PULL_WHOLE naming the length it sent), a short message, or none (the empty message that follows
+    a PULL_ERR). Only then is the reply (tag 2*txid) received: a PULL_WHOLE naming the PULL's length
+    is the whole KV, a PULL_ERR the refusal; none within ``grace`` seconds, or anything else, fails
+    the pull as a short message (the endpoint keeps that receive posted, at most
+    ``MAX_UNANSWERED`` of them).
 
-    ``into`` is busy (its ``Landing``) until UCX ends the KV receive; a receive that ends without
-    the whole KV first puts back the bytes the sentinel replaced, so a refused pull leaves ``into``
+    ``into`` is busy (its ``Landing``) until the pull's outcome is known: a pull that does not end
+    with the whole KV first puts back the byte the probe replaced, so a refused pull leaves ``into``
     as it was. ``woken`` is the pulling task's only wait (its own future: cancelling it cancels
     nothing posted). Everything UCX reads or writes stays referenced until it has ended."""
 
     __slots__ = ("conn", "into", "txid", "tag", "landing", "grace", "woken", "kv_future", "error", "refusal",
-                 "reaping", "_kv_done", "_ended", "_buf", "_saved", "_sentinel", "_reqs", "_frame", "_timer")
+                 "reaping", "probe", "_kv_done", "_ended", "_buf", "_saved", "_reqs", "_frame", "_timer")
 
     def __init__(self, conn: _Endpoint, into: torch.Tensor, txid: int, landing: Landing, grace: float) -> None:
         self.conn, self.into, self.txid, self.tag, self.landing, self.grace = conn, into, txid, 2 * txid + 1, landing, grace
@@ -193,27 +193,26 @@ class _PullIO:
         self.error: TransportError | None = None  # what failed the pull (the KV receive, or no KV and no PULL_ERR)
         self.refusal: wire.PullErr | None = None  # the CTX's PULL_ERR
         self.reaping = False  # a background task waits for the KV receive to end
+        self.probe = random.getrandbits(8)  # written over the last byte of `into`; the PULL names it
         self._kv_done = self._ended = False
         self._buf: Any = None  # the bytes of `into` that UCX writes
-        self._saved = b""  # the bytes the sentinel replaced
-        self._sentinel = b""
+        self._saved = b""  # the byte the probe replaced
         self._reqs: list[Any] = []  # ucxx cancels a request whose object is collected: kept with this
         self._frame: bytearray | None = None  # the reply's, once posted
         self._timer: asyncio.TimerHandle | None = None
         landing.begin()
 
     def post(self, msg: wire.Pull) -> None:
-        """Post the KV receive and send ``msg`` (the PULL, its txid and tag this pull's), with no await
-        in between. A failure fails the endpoint (``PeerClosed``), which ends whatever was posted."""
+        """Post the KV receive and send ``msg`` (the PULL, its txid, tag and probe this pull's), with
+        no await in between. A failure fails the endpoint (``PeerClosed``), which ends whatever was
+        posted."""
         conn = self.conn
         try:
             conn._check()
             pull = wire.encode_frame(msg)  # before `into` is touched: nothing to undo if it fails
             buf = self._buf = _ucx_buffer(self.into)
-            n = min(SENTINEL_BYTES, int(buf.shape[0]))
-            self._saved = _tail(buf, n)  # a device sync for CUDA
-            self._sentinel = random.getrandbits(8 * n).to_bytes(n, "little")
-            _set_tail(buf, self._sentinel)  # for CUDA: synchronised, it lands before UCX's may
+            self._saved = _tail(buf, 1)  # a device sync for CUDA
+            _set_tail(buf, bytes((self.probe,)))  # for CUDA: synchronised, it lands before UCX's may
         except BaseException:
             self.end()
             raise
@@ -234,27 +233,31 @@ class _PullIO:
     def _kv_ended(self, fut: asyncio.Future[Any]) -> None:
         exc = _outcome(fut)
         self._kv_done = True
-        if exc is None and _tail(self._buf, len(self._sentinel)) != self._sentinel:  # the whole KV landed
-            self.end()
-            self._wake()
+        if exc is None and _tail(self._buf, 1)[0] != self.probe:  # the last byte was written: the whole KV
+            self._finish(whole=True)
             return
-        _set_tail(self._buf, self._saved)  # no whole KV: `into` as it was, but for what a short message wrote
-        self.end()
         if exc is not None:
-            self.error = (ProtocolViolation(f"{self.conn.peer} sent a KV message longer than its PULL asked",
-                                            peer=self.conn.peer)
-                          if "truncated" in str(exc).lower() else self.conn._broke(exc))
-            self._wake()
+            self._finish(ProtocolViolation(f"{self.conn.peer} sent a KV message longer than its PULL asked",
+                                           peer=self.conn.peer) if "truncated" in str(exc).lower() else self.conn._broke(exc))
             return
-        self._await_reply()  # no KV: the PULL_ERR says why (a CTX sends it before the empty message)
+        self._await_reply()  # a KV ending in the probe (PULL_WHOLE), or a short one, or none (PULL_ERR)
+
+    def _finish(self, error: TransportError | None = None, *, whole: bool = False) -> None:
+        """The pull's outcome is known: unless the whole KV landed, the probe's byte is put back;
+        then ``into`` is no longer busy and the pulling task wakes."""
+        if not whole and not self._ended and self._buf is not None:
+            _set_tail(self._buf, self._saved)  # `into` as it was, but for what a short message wrote
+        if error is not None:
+            self.error = error
+        self.end()
+        self._wake()
 
     def _await_reply(self) -> None:
         self._frame = bytearray(wire.FRAME_BYTES)
         try:
             reply = self.conn.post(self._frame, 2 * self.txid)  # a ucxx error fails the endpoint, mapped
         except TransportError as err:
-            self.error = err
-            self._wake()
+            self._finish(err)
             return
         reply.add_done_callback(self._reply_ended)
         self._timer = asyncio.get_running_loop().call_later(self.grace, self._unanswered)
@@ -267,33 +270,38 @@ class _PullIO:
             return
         exc = _outcome(fut)  # a ucxx error is already a PeerClosed (``_Endpoint.post``), the endpoint failed
         if exc is not None:
-            self.error = exc if isinstance(exc, TransportError) else self.conn._broke(exc)
+            self._finish(exc if isinstance(exc, TransportError) else self.conn._broke(exc))
+            return
+        assert self._frame is not None
+        try:
+            reply = wire.decode_frame(self._frame, self.conn.limits)
+        except ProtocolViolation as err:
+            self._finish(err)
+            return
+        nbytes = self.into.numel() * self.into.element_size()
+        if isinstance(reply, wire.PullWhole) and reply.txid == self.txid and reply.nbytes == nbytes:
+            self._finish(whole=True)  # the KV ends in the probe's byte
+        elif isinstance(reply, wire.PullWhole) and reply.txid == self.txid:
+            self._finish(ProtocolViolation(f"{self.conn.peer} sent a KV message of {reply.nbytes} B, its PULL asked "
+                                           f"{nbytes} B", peer=self.conn.peer))
+        elif isinstance(reply, wire.PullErr) and reply.txid == self.txid:
+            self.refusal = reply
+            self._finish()
         else:
-            assert self._frame is not None
-            try:
-                reply = wire.decode_frame(self._frame, self.conn.limits)
-            except ProtocolViolation as err:
-                self.error = err
-            else:
-                if isinstance(reply, wire.PullErr) and reply.txid == self.txid:
-                    self.refusal = reply
-                else:
-                    self.error = ProtocolViolation(f"unexpected reply to PULL {self.txid}: {reply!r}", peer=self.conn.peer)
-        self._wake()
+            self._finish(ProtocolViolation(f"unexpected reply to PULL {self.txid}: {reply!r}", peer=self.conn.peer))
 
     def _unanswered(self) -> None:
-        """No PULL_ERR ``grace`` seconds after a receive that ended without the whole KV: a short
-        message. Its reply receive stays posted (UCX cannot withdraw it) until the endpoint closes;
-        an endpoint with more than ``MAX_UNANSWERED`` of them is failed."""
+        """No PULL_ERR or PULL_WHOLE ``grace`` seconds after a receive that ended without the whole
+        KV: a short message. Its reply receive stays posted (UCX cannot withdraw it) until the
+        endpoint closes; an endpoint with more than ``MAX_UNANSWERED`` of them is failed."""
         if self.woken.done():
             return
-        self.error = self.short()
         conn = self.conn
         conn.unanswered.add(self)
+        self._finish(self.short())
         if len(conn.unanswered) > MAX_UNANSWERED:
             conn.fail(PeerClosed(f"{conn.peer} sent {len(conn.unanswered)} short KV messages no PULL_ERR explained",
                                  peer=conn.peer))
-        self._wake()
 
     def _wake(self) -> None:
         if not self.woken.done():

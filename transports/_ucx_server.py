@@ -53,6 +53,7 @@ from ._ucx_common import (
     _ucx_buffer,
     _ucx_release,
     apply_ucx_defaults,
+    ends_in,
     post_send,
 )
 
@@ -68,6 +69,7 @@ class UCXKVServerStatistics:
     bytes_sent: int
     auth_failures: int
     malformed_frames: int
+    pulls_ending_in_probe: int = 0  # served pulls whose KV ended in the GEN's probe byte (PULL_WHOLE sent)
 
 
 def remote_address(ep: Any) -> str | None:
@@ -133,7 +135,7 @@ class UCXKVServer:
         self._inline_ok = (type(self)._before_send is UCXKVServer._before_send
                            and type(self)._send_checked_out is UCXKVServer._send_checked_out)
         self._dtype = dtype_name(store.layout.dtype)
-        self._served = self._refused = self._bytes = self._auth_failures = self._malformed = 0
+        self._served = self._refused = self._bytes = self._auth_failures = self._malformed = self._whole = 0
         self._since = (0, 0, 0)  # served, refused, bytes at the last summary
         layout = store.layout
         limits = config.limits
@@ -155,7 +157,7 @@ class UCXKVServer:
 
     def statistics(self) -> UCXKVServerStatistics:
         return UCXKVServerStatistics(len(self._eps), self._served, self._refused, self._bytes, self._auth_failures,
-                                     self._malformed)
+                                     self._malformed, self._whole)
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -384,6 +386,9 @@ class UCXKVServer:
         if checkout is None:
             return False
         buf = _ucx_buffer(checkout.tensor)
+        if ends_in(buf, msg.probe):  # a PULL_WHOLE must follow: the task path sends it
+            checkout.close()
+            return False
         try:
             data = post_send(ep, buf, msg.tag)
         except Exception as exc:  # the endpoint broke: its reader sees it too
@@ -499,11 +504,16 @@ class UCXKVServer:
         return 0 if entry is None else self.config.max_gathers_per_request - entry[0].value
 
     async def _send_checked_out(self, ep: Any, msg: wire.Pull, staged: torch.Tensor) -> None:
-        """The KV, alone, on the pull's data tag (GEN checks its length by its sentinel)."""
+        """The KV on the pull's data tag; and, when what is sent ends in the PULL's probe byte (GEN
+        cannot tell it from a short message then), a PULL_WHOLE naming its length on the reply tag."""
         await self._before_send(msg)
         buf = _ucx_buffer(staged)
+        whole = ends_in(buf, msg.probe)
         data = post_send(ep, buf, msg.tag)
         keep = (buf, staged, data)  # referenced until the send ended (ucxx keeps neither the buffer
         data.future.add_done_callback(lambda _: keep)  # nor the request), also when this task is cancelled
+        if whole:
+            self._whole += 1
+            await self._send_quietly(ep, wire.PullWhole(msg.txid, len(buf)), 2 * msg.txid)
         await asyncio.shield(data.future)
         self._pull_served(msg)

@@ -6,13 +6,15 @@ one tagged message straight into the caller's ``into`` tensor (CPU or CUDA). Tag
 
     GEN -> CTX   tag 0          every control frame (AUTH_RESPONSE, PULL, RELEASE, HOLD)
     CTX -> GEN   tag 0          handshake frames (AUTH_CHALLENGE, AUTH_OK, AUTH_FAIL)
-    CTX -> GEN   tag 2*txid     the reply to the GEN request ``txid`` (PULL_ERR, RELEASE_OK); none to a served pull
+    CTX -> GEN   tag 2*txid     the reply to the GEN request ``txid`` (PULL_ERR, RELEASE_OK; PULL_WHOLE to a
+                                served pull whose KV ends in the PULL's probe byte, 1 in 256; else none)
     CTX -> GEN   tag 2*txid+1   the KV of pull ``txid``, or an empty message (after a PULL_ERR)
 
 A pull is two messages, as the library's own exchange: GEN posts the receive of the KV (into
-``into``, a random 8-byte sentinel in its last bytes), then sends PULL; CTX answers with the KV
-alone; GEN checks that all of it landed (``wire`` draws it: ucxx reports no length, so the sentinel
-does). Only a receive that ended without the whole KV makes GEN receive the reply, a PULL_ERR. Sends
+``into``, a random byte, the probe, over its last byte), then sends PULL naming the probe; CTX
+answers with the KV alone; GEN checks that all of it landed (``wire`` draws it: ucxx reports no
+length; a short message never writes the last byte). Only a receive that ends with the probe still
+there makes GEN receive the reply: a PULL_WHOLE (the KV ends in that byte) or a PULL_ERR. Sends
 and receives are posted as ucxx requests whose futures end with them (``_ucx_common``): no task per
 message, and the pulling task wakes once (``_ucx_endpoint._PullIO``).
 
@@ -338,8 +340,9 @@ class UCXTransport:
         try:
             txid = next(self._txids)
             t = template
-            msg = wire.Pull(txid, t.request_id, t.handle, t.kv_slice, t.dtype, t.shape, t.nbytes, 2 * txid + 1, t.release)
-            io = _PullIO(conn, into, txid, landing, self.config.cancel_grace_s)  # `into` busy until its receive ends
+            io = _PullIO(conn, into, txid, landing, self.config.cancel_grace_s)  # `into` busy until its outcome is known
+            msg = wire.Pull(txid, t.request_id, t.handle, t.kv_slice, t.dtype, t.shape, t.nbytes, 2 * txid + 1, t.release,
+                            io.probe)
             try:
                 io.post(msg)
             except PeerClosed as exc:

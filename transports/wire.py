@@ -14,29 +14,33 @@ before it leaves, and nothing but the KV after it when all is well (as the libra
 two-message exchange)::
 
     GEN                                                  CTX
-    writes a random 8-byte sentinel into the last bytes of ``into`` (kept to itself), posts the
-    receive of the KV (into ``into``, tag 2*txid+1), then
-    PULL(txid, id, handle, slice, dtype, shape, nbytes, tag[, KEEP]) ->
+    writes a random byte (the probe) over the last byte of ``into``, posts the receive of the KV
+    (into ``into``, tag 2*txid+1), then
+    PULL(txid, id, handle, slice, dtype, shape, nbytes, tag, probe[, KEEP]) ->
                                           validates it (handle, slice, dtype, shape, bytes), then
                                        <- the KV on the data tag, exactly ``nbytes``; then releases
-                                          the entry (unless FLAG_KEEP: a chunk)
-                                       or PULL_ERR(txid, status) on the reply tag (2*txid), then an
+                                          the entry (unless FLAG_KEEP: a chunk); and, only if the
+                                          last byte of what it sent is the probe,
+                                       <- PULL_WHOLE(txid, bytes sent) on the reply tag (2*txid)
+                                       or PULL_ERR(txid, status) on the reply tag, then an
                                           empty message on the data tag (it ends the posted receive)
-    once the receive ends: the last bytes of ``into`` are no longer the sentinel, or no KV came;
-    only then does GEN post the receive of the reply (tag 2*txid) and wait for the PULL_ERR. It puts
-    back the bytes the sentinel replaced: a refused pull leaves ``into`` as it was.
+    once the receive ends: the last byte of ``into`` is no longer the probe (the whole KV landed),
+    or it still is: only then does GEN post the receive of the reply (tag 2*txid) and wait for a
+    PULL_WHOLE naming ``nbytes`` (the KV ends in that byte) or a PULL_ERR. A pull that does not
+    succeed puts the probe's byte back: a refused pull leaves ``into`` as it was.
     RELEASE(txid, id, handle) ->       <- RELEASE_OK(txid, released)
     HOLD(txid, [(id, handle), ...]) ->    (no reply) renews the leases of requests GEN holds waiting
 
 Integrity (DESIGN invariant 12): ucxx (0.52) completes a message shorter than the posted buffer
-without reporting its length, so the length is checked through the data: a short message leaves
-the sentinel in the last bytes (a full one replaces it, unless the KV's last 8 bytes equal a random
-64-bit value the CTX never saw: 1 pull in 2**64, which then fails as short, never silently); a long
-one fails its receive as truncated; either fails that pull alone. The data tag ties the message to
-its PULL (UCX hashes it with the endpoint's own tag). Every PULL that names its own data tag
-(2*txid+1) and a txid not in flight gets exactly one data message (the KV, or the empty message
-after a PULL_ERR), which GEN always receives (also when the pull was cancelled meanwhile), or the
-endpoint closes.
+without reporting its length, so the length is checked through the data: a message that reaches
+the last byte of ``into`` is whole (a longer one fails its receive as truncated); a short one,
+whatever its length, never writes that byte, so the probe stays. A whole KV that ends in the probe
+(1 pull in 256) is told by the CTX, which compares the last byte of the buffer it sends and names
+that buffer's length: a short message is never taken for a whole one, and none waits for a reply it
+will not get. The data tag ties the message to its PULL (UCX hashes it with the endpoint's own
+tag). Every PULL that names its own data tag (2*txid+1) and a txid not in flight gets exactly one
+data message (the KV, or the empty message after a PULL_ERR), which GEN always receives (also when
+the pull was cancelled meanwhile), or the endpoint closes.
 
 Handshake (mutual HMAC, see ``_auth``): CTX sends AUTH_CHALLENGE(nonce), GEN answers AUTH_RESPONSE
 (nonce, mac), CTX answers AUTH_OK(mac, PeerInfo: its KV layout, head range, pull limit, lease) or
@@ -59,14 +63,14 @@ from ._errors import ProtocolViolation
 from ._layout import KVSlice, _DTYPES
 
 MAGIC = b"KVOW"
-VERSION = 5  # 5: no PULL_OK; the KV alone answers a PULL (its length checked by a sentinel GEN keeps to itself)
+VERSION = 6  # 6: the PULL names GEN's last byte; PULL_WHOLE when the KV ends in it (5: a secret 8-byte sentinel)
 FRAME_BYTES = 1024
 NONCE_BYTES = 32
 MAC_BYTES = 32
 
 _HEADER = struct.Struct("!4sBBHIQ")
 HEADER_BYTES = _HEADER.size  # 20
-_PULL_FIXED = struct.Struct("!HBBIIIIQQ")  # id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag (+ id, handle, shape)
+_PULL_FIXED = struct.Struct("!HBBIIIIQQB")  # id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag, probe (+ id, handle, shape)
 _INFO_FIXED = struct.Struct("!IIIIIIIIB")  # layers, total heads, h0, h1, head_dim, block_size, max_pulls, lease_ms, dtype_len
 HANDLE_BYTES = 32
 _ERR_FIXED = struct.Struct("!HH")  # status, reason_len
@@ -92,6 +96,7 @@ class MsgType(enum.IntEnum):
     AUTH_FAIL = 4
     PULL = 10  # 11 was PULL_OK (wire versions 1-4)
     PULL_ERR = 12
+    PULL_WHOLE = 13  # the KV sent ends in the PULL's probe byte: GEN could not tell it from a short one
     RELEASE = 20
     RELEASE_OK = 21
     HOLD = 22
@@ -193,6 +198,7 @@ class Pull:
     nbytes: int
     tag: int
     release: bool = True  # False: the CTX keeps the entry after this pull (FLAG_KEEP)
+    probe: int = 0  # the byte GEN wrote last in its receive buffer (0-255): a KV ending in it gets a PULL_WHOLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +206,12 @@ class PullErr:
     txid: int
     status: Status
     reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PullWhole:
+    txid: int
+    nbytes: int  # the length of the KV message the CTX sent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +234,7 @@ class Hold:
     """(request id, handle) pairs whose leases GEN asks to renew."""
 
 
-Message = AuthChallenge | AuthResponse | AuthOk | AuthFail | Pull | PullErr | Release | ReleaseOk | Hold
+Message = AuthChallenge | AuthResponse | AuthOk | AuthFail | Pull | PullErr | PullWhole | Release | ReleaseOk | Hold
 
 _HOLD_ITEM_OVERHEAD = 1 + HANDLE_BYTES  # id_len u8, handle
 
@@ -291,12 +303,12 @@ def encode(msg: Message) -> bytes:
             r = _reason_bytes(reason)
             body = _ERR_FIXED.pack(int(status), len(r)) + r
         case Pull(request_id=rid, handle=handle, kv_slice=s, dtype=dtype, shape=shape, nbytes=nbytes, tag=tag,
-                  release=release):
+                  release=release, probe=probe):
             r = rid.encode("ascii")
             flags = 0 if release else FLAG_KEEP
             body = (
                 _PULL_FIXED.pack(len(r), len(dtype), len(shape), s.layer_start, s.layer_end,
-                                 s.head_start, s.head_end, nbytes, tag)
+                                 s.head_start, s.head_end, nbytes, tag, probe)
                 + r
                 + _handle_bytes(handle)
                 + _shape_bytes(dtype, shape)
@@ -311,6 +323,8 @@ def encode(msg: Message) -> bytes:
                 r = rid.encode("ascii")
                 parts.append(_U8.pack(len(r)) + r + _handle_bytes(handle))
             mtype, body = MsgType.HOLD, b"".join(parts)
+        case PullWhole(nbytes=nbytes):
+            mtype, body = MsgType.PULL_WHOLE, _DIM.pack(nbytes)
         case ReleaseOk(released=released):
             mtype, body = MsgType.RELEASE_OK, _U8.pack(1 if released else 0)
         case _:
@@ -499,7 +513,7 @@ def _decode_body(kind: MsgType, flags: int, txid: int, body: memoryview, limits:
         status, reason = _reason(r, limits)
         msg = AuthFail(status, reason, txid) if kind is MsgType.AUTH_FAIL else PullErr(txid, status, reason)
     elif kind is MsgType.PULL:
-        id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag = r.unpack(_PULL_FIXED)
+        id_len, dtype_len, rank, l0, l1, h0, h1, nbytes, tag, probe = r.unpack(_PULL_FIXED)
         if not 0 <= l0 < l1 <= limits.max_layers:
             raise _bad(f"PULL: layer range {l0}:{l1} outside 0:{limits.max_layers}")
         if not 0 <= h0 < h1 <= limits.max_heads:
@@ -509,7 +523,10 @@ def _decode_body(kind: MsgType, flags: int, txid: int, body: memoryview, limits:
         rid = _request_id(r.take(id_len), limits, "PULL")
         handle = _handle(r)
         dtype, shape = _dtype_and_shape(r, dtype_len, rank, nbytes, limits)
-        msg = Pull(txid, rid, handle, KVSlice(l0, l1, h0, h1), dtype, shape, nbytes, tag, not flags & FLAG_KEEP)
+        msg = Pull(txid, rid, handle, KVSlice(l0, l1, h0, h1), dtype, shape, nbytes, tag, not flags & FLAG_KEEP, probe)
+    elif kind is MsgType.PULL_WHOLE:
+        (nbytes,) = r.unpack(_DIM)
+        msg = PullWhole(txid, nbytes)
     elif kind is MsgType.RELEASE:
         (id_len,) = r.unpack(_U16)
         if not 0 < id_len <= limits.max_request_id_len:
