@@ -106,7 +106,6 @@ M = [
  ("12 ucx PULL_ERR matched to its PULL", "transports/_ucx_endpoint.py", "        elif isinstance(reply, wire.PullErr) and reply.txid == self.txid:\n", "        elif isinstance(reply, wire.PullErr):\n", "tests/test_ucx_transport.py -k 'wrong_kv_message and foreign'"),
  ("12 ucx gathered copies per request bounded", "transports/_ucx_server.py", "            async with slots:\n", "            if True:\n", "tests/test_ucx_transport.py -k bounded_number_of_copies"),
  ("12 nixl pins renewed while a READ may run", "transports/nixl.py", '                    conn.send({"t": "renew", "tokens": tokens})', "                    pass", "tests/test_dataplane_nixl.py -k pin_lease"),
- ("12 nixl landing ended when transfer raises", "transports/nixl.py", "                landing.end()  # NIXL refused to post it: nothing can land\n", "                pass\n", "tests/test_dataplane_nixl.py -k transfer_that_raises"),
  ("12 nixl block list checked before use", "transports/nixl.py", "                or not all(type(b) is int and 0 <= b < num_blocks for b in blocks)):", "                or False):", "tests/test_dataplane_nixl.py -k bad_block_list"),
  ("12 nixl READ wait bounded", "transports/nixl.py", "        if state == \"PROC\":\n            log.warning(\"nixl_read_timeout\"", "        if False:\n            log.warning(\"nixl_read_timeout\"", "tests/test_dataplane_nixl.py -k never_ends"),
  ("12 nixl unauthenticated connections capped", "transports/_nixl_server.py", "        if self._handshaking >= self.config.max_unauthenticated:", "        if False:", "tests/test_dataplane_nixl.py -k capped"),
@@ -248,6 +247,14 @@ M = [
  ("17 CTX tells a KV that ends in the probe", "transports/_ucx_server.py", "        whole = ends_in(buf, msg.probe)\n", "        whole = False\n", "tests/test_ucx_transport.py -k 'ending_in_the_probe and gathered'"),
  ("17 the zero-copy path hands a KV ending in the probe to its task", "transports/_ucx_server.py", "        if ends_in(buf, msg.probe):  # a PULL_WHOLE must follow", "        if False:  # a PULL_WHOLE must follow", "tests/test_ucx_transport.py -k 'ending_in_the_probe and zero-copy'"),
  ("17 the PULL names the probe", "transports/ucx.py", "t.release,\n                            io.probe)", "t.release,\n                            0)", "tests/test_ucx_transport.py -k 'ending_in_the_probe'"),
+ # issue 17, item 1: an outside review's findings on the NIXL data plane and the receiver
+ ("17 a pinned READ whose control connection failed is not used", "transports/nixl.py", "        if token is not None and conn.error is not None:", "        if False:", "tests/test_dataplane_nixl.py -k 'outlives_its_control_connection'"),
+ ("17 a stuck READ keeps its agent counted", "transports/nixl.py", "lambda w: None if _stuck(w) else self._read_ended(name)", "lambda w: self._read_ended(name)", "tests/test_dataplane_nixl.py -k stuck_read"),
+ ("17 a timed-out READ's agent drops the reconnect using it", "transports/nixl.py", "            for other in [c for c in self._peers.conns.values() if c.agent_name == name]:", "            for other in []:", "tests/test_dataplane_nixl.py -k after_a_reconnect"),
+ ("17 a lookup answered as its pull is cancelled is unpinned", "transports/_nixl_conn.py", "                self.send({\"t\": \"unpin\", \"token\": fut.result().get(\"token\")})  # a pin nobody", "                pass  # a pin nobody", "tests/test_dataplane_nixl.py -k answered_as_its_pull"),
+ ("17 every renewed pin is kept", "transports/_nixl_server.py", "            for token in tokens if isinstance(tokens, list) else ():", "            for token in tokens[: self.config.max_pulls_per_connection] if isinstance(tokens, list) else ():", "tests/test_dataplane_nixl.py -k beyond_max_pulls"),
+ ("17 a READ not posted ends its landing", "transports/nixl.py", "                landing.end()  # not posted", "                pass  # not posted", "tests/test_dataplane_nixl.py -k 'poller_cannot_take or transfer_that_raises'"),  # was row 12 "nixl landing ended when transfer raises"
+ ("17 a release waits until no READ of the copy may run", "orchestrator/_receiver.py", "            if landing.busy:  # a READ of that copy", "            if False:  # a READ of that copy", "tests/test_hardening.py -k told_to_free"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -433,7 +433,8 @@ async def test_a_reconnect_removes_the_old_agent_once_its_last_read_ends() -> No
             assert t._agents[peer] == second.agent.name != old
             assert old not in removed, "the old agent was removed under its READ"
             release.set()
-            await reading
+            with pytest.raises(PeerClosed, match="pinned READ"):  # the CTX that pinned it is gone
+                await reading
             await _until(lambda: old in removed and not landing.busy)
             assert second.agent.name not in removed
 
@@ -473,3 +474,136 @@ async def test_one_thread_watches_every_read_in_flight_beyond_the_worker_thread_
         assert all(torch.equal(into, want) for into in intos) and not any(landing.busy for landing in landings)
         assert t._poller.in_flight == 0 and t._poller.watched >= 60
         t.agent.check_xfer_state = real_state
+
+
+@pytest.mark.anyio
+async def test_a_pinned_read_that_outlives_its_control_connection_fails() -> None:
+    """A pinned READ still in progress when its control connection is lost: nobody renews the pin,
+    the CTX lets it lapse, frees and reuses the blocks; the READ then ends DONE. Its bytes are not
+    used: the pull fails (before, it succeeded with the reused blocks)."""
+    async with _served(lease_s=0.3, pin_timeout_s=0.6, read_timeout_s=30,
+                       server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
+        await t.connect(peer)
+        real, go = t.agent.transfer, asyncio.Event()
+        t.agent.transfer = lambda xfer, notif=b"": "PROC"  # "posted"; the bytes move when it ends:
+        t.agent.check_xfer_state = lambda xfer: real(xfer) if go.is_set() else "PROC"  # copied (one host) then
+        into, landing = _into(), Landing()
+        task = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, landing=landing))
+        await _until(lambda: landing.busy)
+        for writer in list(server._conns):  # the control connection is lost
+            writer.close()
+        await _until(lambda: server.statistics().pins_expired == 1 and store.statistics().held_requests == 0)
+        go.set()
+        with pytest.raises(PeerClosed, match="pinned READ"), anyio.fail_after(10):
+            await task
+        assert not landing.busy
+
+
+@pytest.mark.anyio
+async def test_memory_a_stuck_read_may_write_stays_registered_after_aclose() -> None:
+    """A READ NIXL never lets go of (its peer dropped, still in progress): its landing stays busy,
+    its agent stays counted in use, and aclose() keeps the registered memory it may write."""
+    async with _served(read_timeout_s=0.3, close_timeout_s=0.3) as (store, handle, server, peer, t):
+        await t.connect(peer)
+        pool = LAYOUT.new_pool(16).zero_()
+        t.register(pool)
+        t.agent.transfer = lambda xfer, notif=b"": "PROC"
+        t.agent.check_xfer_state = lambda xfer: "PROC"  # NIXL never lets go of it
+        dereg: list[object] = []
+        real = t.agent.deregister_memory
+        t.agent.deregister_memory = lambda d: (dereg.append(d), real(d))[1]
+        landing = Landing()
+        with pytest.raises(PeerClosed), anyio.fail_after(10):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), pool[2:2 + len(IDS)], handle=handle, landing=landing)
+        assert landing.busy and sum(t._reads.values()) == 1
+        await t.aclose()
+        assert dereg == [] and len(t._regions) == 1
+
+
+@pytest.mark.anyio
+async def test_a_read_timing_out_after_a_reconnect_does_not_break_the_new_connection() -> None:
+    """A READ from connection A times out after the peer was reconnected (B, the same CTX agent):
+    dropping A's agent drops B too, so the next pull reconnects (before, B stayed 'usable' with its
+    agent removed and every later pull failed)."""
+    async with _served(read_timeout_s=1.0) as (store, handle, server, peer, t):
+        conn_a = await t._conn(peer)
+        real_transfer, removed = t.agent.transfer, []
+        real_remove = t.agent.remove_remote_agent
+        t.agent.remove_remote_agent = lambda name: (removed.append(name), real_remove(name))[1]
+        t.agent.transfer = lambda xfer, notif=b"": "PROC"
+        real_state = t.agent.check_xfer_state
+        t.agent.check_xfer_state = lambda xfer: "ERR" if removed else "PROC"
+        landing = Landing()
+        task = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle,
+                                            landing=landing, release=False))
+        await _until(lambda: landing.busy)
+        conn_a.fail(PeerClosed("control connection lost", peer=peer))
+        conn_b = await t._conn(peer)
+        assert conn_b.agent_name == conn_a.agent_name
+        t.agent.transfer = real_transfer
+        with pytest.raises(PeerClosed), anyio.fail_after(10):
+            await task
+        t.agent.check_xfer_state = real_state
+        assert removed and conn_b.error is not None
+        into = _into()
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
+        assert torch.equal(into, gather(store.pool, IDS, LAYOUT.full_slice()))
+
+
+@pytest.mark.anyio
+async def test_a_lookup_answered_as_its_pull_is_cancelled_is_unpinned_at_once() -> None:
+    """The lookup's answer (a pin) arrives in the same loop turn as the pull's cancellation: the
+    answer is not used, and the pin is given back at once (before, it stayed until its lease)."""
+    async with _served(pin_timeout_s=30, server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
+        conn = await t._conn(peer)
+        holder: dict[str, asyncio.Future[int]] = {}
+        real = conn.dispatch
+
+        def dispatch(msg):  # noqa: ANN001, ANN202
+            real(msg)
+            if msg.get("t") == "found":
+                holder["task"].cancel()
+
+        conn.dispatch = dispatch
+        holder["task"] = task = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: server.statistics().pinned == 0, timeout=3)
+        assert server.statistics().pins_expired == 0 and store.statistics().held_requests == 1
+
+
+@pytest.mark.anyio
+async def test_every_pin_a_gen_renews_is_kept_beyond_max_pulls_per_connection() -> None:
+    """The GEN renews all its pins on a peer in one message; the CTX renews every one (before, only
+    the first ``max_pulls_per_connection``: the rest lapsed although renewed)."""
+    async with _served(pin_timeout_s=0.6, max_pulls_per_connection=4,
+                       server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
+        conn = await t._conn(peer)
+        for _ in range(6):  # pinned one after another: at most one lookup at a time
+            answer = await conn.request({"t": "lookup", "rid": "r1", "handle": handle, "slice": [0, 3, 0, 4],
+                                         "dtype": "float16", "shape": list(LAYOUT.wire_shape(len(IDS))), "keep": True}, 5)
+            t._pin(conn, answer["token"])
+        await asyncio.sleep(2.0)  # > 3 pin leases, renewed every 0.2 s
+        assert server.statistics().pinned == 6 and server.statistics().pins_expired == 0
+        for token in list(t._pinned):
+            t._unpin(conn, token, tell=True)
+        await _until(lambda: server.statistics().pinned == 0)
+
+
+@pytest.mark.anyio
+async def test_a_read_the_poller_cannot_take_ends_its_landing_and_its_read_count() -> None:
+    """Posting a large READ to the poller thread fails (e.g. no thread can be started): the pull
+    fails, its landing ends and the request's READ count drops (before, both stayed: the landing
+    busy for good and a revocation of the request never acknowledged)."""
+    async with _served(inline_copy_bytes=0) as (store, handle, server, peer, t):
+        conn = await t._conn(peer)
+
+        def post(*args: object, **kw: object) -> None:
+            raise RuntimeError("can't start new thread")
+
+        t._poller.post = post  # type: ignore[method-assign]
+        landing = Landing()
+        with pytest.raises(PeerClosed, match="could not be posted"), anyio.fail_after(10):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, landing=landing)
+        assert not landing.busy and not conn.reading
+        await _until(lambda: server.statistics().pinned == 0)

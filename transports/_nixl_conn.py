@@ -178,6 +178,10 @@ class _Conn:
         except TimeoutError:
             self.waiting.pop(rid, None)
             raise PeerClosed(f"{self.peer} did not answer {what} within {timeout}s", peer=self.peer) from None
+        except BaseException:  # cancelled: an answer that came meanwhile is not used
+            if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result().get("t") == "found":
+                self.send({"t": "unpin", "token": fut.result().get("token")})  # a pin nobody will READ
+            raise
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.error is None:

@@ -430,7 +430,7 @@ class NIXLKVServer:
         if kind == "renew":  # GEN may still READ these blocks: their pins' leases start again
             deadline = time.monotonic() + self.config.pin_timeout_s
             tokens = msg.get("tokens")
-            for token in tokens[: self.config.max_pulls_per_connection] if isinstance(tokens, list) else ():
+            for token in tokens if isinstance(tokens, list) else ():  # every one (a message is bounded)
                 pin = self._pins.get(token) if isinstance(token, str) else None
                 if pin is not None:
                     pin.deadline = max(pin.deadline, deadline)

@@ -488,6 +488,9 @@ class NIXLTransport:
                 raise conn.error  # type: ignore[misc]
         if state != "DONE":
             raise PeerClosed(f"NIXL READ from {peer} failed ({state})", peer=peer)
+        if token is not None and conn.error is not None:  # its renewals stopped: the pin may have lapsed
+            raise PeerClosed(f"the control connection to {peer} failed during a pinned READ: its pin may have "
+                             "lapsed and its blocks been freed under it", peer=peer)
         if unpinned and not conn.leased():  # revocations may have gone unheard: the bytes are not used
             raise PeerClosed(f"the control connection to {peer} lost its lease during an unpinned READ", peer=peer)
         return into.numel() * into.element_size()
@@ -551,17 +554,17 @@ class NIXLTransport:
             landing.begin()
             conn.read_begins(request_id)  # a revocation of it is acknowledged only once it ended
             posting = None
-            if nbytes > limit and not step:  # on one host transfer() copies inline: off the loop
-                posting = self._poller.post(xfer, self.config.read_timeout_s, posted=conn.copied)
-                state = "POSTING"
-            else:
-                try:
+            try:
+                if nbytes > limit and not step:  # on one host transfer() copies inline: off the loop
+                    posting = self._poller.post(xfer, self.config.read_timeout_s, posted=conn.copied)
+                    state = "POSTING"
+                else:
                     state = self.agent.transfer(xfer)
-                except BaseException:
-                    landing.end()  # NIXL refused to post it: nothing can land
-                    conn.read_ends(request_id)
-                    raise
-                conn.copied(state)
+                    conn.copied(state)
+            except BaseException:
+                landing.end()  # not posted (NIXL refused it, or no poller to post it): nothing can land
+                conn.read_ends(request_id)
+                raise
         except Exception as exc:
             self._end_read(xfer, adhoc)
             self._unpin(conn, token, tell=True)
@@ -631,11 +634,12 @@ class NIXLTransport:
 
     def _watch_task(self, conn: _Conn, request_id: str, token: str | None, xfer: Any, landing: Landing, adhoc: Any,
                     posting: asyncio.Future[str] | None) -> asyncio.Future[str]:
-        """``_watch`` as a task (the READ's agent counted as in use until it ends)."""
+        """``_watch`` as a task (the READ's agent counted as in use until it ends: for good if NIXL
+        never lets go of it, so that ``aclose`` keeps the memory it may write registered)."""
         name = conn.agent_name
         self._reads[name] = self._reads.get(name, 0) + 1
         watch = asyncio.ensure_future(self._watch(conn, request_id, token, xfer, landing, adhoc, posting))
-        watch.add_done_callback(lambda _: self._read_ended(name))
+        watch.add_done_callback(lambda w: None if _stuck(w) else self._read_ended(name))
         return watch
 
     def _keep(self, watch: asyncio.Future[Any]) -> None:
@@ -705,6 +709,10 @@ class NIXLTransport:
             if self._agents.get(conn.peer) == name:
                 del self._agents[conn.peer]
             self._remove_agent(name)  # ends the READ (its UCX endpoints close)
+            for other in [c for c in self._peers.conns.values() if c.agent_name == name]:  # a reconnect's, same agent
+                other.fail(PeerClosed(f"the NIXL agent of {other.peer} was removed (a READ from it timed out)",
+                                      peer=other.peer))
+                self._peers.drop(other.peer, other)
             state = await self._poller.wait(xfer, timeout)
             if state == "PROC":
                 log.error("nixl_read_stuck", peer=conn.peer, reason="NIXL still reports the READ in progress; "
@@ -766,7 +774,10 @@ class NIXLTransport:
             if not conn.reading:  # no READ left: the CTX need not wait for this GEN's lease to end
                 conn.send({"t": "bye"})
             self._close_conn(conn)
-        if not self._reads:
+        if self._reads:
+            log.error("nixl_close_memory_kept", reads=sum(self._reads.values()),
+                      reason="NIXL still reports READs in progress: the memory they may write stays registered")
+        else:
             for dlist in [*self._remote_dlists.values(), *(d for _, _, d in self._local_dlists)]:
                 with contextlib.suppress(Exception):
                     self.agent.release_dlist_handle(dlist)
@@ -781,6 +792,11 @@ class NIXLTransport:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _stuck(watch: asyncio.Future[str]) -> bool:
+    """A watcher that gave up on a READ NIXL still reports in progress (its landing stays busy)."""
+    return not watch.cancelled() and watch.exception() is None and watch.result() == "TIMEOUT"
 
 
 def _error(answer: dict[str, Any], peer: str, request_id: str) -> TransportError:
