@@ -327,6 +327,10 @@ class GenEngine:
         except GroupBroken as exc:
             self._break(exc.cause)
             return self._apply_alone(prepared)
+        except Exception as exc:  # e.g. a message that cannot be encoded: what this step drained is not lost
+            log.exception("step_agreement_failed", rank=self.rank)
+            self._break(f"the step could not be agreed: {type(exc).__name__}: {exc}")
+            return self._apply_alone(prepared)
         return self.apply_step(prepared, messages)
 
     def prepare_step(self) -> PreparedStep:

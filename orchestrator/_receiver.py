@@ -434,16 +434,6 @@ class ReceiveGroup:
                 if request_id in self._jobs:
                     self._cancel_early.add(request_id)
 
-    async def _release_once_landed(self, landing: Landing, request_id: str, peers: list[tuple[str, str | None]]) -> None:
-        """Tell the peers to free their copies once nothing may still be read from them (``landing``
-        idle): a peer frees on a release at once, also blocks a READ still reads. Never, if the
-        group stops first: the peers' leases free them then."""
-        idle = anyio.Event()
-        landing.when_idle(idle.set)  # end() runs on this loop's thread
-        await idle.wait()
-        for peer, handle in peers:
-            self._spawn(self._release, peer, request_id, handle)
-
     async def _release(self, peer: str, request_id: str, handle: str | None) -> None:
         with anyio.move_on_after(self._release_timeout_s, shield=True):
             try:
@@ -510,9 +500,7 @@ class ReceiveGroup:
             self._finish(job, result, landing)  # first: the execution thread learns of it now
         if job.release and result.failure not in _NO_RELEASE:  # then the peer may free its copy
             peers = _distinct_peers(job.all_parts())
-            if landing.busy:  # a READ of that copy may still run (NIXL cannot withdraw one): freed after it
-                self._spawn(self._release_once_landed, landing, rid, [(p.peer, p.handle) for p in peers])
-            elif len(peers) == 1:  # here: this task has published its result already (no task of its own)
+            if len(peers) == 1:  # here: this task has published its result already (no task of its own)
                 await self._release(peers[0].peer, rid, peers[0].handle)
             else:  # side by side: a slow peer does not hold up the others' releases
                 for part in peers:

@@ -131,14 +131,14 @@ _NO_PEER = 255
 
 def _put_str(out: bytearray, s: str | None, wide: bool = False) -> None:
     b = b"" if s is None else s.encode()
-    out += struct.pack("<H" if wide else "<B", len(b) + (s is not None))
+    out += struct.pack("<I" if wide else "<B", len(b) + (s is not None))  # wide: a step's ids, peers, extras
     out += b
 
 
 def _get_str(buf: memoryview, at: int, wide: bool = False) -> tuple[str | None, int]:
     if wide:
-        (n,) = struct.unpack_from("<H", buf, at)
-        at += 2
+        (n,) = struct.unpack_from("<I", buf, at)
+        at += 4
     else:
         n = buf[at]
         at += 1

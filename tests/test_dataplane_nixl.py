@@ -607,3 +607,42 @@ async def test_a_read_the_poller_cannot_take_ends_its_landing_and_its_read_count
             await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, landing=landing)
         assert not landing.busy and not conn.reading
         await _until(lambda: server.statistics().pinned == 0)
+
+
+@pytest.mark.anyio
+async def test_a_release_waits_until_no_read_of_the_request_is_in_flight() -> None:
+    """An unpinned READ cancelled in flight (its landing stays busy), then the GEN's own release (what
+    the receiver sends after an abort or a timeout): the CTX frees on a release at once, so the
+    release waits until that READ ended (before, the CTX freed and reused the blocks under it)."""
+    store = KVStore(LAYOUT, LAYOUT.new_pool(16).uniform_())
+    freed: list[bool] = []
+
+    def reuse() -> None:
+        freed.append(True)
+        store.pool[IDS] = -1.0
+
+    config = NIXLConfig(secret=SECRET)
+    async with NIXLKVServer(store, config, host="127.0.0.1") as server:
+        peer = f"127.0.0.1:{server.port}"
+        async with NIXLTransport(config, layout=LAYOUT) as t:
+            await t.connect(peer)
+            epoch = store.epoch
+            handle = store.put("r1", IDS, num_tokens=25, lease_s=60, on_release=reuse)
+            go = asyncio.Event()
+            t.agent.transfer = lambda xfer, notif=b"": "PROC"  # a READ in flight (a slow link)
+            t.agent.check_xfer_state = lambda xfer: "DONE" if go.is_set() else "PROC"
+            landing = Landing()
+            task = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle,
+                                                landing=landing, remote_blocks=IDS.tolist(), remote_epoch=epoch))
+            await _until(lambda: landing.busy)
+            assert t.statistics().unpinned_reads == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            release = asyncio.ensure_future(t.release(peer, "r1", handle=handle))
+            await asyncio.sleep(0.3)
+            assert landing.busy and not freed and not release.done()
+            go.set()
+            with anyio.fail_after(5):
+                await release
+            assert freed and not landing.busy

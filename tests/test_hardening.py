@@ -301,30 +301,6 @@ async def test_a_busy_landing_that_ends_while_its_request_runs_gives_the_budget_
     assert h.final("long").state is RequestState.FINISHED and not h.engine.rest_problems()
 
 
-async def test_a_peer_is_told_to_free_its_copy_only_once_no_read_of_it_may_run(harness_factory) -> None:
-    # An aborted receive whose READ cannot be withdrawn (NIXL): a release sent at once lets the CTX
-    # free, and reuse, the blocks that READ still reads. The release waits for the landing to end.
-    h = await harness_factory(make_config(num_blocks=16, transfer_budget_bytes=4 * BLOCK))
-    h.transport.stall_landing("gone")
-    h.submit("gone", prompt_len=8, max_tokens=4)
-    with anyio.fail_after(10):
-        while h.transport.counters.in_flight == 0:
-            await h.step()
-            await anyio.sleep(0.001)
-    h.engine.abort("gone")
-    for _ in range(10):
-        await h.step()
-        await anyio.sleep(0.005)
-    assert h.final("gone").state is RequestState.ABORTED
-    assert h.transport.counters.releases == 0  # its READ may still run
-    h.transport.finish_landing("gone")
-    await h.run_until_idle()
-    with anyio.fail_after(5):
-        while h.transport.counters.releases != 1:
-            await anyio.sleep(0.005)
-    assert not h.engine.rest_problems()
-
-
 async def test_statistics_count_a_request_ended_only_once_its_blocks_are_back(harness_factory) -> None:
     # A node's stats reply is read from another thread while the execution thread ends requests;
     # it reads the counters before the pool. Counted first and freed after, a reply could say

@@ -222,6 +222,35 @@ def test_the_step_message_round_trips_and_stays_compact() -> None:
     assert per_outcome <= 32 and per_token <= 32 and per_abort <= 32 and idle <= 64
 
 
+def test_a_step_of_many_long_ids_round_trips() -> None:
+    """520 arrivals with 128-character ids in one step (66 KB of ids): the wire form's string
+    lengths are 4 bytes (they were 2: such a step raised struct.error after its events were drained)."""
+    reqs = [GenRequest(f"{i:04d}" + "a" * 124, 4, 1, 2, peer=PEER) for i in range(520)]
+    m = StepMessage(events=[Submit(i, r) for i, r in enumerate(reqs)])
+    assert decode(encode(m)) == m
+
+
+async def test_a_step_whose_agreement_raises_fails_what_it_drained_and_ends_at_rest(make_group) -> None:
+    """A step drains its inbox and its receive outcomes before the agreement; an agreement that
+    raises anything (not only GroupBroken) breaks the engine, which fails them: none is lost."""
+    g = await make_group(1)
+    g.submit("first", prompt_len=4, max_tokens=50)
+    for _ in range(3):
+        await g.step()
+    engine = g.engines[0]
+
+    def broken(message: StepMessage) -> list[StepMessage]:
+        raise ValueError("cannot encode this step")
+
+    engine.agreement.agree = broken  # type: ignore[method-assign]
+    g.submit("arriving", prompt_len=4, max_tokens=4)
+    await g.step()
+    assert engine.stopped and "cannot encode" in (engine.health() or "")
+    for rid in ("first", "arriving"):
+        assert g.final(rid).failure is not None
+    await g.run_until_idle()
+
+
 def test_per_request_memory_is_bounded_over_100k_requests() -> None:
     """100,000 requests through two in-process ranks: what stays allocated does not grow with them.
     The bound (1 MiB for the whole run after warm-up: the admission window, dict capacities) fails

@@ -906,7 +906,10 @@ async def test_a_kv_ending_in_the_probe_lands_whole_told_by_a_pull_whole(monkeyp
                         into, landing = empty(), Landing()
                         await t.pull(peer.address, "req-13", LAYOUT.full_slice(), into, landing=landing, release=False)
                     assert torch.equal(into, want(13)) and not landing.busy
-                stats = peer.stats()
+                stats = await peer.astats()
+                while stats["pulls_served"] < 3:  # counted when its send ends, after the GEN has the KV
+                    await anyio.sleep(0.05)
+                    stats = await peer.astats()
                 assert stats["pulls_ending_in_probe"] == 3 and stats["pulls_served"] == 3
                 conn = t._eps[peer.address]
                 assert conn.error is None and not conn.unanswered
@@ -916,6 +919,24 @@ async def test_a_kv_ending_in_the_probe_lands_whole_told_by_a_pull_whole(monkeyp
                     assert torch.equal(b, want(i))
     finally:
         peer.stop()
+
+
+@pytest.mark.anyio  # the ucxx pull's probe byte
+async def test_a_pull_cancelled_while_its_reply_decides_still_ends_its_landing() -> None:
+    """A short message leaves the probe, so the pull waits for a reply (none comes); cancelled then,
+    its landing still ends once the grace has passed (the grace's end is decided by the outcome, not
+    by the cancelled pull's own future)."""
+    bad = Peer("--corrupt", "short1")
+    try:
+        async with UCXTransport(UCXConfig(secret=SECRET, cancel_grace_s=0.3)) as t:
+            await t.connect(bad.address)
+            landing = Landing()
+            with anyio.fail_after(10):
+                with anyio.move_on_after(0.15):  # the short message has come; its reply is awaited
+                    await t.pull(bad.address, "req-1", LAYOUT.full_slice(), empty(), landing=landing, release=False)
+                await wait_idle(landing)
+    finally:
+        bad.stop()
 
 
 @pytest.mark.anyio  # the ucxx pull's probe byte

@@ -43,6 +43,7 @@ class _Conn:
         self.trusted_until = 0.0  # monotonic: unpinned READs are vouched for until then (see lease_from)
         self.revoked: OrderedDict[str, None] = OrderedDict()  # revoked since the epoch
         self.reading: dict[str, int] = {}  # request id -> READs of it in flight on this connection
+        self._ended_waiters: dict[str, list[asyncio.Future[None]]] = {}  # reads_ended() callers
         self._acks_due: dict[str, list[int]] = {}  # revocations acknowledged once those READs end
         self._alive: int | None = None  # the id of the "alive" question not answered yet
         self.copies_inline: bool | None = None  # transfer() of a READ from this peer copied it at once (one host)
@@ -82,9 +83,26 @@ class _Conn:
             self.reading[request_id] = left
             return
         self.reading.pop(request_id, None)
+        for fut in self._ended_waiters.pop(request_id, ()):
+            if not fut.done():
+                fut.set_result(None)
         due = self._acks_due.pop(request_id, None)
         if due:
             self.send({"t": "revoked", "n": due})
+
+    async def reads_ended(self, request_id: str) -> None:
+        """Until no READ of ``request_id`` is in flight on this connection."""
+        while self.reading.get(request_id):
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._ended_waiters.setdefault(request_id, []).append(fut)
+            try:
+                await fut
+            finally:
+                waiters = self._ended_waiters.get(request_id)
+                if waiters and fut in waiters:
+                    waiters.remove(fut)
+                    if not waiters:
+                        del self._ended_waiters[request_id]
 
     def _revoke(self, msg: dict[str, Any]) -> None:
         rid, n, epoch = msg.get("rid"), msg.get("n"), msg.get("epoch")

@@ -266,7 +266,7 @@ class _PullIO:
         if self._timer is not None:
             self._timer.cancel()
         self.conn.unanswered.discard(self)
-        if self.woken.done():  # came after the grace (or the endpoint closed since): the pull already failed
+        if self._ended:  # came after the grace (or the endpoint closed since): the pull already failed
             return
         exc = _outcome(fut)  # a ucxx error is already a PeerClosed (``_Endpoint.post``), the endpoint failed
         if exc is not None:
@@ -293,8 +293,9 @@ class _PullIO:
     def _unanswered(self) -> None:
         """No PULL_ERR or PULL_WHOLE ``grace`` seconds after a receive that ended without the whole
         KV: a short message. Its reply receive stays posted (UCX cannot withdraw it) until the
-        endpoint closes; an endpoint with more than ``MAX_UNANSWERED`` of them is failed."""
-        if self.woken.done():
+        endpoint closes; an endpoint with more than ``MAX_UNANSWERED`` of them is failed. (Decided
+        by ``_ended``, not ``woken``: a cancelled pull's ``woken`` is done, its landing not yet.)"""
+        if self._ended:
             return
         conn = self.conn
         conn.unanswered.add(self)

@@ -734,6 +734,7 @@ class NIXLTransport:
             check_request_id(request_id)
             check_handle(handle)
             conn = await self._conn(peer)
+            await conn.reads_ended(request_id)  # the CTX frees on a release at once: not under a READ of it
             await conn.request({"t": "release", "rid": request_id, "handle": handle}, self.config.request_timeout_s)
         except Exception as exc:
             log.warning("nixl_release_failed", peer=peer, request_id=str(request_id)[:40], reason=str(exc))
