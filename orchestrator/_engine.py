@@ -412,9 +412,12 @@ class GenEngine:
             if isinstance(event, Submit):
                 self._arrive(event)
         mine = 1 << self.rank
+        # every live request fails first: one this rank's outcome says received while its landing
+        # is still busy is then ended as receiving (its blocks held until that landing ends), not
+        # run and freed at once
+        self._fail_live(self.health() or "the engine stopped")
         for seq in self._apply_outcomes([msg] if self.rank == 0 else [StepMessage()] * self.rank + [msg]):
             self._settle(seq, mine)
-        self._fail_live(self.health() or "the engine stopped")
         for seq in list(self._ending.values()):
             self._settle(seq, mine)
         self._apply_tokens([])
@@ -542,23 +545,25 @@ class GenEngine:
                 state = RequestState.ABORTED if reason is FailureReason.ABORTED else RequestState.FAILED
                 self._end_receiving(seq, state, reason, message)
             elif seq.reported & everyone == everyone:  # every rank holds its slice
-                if seq.quiet & everyone == everyone:  # else its bytes may still move: budget kept
+                if seq.quiet & everyone == everyone:  # else its bytes may still move: budget kept, CTX not told
                     self._release_grant(seq)
-                if not self._pull_releases:
-                    self._tell_ctx(seq)
+                    if not self._pull_releases:
+                        self._tell_ctx(seq)
                 self._run(seq)
                 return
         if seq.state.terminal and seq.seq_no in self._ending and seq.quiet & everyone == everyone:
             self._release(seq)
-        elif seq.grant is not None and not seq.state.terminal and seq.quiet & everyone == everyone:
-            self._release_grant(seq)  # READY or RUNNING: the landing its transport left busy ended
+        elif not seq.state.terminal and seq.quiet & everyone == everyone:  # READY or RUNNING: the landing
+            self._release_grant(seq)  # its transport left busy ended
+            if not self._pull_releases and seq.reported & everyone == everyone:
+                self._tell_ctx(seq)
 
     def _end_receiving(self, seq: Sequence, state: RequestState, failure: FailureReason, message: str) -> None:
         """A receive phase ends badly: the client hears now; blocks and budget stay until every
         rank's blocks are quiet (a receive still running is cancelled here)."""
         self._receiving.pop(seq.request_id, None)
-        self._cancel_local(seq)
-        if not self._pull_releases:
+        self._cancel_local(seq)  # the CTXs are told once every rank's blocks are quiet (_release),
+        if self.stopped and not self._pull_releases:  # or at once by a broken group: nothing waits for a lease
             self._tell_ctx(seq)
         self._ending[seq.seq_no] = seq
         if seq.block_ids is not None:
@@ -571,7 +576,10 @@ class GenEngine:
             self.receiver.cancel(seq.request_id)
 
     def _release(self, seq: Sequence) -> None:
-        """Every rank's blocks of an ended request are quiet: blocks and budget come back."""
+        """Every rank's blocks of an ended request are quiet: blocks and budget come back, and the
+        CTXs may free its KV (a READ of it may have run until now: NIXL cannot withdraw one)."""
+        if not self._pull_releases:
+            self._tell_ctx(seq)
         del self._ending[seq.seq_no]
         self._unquiet.pop(seq.seq_no, None)
         if seq.block_ids is not None:
@@ -777,7 +785,11 @@ class GenEngine:
         return seq.reported & everyone == everyone and seq.quiet & everyone != everyone
 
     def _tell_ctx(self, seq: Sequence) -> None:
-        """Rank 0: every CTX holding ``seq``'s KV may free its copy now (best effort, on the event loop)."""
+        """Rank 0: every CTX holding ``seq``'s KV may free its copy now (best effort, on the event loop;
+        once per request)."""
+        if seq.told:
+            return
+        seq.told = True
         if self.receiver is not None and self.leads_steps:
             seen: set[str] = set()
             for src in seq.request.sources():

@@ -225,6 +225,8 @@ class Sequence:
     """The first failure a rank reported (in rank order)."""
     cancelled: bool = False
     """This rank asked its receive to stop."""
+    told: bool = False
+    """Rank 0 told the CTXs holding its KV that they may free it (once every rank's blocks were quiet)."""
 
     @property
     def request_id(self) -> str:

@@ -34,6 +34,12 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
         plan_chunks(layout, layout.blocks_for(r.prompt_len), kv_slice, cfg.transfer_budget_bytes)
     except ValueError as exc:
         raise InvalidRequest(f"{r.request_id}: {exc}") from None
+    if r.local_kv is not None:  # copied into its blocks when it is admitted: checked here, not there
+        want = tuple(layout.wire_shape(layout.blocks_for(r.prompt_len), kv_slice))
+        got = (tuple(getattr(r.local_kv, "shape", ())), getattr(r.local_kv, "dtype", None))
+        if got != (want, layout.dtype):
+            raise InvalidRequest(f"{r.request_id}: local_kv is {got[1]}{list(got[0])}, the prompt's KV here is "
+                                 f"{layout.dtype}{list(want)}")
     if cfg.mode is Mode.IDEAL:
         return
     sources = r.sources()

@@ -683,3 +683,21 @@ def test_a_ctx_of_another_model_is_refused_by_name() -> None:
             return str(refused.value)
 
         assert "serves KV of another model" in run(scenario)
+
+
+def test_a_ready_line_after_a_partial_line_of_a_c_library_s_log_is_found() -> None:
+    """UCX and NIXL log to the node's stdout too; a buffered partial line of theirs can come just
+    before READY, on the same line. The launcher still finds it (before: it waited 60 s, then said
+    the node did not start; seen once, on a NIXL CTX in a loaded test run)."""
+    import subprocess
+    import sys
+
+    from examples.two_node.launch import _stop, _wait_ready
+
+    code = ("import os, sys, time; os.write(1, b'[1796600970.24] [vm:1] UCX WARN partial'); "
+            "print('READY {\"ctrl\": \"127.0.0.1:1\"}', flush=True); time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert _wait_ready(proc, 10) == {"ctrl": "127.0.0.1:1"}
+    finally:
+        _stop(proc)

@@ -221,6 +221,25 @@ async def test_invalid_requests_are_rejected_at_submit_with_nothing_queued(harne
     assert h.engine.statistics().finished == 1
 
 
+async def test_local_kv_of_the_wrong_shape_or_dtype_is_rejected_at_submit(harness_factory) -> None:
+    # IDEAL mode copies a request's local_kv into its blocks when it is admitted; one of the wrong
+    # shape raised there, after the scheduler had taken it and others of its step from the queue
+    # (they leaked: live for good, blocks never freed). Checked at submit now.
+    import torch
+
+    from orchestrator import GenRequest
+
+    h = await harness_factory(make_config(mode=Mode.IDEAL, num_blocks=16))
+    good_shape = LAYOUT.wire_shape(LAYOUT.blocks_for(8))
+    for kv in (torch.zeros(3, dtype=LAYOUT.dtype), torch.zeros(good_shape, dtype=torch.float64)):
+        with pytest.raises(InvalidRequest, match="local_kv"):
+            h.engine.submit(GenRequest("bad", prompt_len=8, first_token=1, max_tokens=2, local_kv=kv))
+    h.engine.submit(GenRequest("good", prompt_len=8, first_token=1, max_tokens=2,
+                               local_kv=torch.zeros(good_shape, dtype=LAYOUT.dtype)))
+    await h.run_until_idle()
+    assert h.engine.statistics().finished == 1 and not h.engine.rest_problems()
+
+
 async def test_many_requests_small_budget_all_finish_and_release(harness_factory) -> None:
     h = await harness_factory(make_config(num_blocks=40, transfer_budget_bytes=6 * BLOCK), bandwidth_bytes_per_s=2e6)
     for i in range(40):

@@ -117,6 +117,26 @@ async def test_a_crashing_decode_breaks_the_whole_group_and_everything_comes_bac
     assert g.ctx.store.statistics().held_requests == 0
 
 
+@pytest.mark.parametrize("world", [2, 4])
+async def test_the_ctx_is_told_to_free_a_copy_only_once_no_rank_may_still_read_it(make_group, world: int) -> None:
+    """Aborted while every rank's READ of it outlives its cancellation (NIXL cannot withdraw one):
+    rank 0 tells the CTX to free its KV only once every rank's blocks are quiet (before, at once: the
+    CTX could free, and reuse, blocks a rank still read). (A lone rank's transport waits itself.)"""
+    g = await make_group(world)
+    g.each("stall_landing", "gone")
+    g.submit("gone", prompt_len=8, max_tokens=4)
+    await g.step()
+    g.lead.abort("gone")
+    for _ in range(6):
+        await g.step()
+        await anyio.sleep(0.005)
+    assert g.final("gone").state is RequestState.ABORTED
+    assert g.ctx.store.statistics().held_requests == 1 and sum(t.counters.releases for t in g.transports) == 0
+    g.each("finish_landing", "gone")
+    await g.run_until_idle()
+    assert g.ctx.store.statistics().held_requests == 0 and sum(t.counters.releases for t in g.transports) == 1
+
+
 @pytest.mark.parametrize("world", [1, 4])
 async def test_a_stale_abort_before_a_resubmission_ends_the_same_at_every_size(make_group, world: int) -> None:
     g = await make_group(world)

@@ -157,6 +157,35 @@ async def test_a_broken_group_fails_everything_locally_without_another_collectiv
     g.ctx.store.release("later")
 
 
+async def test_a_group_that_breaks_as_a_rank_reports_ok_still_landing_keeps_those_blocks(make_group) -> None:
+    # The step that breaks the group carries rank 0's "receive OK, but its transport still writes
+    # into the blocks" outcome: the request fails with the rest, its blocks and budget stay
+    # quarantined until that landing ends (before: freed at once, the write still in flight).
+    g = await make_group(2, breakable=True)
+    g.transports[0].land_late("x")
+    g.transports[1].stall("x")
+    g.submit("x")
+    await g.step()
+    rank0 = g.engines[0]
+    for e in g.engines:
+        e.agreement.cause = "GEN rank 1 stopped answering: no step exchange for 10 s"
+    for e in g.engines:
+        e.step()
+    await g.settle()
+    for e in g.engines:
+        e.step()
+    for out in g.lead.poll():
+        g.outputs.setdefault(out.request_id, []).append(out)
+    assert g.final("x").failure is FailureReason.INTERNAL
+    assert rank0.statistics().quarantined_blocks > 0 and rank0.rest_problems()
+    g.transports[0].finish_landing("x")
+    with anyio.fail_after(5):
+        while any(e.rest_problems() for e in g.engines):
+            for e in g.engines:
+                e.step()
+            await anyio.sleep(0.001)
+
+
 async def test_ideal_mode_admits_and_decodes_in_lockstep_without_receives(make_group) -> None:
     g = await make_group(4, mode=Mode.IDEAL, max_num_seqs=2)
     for step in g.steps:

@@ -85,12 +85,13 @@ class NodeProcess:
             raise
         try:
             info = _wait_ready(proc, timeout)
-        except BaseException:
+        except BaseException as exc:
+            why = f"{exc}" + (f", exit status {proc.poll()}" if proc.poll() is not None else "")
             _stop(proc)
             tail = _tail(log_path)
             _remove(owned_dir)
             where = "the end of its log" if owned_dir else f"its log {log_path}"
-            raise RuntimeError(f"{args[0]} node did not start; {where}:\n{tail}") from None
+            raise RuntimeError(f"{args[0]} node did not start ({why}); {where}:\n{tail}") from None
         return cls(proc, info, log_path, secret=env_secret(env), owned_dir=owned_dir)
 
     def alive(self) -> bool:
@@ -133,9 +134,10 @@ def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
         line = proc.stdout.readline()
         if not line:
             raise RuntimeError("exited before READY")
-        if line.startswith("READY "):
-            return json.loads(line[6:])
-    raise TimeoutError("no READY line")
+        at = line.find("READY {")  # not only at the line's start: a C library's log (UCX, NIXL) shares
+        if at >= 0:                 # this stdout, and a buffered partial line of it may come first
+            return json.loads(line[at + 6:])
+    raise TimeoutError(f"no READY line within {timeout:.0f} s")
 
 
 def _stop(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
