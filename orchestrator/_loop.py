@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from types import TracebackType
 
 import numpy as np
@@ -22,6 +23,8 @@ from anyio.from_thread import start_blocking_portal
 
 from ._engine import GenEngine, StepReport
 from ._step import GroupBroken
+
+_REST_WAIT_S = 5.0  # EngineThreads' exit: how long it steps for the engine to come to rest
 
 log = structlog.get_logger("orchestrator.loop")
 
@@ -157,8 +160,14 @@ class EngineThreads:
         self.engine.close()
         if self.engine.receiver is not None:
             self._receiver_future.result(timeout=30)
-        # one last drain, so results published during shutdown free their blocks
+        # what is still live fails now (its clients hear), and results published during shutdown
+        # free their blocks: step until at rest (bounded: a landing a transport never ends stays)
+        self.engine.mark_unhealthy("stopped: the engine's threads exited")
+        deadline = time.monotonic() + _REST_WAIT_S
         self.engine.step()
+        while self.engine.rest_problems() and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self.engine.step()
         self._stack.close()
         if self.loop.error is not None and exc is None:
             raise RuntimeError("the decode loop crashed") from self.loop.error

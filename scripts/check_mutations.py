@@ -264,6 +264,7 @@ M = [
  ("a broken group fails live requests before it settles its own outcomes", "orchestrator/_engine.py", "        self._fail_live(self.health() or \"the engine stopped\")\n        for seq in self._apply_outcomes([msg] if self.rank == 0 else [StepMessage()] * self.rank + [msg]):\n            self._settle(seq, mine)\n", "        for seq in self._apply_outcomes([msg] if self.rank == 0 else [StepMessage()] * self.rank + [msg]):\n            self._settle(seq, mine)\n        self._fail_live(self.health() or \"the engine stopped\")\n", "tests/test_tp_engine.py -k still_landing"),
  ("local_kv checked at submit", "orchestrator/_validate.py", "        if got != (want, layout.dtype):", "        if False:", "tests/test_engine.py -k local_kv"),
  ("a node's READY line found mid-line", "examples/two_node/launch.py", "        at = line.find(\"READY {\")", "        at = 0 if line.startswith(\"READY {\") else -1", "tests/test_control.py -k ready_line"),
+ ("EngineThreads' exit fails what is live", "orchestrator/_loop.py", "        self.engine.mark_unhealthy(\"stopped: the engine's threads exited\")\n", "", "tests/test_threads.py -k leaving_engine_threads"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -51,6 +51,37 @@ def test_engine_threads_finish_a_load_and_come_to_rest() -> None:
     assert stats.blocked_ms.max == 0.0  # orchestrated: no explicit blocking wait on the execution thread
 
 
+def test_leaving_engine_threads_with_live_requests_fails_them_and_comes_to_rest() -> None:
+    """Left while one request decodes, one still receives and one waits: each gets a
+    final output (before: only the receiving one did; the last step even admitted the waiting one
+    into the stopped receive group) and the engine is at rest."""
+    from orchestrator import GenRequest
+
+    ctx = CtxPeer(num_blocks=64)
+    transport = InProcTransport({"ctx": ctx.store})
+    transport.stall("stuck")
+    step = CheckingStep({"ctx": ctx})
+    engine = GenEngine(make_config(num_blocks=128, transfer_budget_bytes=2 * BLOCK), transport,
+                       lambda batch: (time.sleep(0.01), step(batch))[1])
+    outs = []
+    with EngineThreads(engine):
+        for rid, prompt_len, max_tokens in (("run", 4, 200), ("stuck", 4, 4), ("wait", 8, 4)):
+            ctx.prefill(rid, prompt_len)
+            engine.submit(GenRequest(rid, prompt_len=prompt_len, first_token=1, max_tokens=max_tokens, peer="ctx",
+                                     kv_handle=ctx.handles[rid]))
+        deadline = time.monotonic() + 5
+        while engine.statistics().running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        outs += engine.poll()
+        s = engine.statistics()
+        assert s.running == 1 and s.receiving == 1  # "wait" waits for budget (or is still in the inbox)
+    outs += engine.poll()
+    final = {o.request_id: o for o in outs if o.finished}
+    assert set(final) == {"run", "stuck", "wait"}
+    assert final["run"].state is RequestState.FAILED and "threads exited" in final["run"].message  # not run on
+    assert not engine.rest_problems()
+
+
 def test_inline_mode_under_the_same_load_blocks_the_execution_thread() -> None:
     engine, states, threads = run_load(Mode.INLINE)
     assert len(states) == 60 and set(states.values()) == {RequestState.FINISHED}
