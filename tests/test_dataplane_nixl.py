@@ -141,7 +141,8 @@ async def test_a_large_read_is_posted_by_the_poller_thread_not_the_loop(monkeypa
         with anyio.fail_after(10):
             await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, release=False)
         assert torch.equal(into, want) and callers == ["nixl-read-poller"] and t._poller.watched == 1
-        assert (await t._conn(peer)).copies_inline is (not in_progress)  # learnt from what transfer() said
+        if in_progress:  # learnt from what transfer() said (the first READ of a connection may be in
+            assert (await t._conn(peer)).copies_inline is False  # progress anyway: UCX wires up then)
         monkeypatch.setattr(t, "config", dataclasses.replace(t.config, inline_copy_bytes=into.nbytes))
         small = _into()
         await t.pull(peer, "r1", LAYOUT.full_slice(), small, handle=handle, release=False)
