@@ -183,7 +183,7 @@ M = [
  ("17 pin answer vouches for the READ", "transports/nixl.py", '            if answer.get("t") == "error":  # the bytes read cannot be vouched for: not used\n', '            if False:\n', "tests/test_nixl_handoff.py -k refused"),
  ("17 pin checks the blocks", "transports/_nixl_server.py", '        if msg.get("blocks") != blocks:\n', '        if False:\n', "tests/test_nixl_handoff.py -k refused"),
  ("17 early notification ends its pin", "transports/_nixl_server.py", "        if early is None:\n            self._pins[token] = pin", "        if True:\n            self._pins[token] = pin", "tests/test_nixl_handoff.py -k overtakes"),
- ("17 nixl read-loop answer names its question", "transports/_nixl_server.py", '                        write_msg(writer, {**self._lookup_or_pin(msg), "id": msg.get("id")})\n', '                        write_msg(writer, self._lookup_or_pin(msg))\n', "tests/test_nixl_handoff.py"),
+ ("17 nixl read-loop answer names its question", "transports/_nixl_server.py", '                        write_msg(writer, {**self._lookup_or_pin(msg, pins), "id": msg.get("id")})\n', '                        write_msg(writer, self._lookup_or_pin(msg, pins))\n', "tests/test_nixl_handoff.py"),
  ("17 nixl GEN drops an answer whose id is not a number", "transports/_nixl_conn.py", 'fut = self.waiting.pop(rid, None) if isinstance(rid, int) else None', 'fut = self.waiting.pop(int(rid), None)', "tests/test_nixl_conn.py"),
  ("17 nixl GEN oversized answer fails the connection", "transports/_nixl_conn.py", "            if n > _MAX_MESSAGE_BYTES:\n", "            if False:\n", "tests/test_nixl_conn.py"),
  ("17 nixl GEN peer's end fails the connection", "transports/_nixl_conn.py", '        self._ended(exc or EOFError("the peer closed the connection"))\n', "        pass\n", "tests/test_nixl_conn.py"),
@@ -265,6 +265,12 @@ M = [
  ("local_kv checked at submit", "orchestrator/_validate.py", "        if got != (want, layout.dtype):", "        if False:", "tests/test_engine.py -k local_kv"),
  ("a node's READY line found mid-line", "examples/two_node/launch.py", "        at = line.find(\"READY {\")", "        at = 0 if line.startswith(\"READY {\") else -1", "tests/test_control.py -k ready_line"),
  ("EngineThreads' exit fails what is live", "orchestrator/_loop.py", "        self.engine.mark_unhealthy(\"stopped: the engine's threads exited\")\n", "", "tests/test_threads.py -k leaving_engine_threads"),
+ # an outside review of the CTX side
+ ("CTX TP: a prefill whose group broke releases what it stored", "examples/two_node/ctx_tp.py", "            if stored:\n                node.store.release(rid, handle=handle)\n            raise", "            raise", "tests/test_tp_heal_units.py -k stored_a_prefill"),
+ ("a checkout gathers the blocks it pinned", "transports/_store.py", "tensor = view if view is not None else self._gather_held(held, kv_slice)", "tensor = view if view is not None else self.gather(request_id, kv_slice, handle=handle)", "tests/test_store.py -k put_again"),
+ ("CTX checksums off the event loop", "examples/two_node/ctx.py", "            checksums, per_head = sums\n", "            checksums, per_head = block_checksums(self.pool.kv, block_ids), head_checksums(self.pool.kv, block_ids)\n", "tests/test_tp_heal_units.py -k off_the_event_loop"),
+ ("NIXL pins per connection capped", "transports/_nixl_server.py", "if len(lookups) + len(pins) >= self.config.max_pulls_per_connection:", "if len(lookups) >= self.config.max_pulls_per_connection:", "tests/test_dataplane_nixl.py -k capped"),
+ ("NIXL a pin that ends makes room on its connection", "transports/_nixl_server.py", "            pin.owner.discard(token)\n", "            pass\n", "tests/test_dataplane_nixl.py -k capped"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

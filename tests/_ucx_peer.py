@@ -55,13 +55,13 @@ class _SlowStore(KVStore):
     gathering = 0  # gathers running now, and the most at once (``max_gathers`` in ``stats``)
     max_gathering = 0
 
-    def gather(self, request_id: str, kv_slice: KVSlice, **kw: object) -> torch.Tensor:
+    def _gather_held(self, held: object, kv_slice: KVSlice) -> torch.Tensor:
         with self._lock:
             self.gathering += 1
             self.max_gathering = max(self.max_gathering, self.gathering)
         try:
             time.sleep(self.delay_s)  # runs in a worker thread (to_thread), not on the event loop
-            return super().gather(request_id, kv_slice, **kw)
+            return super()._gather_held(held, kv_slice)  # type: ignore[arg-type]
         finally:
             with self._lock:
                 self.gathering -= 1

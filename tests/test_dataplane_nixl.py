@@ -575,15 +575,20 @@ async def test_a_lookup_answered_as_its_pull_is_cancelled_is_unpinned_at_once() 
 
 @pytest.mark.anyio
 async def test_every_pin_a_gen_renews_is_kept_beyond_max_pulls_per_connection() -> None:
-    """The GEN renews all its pins on a peer in one message; the CTX renews every one (before, only
-    the first ``max_pulls_per_connection``: the rest lapsed although renewed)."""
+    """The GEN renews all its pins on a peer in one message, over its current connection (a reconnect
+    keeps them); the CTX renews every one (before, only the first ``max_pulls_per_connection``: the
+    rest lapsed although renewed). Here 4 pins made on one connection, 2 on the next."""
     async with _served(pin_timeout_s=0.6, max_pulls_per_connection=4,
                        server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
-        conn = await t._conn(peer)
-        for _ in range(6):  # pinned one after another: at most one lookup at a time
-            answer = await conn.request({"t": "lookup", "rid": "r1", "handle": handle, "slice": [0, 3, 0, 4],
-                                         "dtype": "float16", "shape": list(LAYOUT.wire_shape(len(IDS))), "keep": True}, 5)
-            t._pin(conn, answer["token"])
+        for count in (4, 2):
+            conn = await t._conn(peer)
+            for _ in range(count):
+                answer = await conn.request({"t": "lookup", "rid": "r1", "handle": handle, "slice": [0, 3, 0, 4],
+                                             "dtype": "float16", "shape": list(LAYOUT.wire_shape(len(IDS))),
+                                             "keep": True}, 5)
+                t._pin(conn, answer["token"])
+            if count == 4:
+                t._peers.drop(peer, conn)  # a reconnect: the pins stay the GEN's
         await asyncio.sleep(2.0)  # > 3 pin leases, renewed every 0.2 s
         assert server.statistics().pinned == 6 and server.statistics().pins_expired == 0
         for token in list(t._pinned):
@@ -647,3 +652,26 @@ async def test_a_release_waits_until_no_read_of_the_request_is_in_flight() -> No
             with anyio.fail_after(5):
                 await release
             assert freed and not landing.busy
+
+
+@pytest.mark.anyio
+async def test_pins_per_connection_are_capped_and_come_back_as_they_end() -> None:
+    """One GEN connection holds at most ``max_pulls_per_connection`` pins (lookups answered at once
+    included): beyond, BUSY; an unpin makes room again (before, the cap counted only lookups still
+    being answered, so a connection could pin without bound)."""
+    async with _served(max_pulls_per_connection=8, server_kw={"expire_interval_s": 0.05}) as (
+            store, handle, server, peer, t):
+        conn = await t._conn(peer)
+        ask = {"t": "lookup", "rid": "r1", "handle": handle, "slice": [0, 3, 0, 4], "dtype": "float16",
+               "shape": list(LAYOUT.wire_shape(len(IDS))), "keep": True}
+        answers = [await conn.request(ask, 5) for _ in range(12)]
+        found = [a["token"] for a in answers if a["t"] == "found"]
+        assert len(found) == 8 and [a.get("status") for a in answers[8:]] == ["BUSY"] * 4
+        assert server.statistics().pinned == 8
+        conn.send({"t": "unpin", "token": found[0]})
+        await _until(lambda: server.statistics().pinned == 7)
+        again = await conn.request(ask, 5)
+        assert again["t"] == "found"
+        for token in [*found[1:], again["token"]]:
+            conn.send({"t": "unpin", "token": token})
+        await _until(lambda: server.statistics().pinned == 0)

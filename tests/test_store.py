@@ -97,3 +97,34 @@ def test_a_guard_turns_the_store_s_own_frees_into_revocations() -> None:
     store.guard_frees(None)
     store.put("t", torch.tensor([5]), num_tokens=4, lease_s=60.0, on_release=lambda: freed.append("t"))
     assert store.release("t") and freed[-1] == "t" and store.revocations == 2
+
+
+@pytest.mark.parametrize("with_handle", [True, False])
+def test_a_checkout_gathers_the_blocks_it_pinned_even_if_its_id_is_put_again(with_handle: bool) -> None:
+    """Released and put again (another thread) between the checkout's pin and its gather: the
+    checkout holds the blocks it pinned, never fails and never gathers the new entry's blocks
+    (before, it looked the id up again: UnknownRequest, or the new entry's bytes under the old pin)."""
+    half = KVSlice(0, LAYOUT.num_layers, 0, 1)  # not the whole layout: the gather path
+    pool = LAYOUT.new_pool(8)
+    pool[0:2] = 1.0
+    pool[4:6] = 2.0
+
+    class Racy(KVStore):
+        hook = None
+
+        def _view(self, held, kv_slice):  # noqa: ANN001, ANN202 - between the pin and the gather
+            if self.hook is not None:
+                hook, self.hook = self.hook, None
+                hook()
+            return super()._view(held, kv_slice)
+
+    store = Racy(LAYOUT, pool)
+    h1 = store.put("r", torch.tensor([0, 1]), num_tokens=8, lease_s=60)
+
+    def other_thread() -> None:
+        store.release("r", handle=h1)
+        store.put("r", torch.tensor([4, 5]), num_tokens=8, lease_s=60)
+
+    store.hook = other_thread
+    with store.checkout("r", half, handle=h1 if with_handle else None) as c:
+        assert set(c.tensor.flatten().tolist()) == {1.0}

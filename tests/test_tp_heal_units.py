@@ -300,3 +300,101 @@ def test_reform_arguments_are_checked_at_start() -> None:
     for bad in (["--tp-reform-backoff-max-s", "0.5"], ["--tp-reform-attempts", "-1"]):
         with pytest.raises(SystemExit, match="reform"):
             gen_tp.check_args(argparse.Namespace(**vars(parser.parse_args(bad)), **model))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_ctx_group_that_breaks_after_rank_0_stored_a_prefill_frees_its_blocks_once() -> None:
+    """The group breaks in the prefill's last exchange, after rank 0 stored the KV: the stored copy
+    is released (its blocks freed once, with it). Before, the node freed the blocks the store still
+    held; the next prefill got them, and the healer's release freed them again under it."""
+    import types
+
+    import anyio
+
+    from examples.two_node import control, ctx, ctx_tp
+    from orchestrator import KVBlockPool, loop_caller
+    from transports import KVLayout, KVStore
+
+    class DiesInTheLastExchange:  # a world of one whose second all_gather fails: a rank died
+        gathers = 0
+
+        def broadcast_object_list(self, box, src, group):  # noqa: ANN001, ANN201
+            pass
+
+        def all_gather_object(self, out, value, group):  # noqa: ANN001, ANN201
+            self.gathers += 1
+            if self.gathers == 2:
+                raise RuntimeError("rank 1 died (collective timed out)")
+            out[0] = value
+
+    class Model:
+        config = types.SimpleNamespace(vocab_size=100, fingerprint="fake")
+
+        def prefill(self, prompt, kv, blocks):  # noqa: ANN001, ANN201
+            kv[blocks] = 1.0
+            return 7
+
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
+    node = ctx.CtxNode.__new__(ctx.CtxNode)  # the node's state only: no servers, no processes
+    node.args = argparse.Namespace(inject_first_token=None, kv_transport="ucx", lease_s=60.0, kv_checksums=False,
+                                   alloc_wait_s=1.0, tp_step_timeout_s=10.0, tp=2)
+    node.layout, node.model = layout, Model()
+    node.pool = KVBlockPool(layout, 8)
+    node.store = KVStore(layout, node.pool.kv)
+    node.ucx_addr, node.head_range, node.group_copies = "h:1", (0, 2), {}
+    node._prefills = 0
+    node._call = loop_caller()
+    node._freed = anyio.Event()
+    group = ctx_tp.CtxGroup(node, None, 0, 1)
+    group._dist = DiesInTheLastExchange()
+    node.group = group
+    node.exec_thread = threading.Thread(target=group.lead, daemon=True)
+    node.exec_thread.start()
+    blocks = await node._allocate(2)
+    with pytest.raises(control.ControlError):
+        await node._prefill_in_group("r1", [1, 2, 3, 4, 5], blocks)
+    assert node.pool.statistics().used_blocks == 0 and node.store.statistics().held_requests == 0
+    assert node.group_copies == {}
+    other = node.pool.allocate(2)  # the next prefill's blocks
+    await ctx_tp.CtxRank0(node, None).stop()  # the healer releases rank 0's copies of the old group
+    assert node.pool.statistics().used_blocks == 2 and node.pool.allocate(2).tolist() != other.tolist()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_ctx_computes_its_kv_checksums_off_the_event_loop(monkeypatch) -> None:
+    """The checksums of a prefill's KV (a copy and CRC of the whole prompt's KV) run on the
+    execution thread with the prefill, not on the event loop that serves pulls (it blocked ~6 ms per
+    2,048-token prefill of the tiny model)."""
+    import types
+
+    import anyio
+
+    from examples.two_node import ctx
+    from orchestrator import KVBlockPool, loop_caller
+    from transports import KVLayout, KVStore
+
+    class Model:
+        config = types.SimpleNamespace(vocab_size=100, max_seq_len=64, fingerprint="fake")
+
+        def prefill(self, prompt, kv, blocks):  # noqa: ANN001, ANN201
+            kv[blocks] = 1.0
+            return 7
+
+    threads: list[str] = []
+    real_block, real_head = ctx.block_checksums, ctx.head_checksums
+    monkeypatch.setattr(ctx, "block_checksums", lambda *a: (threads.append(threading.current_thread().name), real_block(*a))[1])
+    monkeypatch.setattr(ctx, "head_checksums", lambda *a: (threads.append(threading.current_thread().name), real_head(*a))[1])
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
+    node = ctx.CtxNode.__new__(ctx.CtxNode)  # the node's state only: no servers, no processes
+    node.args = argparse.Namespace(kv_transport="ucx", lease_s=60.0, kv_checksums=True, alloc_wait_s=1.0)
+    node.layout, node.model, node.group = layout, Model(), None
+    node.pool = KVBlockPool(layout, 8)
+    node.store = KVStore(layout, node.pool.kv)
+    node.ucx_addr, node.head_range, node.group_copies = "h:1", (0, 2), {}
+    node._prefills, node._call, node._freed = 0, loop_caller(), anyio.Event()
+    node._exec = anyio.CapacityLimiter(1)
+    reply = await node._prefill({"op": "prefill", "request_id": "r1", "prompt_ids": [1, 2, 3, 4, 5], "max_tokens": 2})
+    assert reply["block_checksums"] and reply["head_checksums"]
+    assert len(threads) == 2 and threading.current_thread().name not in threads

@@ -51,7 +51,7 @@ class NIXLConfig:
     max_unauthenticated: int = 64  # CTX: control connections still in their handshake; more are closed at once
     dead_peer_backoff_s: float = 1.0  # GEN: after a failed connect, pulls to that peer fail at once this long
     max_peers: int = 256  # GEN: distinct CTX peers connected (or connecting) at once
-    max_pulls_per_connection: int = 256  # CTX: lookups pinned at once for one GEN connection (more: BUSY)
+    max_pulls_per_connection: int = 256  # CTX: lookups and pins at once for one GEN connection (more: BUSY)
     progress_delay_us: int = 1000  # the NIXL progress thread's poll() timeout (0 spins a core)
     progress_thread: bool = True
     ucx_env: tuple[tuple[str, str], ...] = ()

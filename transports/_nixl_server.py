@@ -78,6 +78,7 @@ class _Pin:
     checkout: Checkout
     release: bool
     deadline: float
+    owner: set[str] | None = None  # the pin tokens of the connection that made it (a per-connection cap)
 
 
 @dataclasses.dataclass
@@ -217,6 +218,8 @@ class NIXLKVServer:
 
     def _done(self, token: str, *, ok: bool) -> None:
         pin = self._pins.pop(token, None)
+        if pin is not None and pin.owner is not None:
+            pin.owner.discard(token)
         if pin is None:  # perhaps a READ's pin still on its way (a pin message): remembered a while
             self._early.pop(token, None)  # re-added at the end: the dict stays in time order for the purge
             self._early[token] = (ok, time.monotonic())
@@ -327,6 +330,7 @@ class NIXLKVServer:
         self._handlers.add(task)
         self._conns.add(writer)
         lookups: set[asyncio.Task[Any]] = set()  # answered in their own tasks: a slow one holds up no other
+        pins: set[str] = set()  # pins this connection made that have not ended
         gen: _Gen | None = None
         gen_closed = False
         handshaking = True
@@ -362,13 +366,13 @@ class NIXLKVServer:
             while True:
                 msg = await read_msg(reader, _MAX_MESSAGE_BYTES)
                 if msg["t"] in ("lookup", "pin"):
-                    if len(lookups) >= self.config.max_pulls_per_connection:
-                        write_msg(writer, {**self._refuse("BUSY", "too many lookups in flight"), "id": msg.get("id")})
+                    if len(lookups) + len(pins) >= self.config.max_pulls_per_connection:
+                        write_msg(writer, {**self._refuse("BUSY", "too many lookups or pins at once"), "id": msg.get("id")})
                         continue
                     if self._answer_inline:  # nothing to wait for: answered here, no task (one loop turn less)
-                        write_msg(writer, {**self._lookup_or_pin(msg), "id": msg.get("id")})
+                        write_msg(writer, {**self._lookup_or_pin(msg, pins), "id": msg.get("id")})
                         continue
-                    lookup = asyncio.ensure_future(self._answer_lookup(writer, msg))
+                    lookup = asyncio.ensure_future(self._answer_lookup(writer, msg, pins))
                     lookups.add(lookup)
                     lookup.add_done_callback(lookups.discard)
                     continue
@@ -399,14 +403,21 @@ class NIXLKVServer:
         self._refused += 1
         return {"t": "error", "status": status, "reason": reason[:200]}
 
-    async def _answer_lookup(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+    async def _answer_lookup(self, writer: asyncio.StreamWriter, msg: dict[str, Any], pins: set[str]) -> None:
         """The task path (a subclass's ``_before_send`` may wait): a slow answer holds up no other."""
         await self._before_send(msg)
         if not writer.is_closing():  # the GEN went away meanwhile: nothing to pin for it
-            write_msg(writer, {**self._lookup_or_pin(msg), "id": msg.get("id")})
+            write_msg(writer, {**self._lookup_or_pin(msg, pins), "id": msg.get("id")})
 
-    def _lookup_or_pin(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._lookup(msg) if msg["t"] == "lookup" else self._pin_read(msg)
+    def _lookup_or_pin(self, msg: dict[str, Any], pins: set[str]) -> dict[str, Any]:
+        """Answer a lookup or a pin; a pin it leaves counts against its connection (``pins``) until it ends."""
+        answer = self._lookup(msg) if msg["t"] == "lookup" else self._pin_read(msg)
+        token = {"found": answer.get("token"), "pinned": msg.get("token")}.get(answer.get("t"))
+        pin = self._pins.get(token) if isinstance(token, str) else None
+        if pin is not None:
+            pin.owner = pins
+            pins.add(token)  # type: ignore[arg-type]
+        return answer
 
     def _handle(self, msg: dict[str, Any], gen: _Gen) -> dict[str, Any] | None:
         kind = msg["t"]

@@ -212,6 +212,11 @@ class KVStore:
             block_ids = self._get_locked(request_id, handle).block_ids
         return gather(self.pool, block_ids, kv_slice)
 
+    def _gather_held(self, held: _Held, kv_slice: KVSlice) -> torch.Tensor:
+        """The wire form of a pinned entry's slice, from its own blocks (never looked up again by
+        id: released and put again meanwhile, the id would name other blocks)."""
+        return gather(self.pool, held.block_ids, kv_slice)
+
     def checkout(self, request_id: str, kv_slice: KVSlice, *, handle: str | None = None) -> Checkout:
         """The wire form of ``request_id``'s slice, pinned until the checkout is closed.
 
@@ -225,7 +230,7 @@ class KVStore:
             self._pins += 1
         try:
             view = self._view(held, kv_slice)
-            tensor = view if view is not None else self.gather(request_id, kv_slice, handle=handle)
+            tensor = view if view is not None else self._gather_held(held, kv_slice)
         except BaseException:
             self._unpin(held)
             raise

@@ -236,9 +236,17 @@ class CtxNode:
                     first_lp.append(token_logprobs(logits, token, top))
                 return token
 
-            first = await anyio.to_thread.run_sync(prefill, prompt, self.pool.kv, block_ids, limiter=self._exec)
-            checksums = block_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
-            per_head = head_checksums(self.pool.kv, block_ids) if self.args.kv_checksums else []
+            sums: list[list[Any]] = [[], []]
+
+            def prefill_and_sum(*a: Any) -> int:
+                token = prefill(*a)
+                if self.args.kv_checksums:  # here, not on the event loop (it serves pulls meanwhile)
+                    sums[:] = [block_checksums(self.pool.kv, block_ids), head_checksums(self.pool.kv, block_ids)]
+                return token
+
+            first = await anyio.to_thread.run_sync(prefill_and_sum, prompt, self.pool.kv, block_ids,
+                                                   limiter=self._exec)
+            checksums, per_head = sums
             epoch = self.store.epoch  # before the put: any revocation of this request comes after
             handle = self.store.put(rid, block_ids, num_tokens=len(prompt), lease_s=self.args.lease_s,
                                     on_release=lambda: self.on_free(block_ids))
@@ -262,11 +270,13 @@ class CtxNode:
         """Every rank prefills its shard and holds its heads under one handle; the reply names them all."""
         handle = new_handle()
         t0 = time.perf_counter()
+        held = [block_ids]  # the group's prefill takes them (and frees or stores them); else freed here
         try:
             out = await self._in_group(("prefill", rid, prompt, handle, self.args.lease_s, self.args.kv_checksums),
-                                       block_ids)
+                                       held)
         except control.ControlError:
-            self.pool.free(block_ids)  # the group broke before (or while) running it
+            if held:  # the group broke before it ran the prefill
+                self.pool.free(held.pop())
             raise
         if not out["ok"]:
             raise control.ControlError(out["error"])

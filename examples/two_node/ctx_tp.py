@@ -175,7 +175,7 @@ class CtxGroup:
     def run(self, op: tuple[Any, ...], local: Any) -> Any:
         kind = op[0]
         if kind == "prefill":
-            return self._prefill(*op[1:], local_blocks=local)
+            return self._prefill(*op[1:], local_blocks=local.pop() if local else None)  # ownership taken
         if kind == "release":
             rid, handle = op[1:]
             return any(self._gather(self.node.store.release(rid, handle=handle)))
@@ -207,7 +207,12 @@ class CtxGroup:
         #    follow GEN's releases closely, so their wait is short and bounded below the group timeout)
         blocks = local_blocks if local_blocks is not None else \
             self._allocate_blocking(n, min(node.args.alloc_wait_s, node.args.tp_step_timeout_s / 2))
-        got = self._gather(blocks is not None)
+        try:  # this rank's blocks are this call's until the store holds them: freed on any failure
+            got = self._gather(blocks is not None)
+        except BaseException:
+            if blocks is not None:
+                node.pool.free(blocks)
+            raise
         if not all(got):
             if blocks is not None:
                 node.pool.free(blocks)
@@ -215,10 +220,14 @@ class CtxGroup:
             return {"ok": False, "error": f"CTX ranks {missing} have no {n} free KV blocks"}
         assert blocks is not None
         # 2. prefill the shard (collectives inside), hold this rank's heads under the group's handle
-        first = node.model.prefill(prompt, node.pool.kv, blocks)
-        if self._skew_prefix is not None and rid.startswith(self._skew_prefix):
-            first = (first + 1) % node.model.config.vocab_size  # the fault drill: this rank disagrees
-        crcs = head_checksums(node.pool.kv, blocks) if checksums else []
+        try:
+            first = node.model.prefill(prompt, node.pool.kv, blocks)
+            if self._skew_prefix is not None and rid.startswith(self._skew_prefix):
+                first = (first + 1) % node.model.config.vocab_size  # the fault drill: this rank disagrees
+            crcs = head_checksums(node.pool.kv, blocks) if checksums else []
+        except BaseException:
+            node.pool.free(blocks)
+            raise
         stored, error = True, None
         epoch = node.store.epoch  # before the put: any revocation of this request comes after
         try:
@@ -229,9 +238,14 @@ class CtxGroup:
             node.pool.free(blocks)
             stored, error = False, str(exc)
         h0, h1 = node.head_range
-        parts = self._gather({"ok": stored, "error": error, "peer": node.ucx_addr, "head_start": h0, "head_end": h1,
-                              "crcs": crcs, "first": first, "blocks": [int(b) for b in blocks.tolist()],
-                              "epoch": epoch})
+        try:
+            parts = self._gather({"ok": stored, "error": error, "peer": node.ucx_addr, "head_start": h0,
+                                  "head_end": h1, "crcs": crcs, "first": first,
+                                  "blocks": [int(b) for b in blocks.tolist()], "epoch": epoch})
+        except BaseException:  # the group broke: the stored copy goes (its blocks with it, once)
+            if stored:
+                node.store.release(rid, handle=handle)
+            raise
         firsts = [p["first"] for p in parts]
         if not all(p["ok"] for p in parts) or len(set(firsts)) != 1:  # every rank sees the same parts
             if stored:
