@@ -109,7 +109,6 @@ from ._protocol import Landing, parse_peer
 log = structlog.get_logger("transports.nixl")
 
 
-
 # -- GEN side ---------------------------------------------------------------------------------------
 
 
@@ -530,7 +529,7 @@ class NIXLTransport:
         else:  # JSON [id, handle, keep]: the CTX releases on it (unless kept), the handle vouching for the GEN
             notif = NOTIF_READ + f'["{request_id}","{unpinned[0]}",{"true" if unpinned[1] else "false"}]'.encode()
         limit = self.config.inline_copy_bytes
-        # one host (transfer() copies inline, learnt from this peer's first READ): a large READ of
+        # one host (transfer() copies inline, learnt from what it answered this peer last): a large READ of
         # whole blocks is posted on the loop in pieces of at most `limit`, the loop's other work
         # between them; the notification travels with the last piece
         step = max(1, limit // conn.remote.block_bytes) if whole and nbytes > limit and conn.copies_inline else 0

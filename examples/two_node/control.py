@@ -159,13 +159,17 @@ async def until_closed(stream: JsonStream) -> None:
         pass
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _decode(line: bytes, max_line: int) -> dict[str, Any]:
     if len(line) > max_line:
         raise ControlError(f"control line longer than {max_line} bytes")
-    try:
-        obj = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ControlError(f"invalid JSON: {exc}") from None
+    try:  # NaN and Infinity are not JSON (Python's json takes them): refused as such
+        obj = json.loads(line, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also an int of > 4,300 digits
+        raise ControlError(f"invalid JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise ControlError("a control message must be a JSON object")
     return obj

@@ -104,6 +104,7 @@ class GenNode:
         self.logprob_top: dict[str, int] = {}  # rank 0: requests that asked for logprobs, with how many alternatives
         self.logprobs: dict[str, collections.deque[Any]] = {}  # per token drawn, until the pump sends it
         self._streams: dict[str, Any] = {}
+        self._unfinished: set[str] = set()  # ids submitted whose final output is not pumped yet
         self._pending: collections.deque[RequestOutput] = collections.deque()
         self._pump_flag = threading.Event()
         self._call: Any = None
@@ -130,6 +131,8 @@ class GenNode:
         self._pump_flag.clear()
         while self._pending:
             out = self._pending.popleft()
+            if out.finished:  # its id may be used again from here (not before: its outputs go by id)
+                self._unfinished.discard(out.request_id)
             send = self._streams.get(out.request_id)
             if send is not None:
                 try:
@@ -216,9 +219,13 @@ class GenNode:
         limit = self.config.max_model_len
         rid = control.request_id(msg)  # before anything is allocated for it
         pulls = self.config.mode is not Mode.IDEAL
+        if rid in self._unfinished:  # the engine may have let it go, but its last output is still on its way
+            raise control.ControlError(f"request id {rid!r} is already live here (or its previous request's last "
+                                       "output is still on its way)")
         if pulls:  # a CTX on the other data plane would fail the pull obscurely (a reset, a handshake
             # timeout); one of another model (same KV shape, other weights) would decode garbage silently
-            for src in msg.get("kv_sources") or ():
+            sources = msg.get("kv_sources")
+            for src in sources if isinstance(sources, list) else ():  # checked in full below
                 theirs = src.get("kv_transport") if isinstance(src, dict) else None
                 if isinstance(theirs, str) and theirs != self.config.kv_transport:
                     raise control.ControlError(
@@ -242,7 +249,7 @@ class GenNode:
         try:
             if msg.get("sampling") is not None:
                 request = dataclasses.replace(request, sampling=SamplingParams.from_wire(msg["sampling"]))
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:  # OverflowError: an infinite number where an int goes
             raise control.ControlError(str(exc)) from None
         # submit first (it refuses a live id), then own the stream: no await in between, so no
         # output of this request can reach the pump before its stream is there, and a refused
@@ -257,6 +264,7 @@ class GenNode:
             if mine:
                 self.logprob_top.pop(rid, None)
             raise control.ControlError(str(exc)) from None
+        self._unfinished.add(rid)
         send, receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
         self._streams[rid] = send
         if request.kv_handle is not None:  # what a broken group tells every CTX to free at once
@@ -276,9 +284,9 @@ class GenNode:
         except* (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
             pass  # the client vanished while we were sending to it
         finally:
-            if not done:  # the one place a request whose client is gone (or node stopping) is aborted
-                log.info("client_gone", request_id=rid)
-                self.engine.abort(rid)
+            if not done and rid in self._unfinished and self._streams.get(rid) is send:  # still this one's
+                log.info("client_gone", request_id=rid)  # the one place a request whose client is gone
+                self.engine.abort(rid)  # (or node stopping) is aborted
             if self._streams.get(rid) is send:  # not a later request that reuses the finished id
                 del self._streams[rid]
                 self.kv_held.pop(rid, None)
@@ -495,7 +503,9 @@ class GenNode:
         await anyio.to_thread.run_sync(thread.join, timeout_s)
         engine.close()
         why = engine.health() or "the GEN node is stopping"
-        for rid in list(self._streams):  # the engine could not end them (its thread was stuck): say why here
+        # the engine could not end them (its thread was stuck): say why here; also to ids whose client
+        # left (their final output frees the id for reuse, in order behind anything of theirs still queued)
+        for rid in [*self._streams, *(r for r in self._unfinished if r not in self._streams)]:
             self._on_output(RequestOutput(rid, (), RequestState.FAILED, FailureReason.INTERNAL,
                                           f"GEN engine unavailable: {why}"))
 

@@ -1,0 +1,140 @@
+"""The GEN node's generate path, in this process: a real engine stepped by hand, the event loop's
+deliveries (``call_soon_threadsafe``) held back so that the windows between them can be tested."""
+
+from __future__ import annotations
+
+import argparse
+
+import anyio
+import pytest
+
+from examples.two_node import common, control, gen
+from orchestrator import DecodeLoop
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _args(*extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    gen.add_args(p)
+    common.add_model_args(p)
+    common.add_security_args(p)
+    common.add_control_args(p)
+    return p.parse_args(["--insecure", "--mode", "ideal", "--step", "device", "--device-step-ms", "0", *extra])
+
+
+class _Stream:
+    """A client's connection: what the node sent it; ``closed`` set = the client went away."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.closed = anyio.Event()
+
+    async def send(self, obj: dict) -> None:
+        if self.closed.is_set():
+            raise anyio.BrokenResourceError  # the client is gone
+        self.sent.append(obj)
+
+    async def receive(self) -> dict:
+        await self.closed.wait()
+        raise anyio.EndOfStream
+
+
+def _node() -> tuple[gen.GenNode, list]:
+    node = gen.GenNode(_args("--num-blocks", "64"))
+    held: list = []
+    node._call = held.append  # the execution thread's call_soon_threadsafe, run when the test says
+    node.engine = node._new_engine()
+    node.loop = DecodeLoop(node.engine)
+    return node, held
+
+
+async def _run_held(held: list) -> None:
+    while held:
+        held.pop(0)()
+    await anyio.wait_all_tasks_blocked()
+
+
+async def test_a_request_id_is_refused_until_its_previous_request_s_last_output_is_out() -> None:
+    """The engine lets an id go before the event loop has delivered that request's last output; a
+    generate that reused it then got the old request's tokens and its 'aborted' (and ran unheard).
+    Now the id is refused until that output is out, then accepted, and each stream gets its own."""
+    node, held = _node()
+    engine = node.engine
+    msg = {"op": "generate", "request_id": "r1", "prompt_len": 20, "first_token": 5, "max_tokens": 50}
+    a, b, c = _Stream(), _Stream(), _Stream()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(node._generate, msg, a)
+        await anyio.wait_all_tasks_blocked()
+        for _ in range(3):
+            engine.step()
+        a.closed.set()  # A's client goes away: its request is aborted
+        await anyio.wait_all_tasks_blocked()
+        for _ in range(2):
+            engine.step()  # the abort applied, the id let go, the final output not delivered yet
+        assert engine.live_requests == 0
+        with pytest.raises(control.ControlError, match="already live"):
+            await node._generate(dict(msg, max_tokens=5), b)
+        await _run_held(held)  # the loop delivers A's last output: the id is free
+        tg.start_soon(node._generate, dict(msg, max_tokens=5), c)
+        await anyio.wait_all_tasks_blocked()
+        for _ in range(10):
+            engine.step()
+            await _run_held(held)
+    assert b.sent == [] and c.sent and c.sent[-1].get("state") == "finished"
+    assert sum(len(m.get("tokens", ())) for m in c.sent) == 4  # its own 4 new tokens, none of A's
+    assert engine.statistics().aborted == 1 and engine.statistics().finished == 1
+
+
+async def test_a_client_that_leaves_after_its_request_ended_aborts_nothing() -> None:
+    """A's request ends in the engine; its client leaves before reading 'done': nothing is aborted
+    (before, A's cleanup aborted by id, which could kill a newer request that reused it)."""
+    node, held = _node()
+    engine = node.engine
+    msg = {"op": "generate", "request_id": "r2", "prompt_len": 20, "first_token": 5, "max_tokens": 3}
+    a = _Stream()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(node._generate, msg, a)
+        await anyio.wait_all_tasks_blocked()
+        for _ in range(6):
+            engine.step()
+        aborts: list[str] = []
+        real = engine.abort
+        engine.abort = lambda rid: (aborts.append(rid), real(rid))[1]  # type: ignore[method-assign]
+        while held:  # A's outputs reach its queue (its id is free again) ...
+            held.pop(0)()
+        a.closed.set()  # ... and its client leaves before they are sent
+        with anyio.fail_after(10):
+            while "r2" in node._streams:  # A's generate ended
+                await anyio.sleep(0.01)
+        assert aborts == [] and a.sent == []
+
+
+@pytest.mark.parametrize("line", [b'{"op": "ping", "x": NaN}', b'{"op": "ping", "x": Infinity}',
+                                  b'{"op": "ping", "x": ' + b"1" * 5000 + b"}"])
+def test_control_lines_that_python_would_misread_are_refused_as_invalid_json(line: bytes) -> None:
+    with pytest.raises(control.ControlError, match="invalid JSON"):
+        control._decode(line, 1 << 20)
+
+
+@pytest.mark.parametrize("bad", [{"kv_sources": 5}, {"sampling": {"top_k": float("inf")}},
+                                 {"sampling": {"seed": float("inf")}}])
+async def test_a_malformed_generate_is_a_clear_error_not_a_crash(bad: dict) -> None:
+    """Before, these raised TypeError or OverflowError out of the handler: the client got no answer
+    and the node logged a traceback."""
+    import dataclasses
+
+    from orchestrator import Mode
+
+    node, _ = _node()
+    node.config = dataclasses.replace(node.config, mode=Mode.ORCHESTRATED)  # a pulling GEN's checks
+    msg = {"op": "generate", "request_id": "bad", "prompt_len": 20, "first_token": 5, "max_tokens": 3,
+           "kv_peer": "127.0.0.1:1", "kv_handle": "ab" * 16, **bad}
+    with anyio.fail_after(5), pytest.raises(control.ControlError):
+        await node._generate(msg, _Stream())
+    assert node.engine.live_requests == 0
