@@ -8,8 +8,9 @@ import argparse
 import anyio
 import pytest
 
-from examples.two_node import common, control, gen
+from examples.two_node import control, gen
 from orchestrator import DecodeLoop
+from tests.test_control import gen_args
 
 pytestmark = pytest.mark.anyio
 
@@ -20,12 +21,7 @@ def anyio_backend() -> str:
 
 
 def _args(*extra: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    gen.add_args(p)
-    common.add_model_args(p)
-    common.add_security_args(p)
-    common.add_control_args(p)
-    return p.parse_args(["--insecure", "--mode", "ideal", "--step", "device", "--device-step-ms", "0", *extra])
+    return gen_args("--mode", "ideal", "--step", "device", "--device-step-ms", "0", *extra)
 
 
 class _Stream:
