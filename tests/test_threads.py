@@ -70,7 +70,7 @@ def test_leaving_engine_threads_with_live_requests_fails_them_and_comes_to_rest(
             engine.submit(GenRequest(rid, prompt_len=prompt_len, first_token=1, max_tokens=max_tokens, peer="ctx",
                                      kv_handle=ctx.handles[rid]))
         deadline = time.monotonic() + 5
-        while engine.statistics().running == 0 and time.monotonic() < deadline:
+        while not (engine.statistics().running and engine.statistics().receiving) and time.monotonic() < deadline:
             time.sleep(0.01)
         outs += engine.poll()
         s = engine.statistics()
