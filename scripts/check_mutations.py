@@ -190,7 +190,7 @@ M = [
  ("17 handoff blocks checked at the GEN", "transports/nixl.py", "            blocks = self._check_blocks(conn, raw_blocks, kv_slice, into, blame_peer=blame_peer)\n", "            blocks = raw_blocks\n", "tests/test_nixl_handoff.py -k bad_block_list"),
  ("17 handoff blocks reach the pull", "orchestrator/_receiver.py", 'named = {} if part.blocks is None else {"remote_blocks": part.blocks}', "named = {}", "tests/test_fan_in.py -k named"),
  ("17 handoff blocks validated at submit", "orchestrator/_validate.py", "        _check_blocks(r.kv_blocks, prompt_blocks, \"kv_blocks\")\n", "", "tests/test_fan_in.py -k wrong_block_ids"),
- ("17 a store's own release is a revocation", "transports/_store.py", "revoked = None if by_reader else self._guard_locked(held)", "revoked = None", "tests/test_store.py -k guard tests/test_nixl_unpinned.py -k 'waits and released'"),
+ ("17 a store's own release is a revocation", "transports/_store.py", "            revoked = self._guard_locked(held)\n            revoker = self._revoker\n            free_now", "            revoked = None\n            revoker = self._revoker\n            free_now", "tests/test_store.py -k guard tests/test_nixl_unpinned.py -k 'waits and released'"),
  ("17 a lease's end is a revocation", "transports/_store.py", "revoked = [self._guard_locked(h) for h in held]", "revoked = [None for h in held]", "tests/test_store.py -k guard tests/test_nixl_unpinned.py -k 'waits and lease'"),
  ("17 a revocation waits for every leased GEN", "transports/_nixl_server.py", "waiting = {g for g in self._gens if g.lease_end > now}", "waiting = set()", "tests/test_nixl_unpinned.py -k waits"),
  ("17 a GEN's alive renews its lease", "transports/_nixl_server.py", "                gen.lease_end = time.monotonic() + self.config.pin_timeout_s\n", "", "tests/test_nixl_unpinned.py -k waits"),
@@ -277,6 +277,10 @@ M = [
  ("control: NaN, Infinity and huge ints are invalid JSON", "examples/two_node/control.py", "        obj = json.loads(line, parse_constant=_no_constant)", "        obj = json.loads(line)", "tests/test_gen_node.py -k misread"),
  ("GEN: kv_sources that are not a list", "examples/two_node/gen.py", "            for src in sources if isinstance(sources, list) else ():", "            for src in sources or ():", "tests/test_gen_node.py -k malformed"),
  ("GEN: infinite sampling numbers", "examples/two_node/gen.py", "        except (ValueError, OverflowError) as exc:  # OverflowError", "        except ValueError as exc:  # OverflowError", "tests/test_gen_node.py -k malformed"),
+  ("17 a reader's release revokes for the other GENs", "transports/_nixl_server.py", "waiting = {g for g in self._gens if g.lease_end > now and (reader is None or g.reader != reader)}", "waiting = {g for g in self._gens if g.lease_end > now and reader is None}", "tests/test_nixl_unpinned.py -k another_gen"),
+  ("17 the reader that let go is not asked", "transports/_nixl_server.py", "waiting = {g for g in self._gens if g.lease_end > now and (reader is None or g.reader != reader)}", "waiting = {g for g in self._gens if g.lease_end > now}", "tests/test_nixl_unpinned.py -k another_gen"),
+  ("17 a pinned READ's release names its reader", "transports/_nixl_server.py", "self.store.release(pin.request_id, handle=pin.handle, reader=pin.reader)", "self.store.release(pin.request_id, handle=pin.handle)", "tests/test_nixl_unpinned.py -k another_gen"),
+  ("17 the GEN names its agent in the handshake", "transports/nixl.py", '"mac": mac.hex(), "agent": self.agent_name}', '"mac": mac.hex()}', "tests/test_nixl_unpinned.py -k another_gen"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -158,8 +158,8 @@ async def test_a_bad_block_list_is_a_protocol_violation(blocks: object) -> None:
     async with _served() as (store, handle, server, peer, t):
         real = server._lookup
 
-        def lying(msg: dict) -> dict:
-            answer = real(msg)
+        def lying(msg: dict, reader: object) -> dict:
+            answer = real(msg, reader)
             return {**answer, "blocks": blocks}
 
         server._lookup = lying  # type: ignore[method-assign]

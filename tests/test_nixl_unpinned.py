@@ -285,3 +285,58 @@ async def test_an_unpinned_read_s_notification_releases_only_with_the_request_s_
         t.agent.send_notif(conn.agent_name, b'kvo2:["r1","' + handle.encode() + b'",false]')
         await _until(lambda: "r1" not in store._held)
         assert server.statistics().served == 2 and store.statistics().open_pins == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["unpinned-read", "pinned-read", "release"])
+async def test_one_gen_s_release_waits_for_another_gen_reading_the_same_request(how: str) -> None:
+    """Two GENs hold "r1"'s handle and block ids (a front's hand-off retry): the second's unpinned
+    READ is in flight when the first lets go (its READ's notification, unpinned or pinned, or its
+    ``release``). The blocks stay until the second's READ ended and it acknowledged; it gets the
+    CTX's KV; the first GEN is not asked (its own READs ended); then the blocks go."""
+    async with _served(server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, first):
+        async with NIXLTransport(NIXLConfig(secret=SECRET), layout=LAYOUT) as second:
+            await first.connect(peer)
+            await second.connect(peer)
+            go = _deferred_reads(second)
+            want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+            epoch = store.epoch
+            into, landing = _into(), Landing()
+            pull = asyncio.ensure_future(second.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle,
+                                                     landing=landing, remote_blocks=BLOCKS, remote_epoch=epoch))
+            await _until(lambda: landing.busy)
+            if how == "release":
+                await first.release(peer, "r1", handle=handle)
+            else:
+                mine = _into()
+                blocks = {"remote_blocks": BLOCKS, "remote_epoch": epoch} if how == "unpinned-read" else {}
+                await first.pull(peer, "r1", LAYOUT.full_slice(), mine, handle=handle, **blocks)
+                assert torch.equal(mine, want)
+            await _until(lambda: "r1" not in store._held)
+            await asyncio.sleep(0.2)
+            assert server.statistics().revocations_pending == 1 and server.statistics().handed_on == 1
+            assert store.statistics().open_pins == 1 and torch.equal(gather(store.pool, IDS, LAYOUT.full_slice()), want)
+            assert "r1" not in (await first._conn(peer)).revoked and "r1" in (await second._conn(peer)).revoked
+            go.set()
+            assert await asyncio.wait_for(pull, 5) == want.numel() * want.element_size()
+            assert torch.equal(into, want), "another GEN's release freed the blocks under this READ"
+            await _until(lambda: server.statistics().revocations_pending == 0 and store.statistics().open_pins == 0)
+            assert bool((store.pool[IDS] == -1).all()) and server.statistics().revocations == 0
+
+
+@pytest.mark.anyio
+async def test_a_gen_that_connects_after_a_reader_s_release_reads_that_request_pinned() -> None:
+    """The only GEN READs "r1" and lets go (freed at once: nobody else to ask); a GEN that connects
+    afterwards with the same hand-off (epoch from before) cannot know, so it pins: refused, and
+    the freed (reused) blocks' bytes are never used."""
+    async with _served(server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, first):
+        epoch = store.epoch
+        await first.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS,
+                         remote_epoch=epoch)
+        await _until(lambda: "r1" not in store._held and store.statistics().open_pins == 0)
+        assert bool((store.pool[IDS] == -1).all())
+        async with NIXLTransport(NIXLConfig(secret=SECRET), layout=LAYOUT) as late:
+            with pytest.raises(UnknownRequest):
+                await late.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS,
+                                remote_epoch=epoch)
+            assert late.statistics().unpinned_reads == 0

@@ -73,30 +73,40 @@ def test_duplicate_put_is_refused_and_release_is_once() -> None:
     assert freed == ["r"]
 
 
-def test_a_guard_turns_the_store_s_own_frees_into_revocations() -> None:
-    """With a guard (a one-sided transport whose readers READ without pins): a lease's end and a
-    release not by the reader free the blocks only when the guard's ``done`` runs (once, however
-    often it is called), and each counts in ``revocations``; a release by the reader frees at once."""
+def test_a_guard_turns_every_free_into_a_revocation() -> None:
+    """With a guard (a one-sided transport whose readers READ without pins): a lease's end, a
+    release, and a release by one reader (named to the guard, which waits for the others) free the
+    blocks only when the guard's ``done`` runs (once, however often it is called), and each counts
+    in ``revocations`` (the epoch)."""
     clock = Clock()
     store, freed = store_with([1, 2], clock)
     store.put("q", torch.tensor([3]), num_tokens=4, lease_s=60.0, on_release=lambda: freed.append("q"))
     store.put("s", torch.tensor([4]), num_tokens=4, lease_s=60.0, on_release=lambda: freed.append("s"))
     revoked: dict[str, object] = {}
-    store.guard_frees(lambda rid, done: revoked.__setitem__(rid, done))
+    readers: dict[str, object] = {}
+
+    def revoke(rid: str, done: object, reader: object) -> None:
+        revoked[rid], readers[rid] = done, reader
+
+    store.guard_frees(revoke)
     assert store.revocations == 0
     clock.now = 10.0  # "r"'s lease (5 s) ended
-    assert store.expire() == ["r"] and list(revoked) == ["r"] and freed == []
-    assert store.release("q") and list(revoked) == ["r", "q"] and freed == []
+    assert store.expire() == ["r"] and list(revoked) == ["r"] and freed == [] and readers["r"] is None
+    assert store.release("q") and list(revoked) == ["r", "q"] and freed == [] and readers["q"] is None
     assert store.revocations == 2 and store.statistics().open_pins == 2 and store.statistics().held_requests == 1
     revoked["q"]()
     revoked["q"]()
     assert freed == ["q"] and store.statistics().open_pins == 1
-    assert store.release("s", by_reader=True) and freed == ["q", "s"] and "s" not in revoked
+    # a reader's own release is a revocation too (another reader may hold the handle), naming who let go
+    epoch = store.epoch
+    assert store.release("s", reader="gen-a") and freed == ["q"] and readers["s"] == "gen-a"
+    assert store.revocations == 3 and store.epoch == epoch + 1  # a reader that connects later READs "s" pinned
+    revoked["s"]()
     revoked["r"]()
-    assert freed == ["q", "s", "r"] and store.statistics().open_pins == 0 and store.revocations == 2
+    assert freed == ["q", "s", "r"] and store.statistics().open_pins == 0 and store.revocations == 3
     store.guard_frees(None)
     store.put("t", torch.tensor([5]), num_tokens=4, lease_s=60.0, on_release=lambda: freed.append("t"))
-    assert store.release("t") and freed[-1] == "t" and store.revocations == 2
+    assert store.release("t") and freed[-1] == "t" and store.revocations == 3
 
 
 @pytest.mark.parametrize("with_handle", [True, False])

@@ -6,8 +6,9 @@ arrives, when GEN unpins (a READ that failed or never started), or when the pin'
 invariant 12: no block is freed or reused under a READ on a timer alone).
 
 A GEN may also READ a request's blocks with no pin at all (the prefill reply named them): the CTX
-then frees nothing it decides to free on its own (a lease's end, a release not from the reader)
-before every connected GEN has acknowledged its revocation ("revoke" / "revoked"; a GEN acks once
+then frees nothing (a lease's end, a release) before every connected GEN has acknowledged its
+revocation (all but the one that let go, when a GEN's release or READ notification frees it: another
+GEN may hold the same handle) ("revoke" / "revoked"; a GEN acks once
 its READs of the request ended, and READs it again only with a pin), closed its connection (it
 trusts nothing from then on; a process that dies closes it too), or let its connection lease end
 (``pin_timeout_s`` after its last "alive": past it, the GEN trusts no unpinned READ; a connection
@@ -25,7 +26,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import anyio
@@ -62,6 +63,12 @@ class _Gen:
     writer: asyncio.StreamWriter
     peer: str
     lease_end: float
+    agent: str | None = None  # its NIXL agent's name (from its handshake), which its READ notifications carry
+
+    @property
+    def reader(self) -> object:
+        """Who this GEN is as a reader (its agent: one process, whichever connection it READs on)."""
+        return self.agent if self.agent is not None else self
 
 
 @dataclasses.dataclass(eq=False)
@@ -79,6 +86,7 @@ class _Pin:
     release: bool
     deadline: float
     owner: set[str] | None = None  # the pin tokens of the connection that made it (a per-connection cap)
+    reader: object = None  # the GEN that READs it (``_Gen.reader``): its release revokes for the others
 
 
 @dataclasses.dataclass
@@ -94,6 +102,7 @@ class NIXLKVServerStatistics:
     revocations: int = 0  # frees decided here (lease, local release) that waited for the GENs' acks
     revocations_pending: int = 0  # of those, still waiting
     gens: int = 0  # GEN connection leases not ended (their connections may have closed)
+    handed_on: int = 0  # frees by one GEN (release, READ notification) that other leased GENs had to ack
 
 
 class NIXLKVServer:
@@ -129,7 +138,7 @@ class NIXLKVServer:
         self._handlers: set[asyncio.Task[Any]] = set()
         self._handshaking = 0
         self._served = self._refused = self._expired = self._auth_failures = self._lookups = 0
-        self._unpinned_reads = self._revoked = 0
+        self._unpinned_reads = self._revoked = self._handed_on = 0
         self._gens: set[_Gen] = set()
         self._revocations: dict[int, _Revocation] = {}
         self._revocation_ids = itertools.count(1)
@@ -146,7 +155,7 @@ class NIXLKVServer:
     def statistics(self) -> NIXLKVServerStatistics:
         return NIXLKVServerStatistics(len(self._conns), len(self._pins), self._served, self._refused, self._expired,
                                       self._auth_failures, self._lookups, self._unpinned_reads, self._revoked,
-                                      len(self._revocations), len(self._gens))
+                                      len(self._revocations), len(self._gens), self._handed_on)
 
     async def __aenter__(self) -> NIXLKVServer:
         self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
@@ -188,17 +197,18 @@ class NIXLKVServer:
     def _drain_notifs(self) -> int:
         """Handle every notification NIXL has; how many there were."""
         n = 0
-        for msgs in self.agent.get_new_notifs().values():
+        for sender, msgs in self.agent.get_new_notifs().items():
             n += len(msgs)
             for msg in msgs:
                 if msg.startswith(NOTIF_PREFIX):
                     self._done(msg[len(NOTIF_PREFIX):].decode(errors="replace"), ok=True)
                 elif msg.startswith(NOTIF_READ):
-                    self._read_ended(msg[len(NOTIF_READ):])
+                    self._read_ended(msg[len(NOTIF_READ):], sender)
         return n
 
-    def _read_ended(self, body: bytes) -> None:
-        """An unpinned READ ended: release the request unless the GEN keeps it (the handle decides)."""
+    def _read_ended(self, body: bytes, sender: str) -> None:
+        """An unpinned READ by agent ``sender`` ended: release the request unless the GEN keeps it
+        (the handle decides); any other GEN that may READ it unpinned must let go first."""
         try:
             rid, handle, keep = json.loads(body)
             rid, handle = check_request_id(rid), check_handle(handle)
@@ -208,7 +218,7 @@ class NIXLKVServer:
         try:
             if keep:
                 self.store.num_blocks(rid, handle=handle)  # held, and that handle is its own
-            elif not self.store.release(rid, handle=handle, by_reader=True):
+            elif not self.store.release(rid, handle=handle, reader=sender):
                 raise UnknownRequest(rid)
         except UnknownRequest:  # another handle's, or gone (revoked while it was read): nothing to do
             log.debug("nixl_notification_unmatched", request_id=rid[:40])
@@ -233,7 +243,7 @@ class NIXLKVServer:
         if ok:
             self._served += 1
             if pin.release:
-                self.store.release(pin.request_id, handle=pin.handle, by_reader=True)
+                self.store.release(pin.request_id, handle=pin.handle, reader=pin.reader)
 
     async def _notif_loop(self) -> None:
         """Poll NIXL's notifications: every ``busy_notif_poll_s`` while blocks are pinned; while
@@ -271,23 +281,29 @@ class NIXLKVServer:
 
     # -- revocations: frees decided here, once every GEN that may READ without a pin let go -------------
 
-    def _on_free(self, request_id: str, done: Callable[[], None]) -> None:
+    def _on_free(self, request_id: str, done: Callable[[], None], reader: Hashable | None) -> None:
         """The store's guard (any thread): revoke on the event loop."""
         loop = self._loop
         if threading.get_ident() == self._loop_thread:
-            self._revoke(request_id, done)
+            self._revoke(request_id, done, reader)
         elif loop is None or loop.is_closed():
             done()
         else:
             try:
-                loop.call_soon_threadsafe(self._revoke, request_id, done)
+                loop.call_soon_threadsafe(self._revoke, request_id, done, reader)
             except RuntimeError:  # the loop closed meanwhile: nothing READs any more
                 done()
 
-    def _revoke(self, request_id: str, done: Callable[[], None]) -> None:
+    def _revoke(self, request_id: str, done: Callable[[], None], reader: Hashable | None) -> None:
+        """Free ``request_id``'s blocks (``done``) once every leased GEN but ``reader`` (the one that
+        let go, if any: its READs ended) acknowledged: any other may hold the request's handle and
+        block ids (a front's hand-off retry) and READ them without a pin."""
         now = time.monotonic()
-        waiting = {g for g in self._gens if g.lease_end > now}
-        self._revoked += 1
+        waiting = {g for g in self._gens if g.lease_end > now and (reader is None or g.reader != reader)}
+        if reader is None:
+            self._revoked += 1
+        elif waiting:
+            self._handed_on += 1
         if not waiting:
             done()
             return
@@ -352,7 +368,9 @@ class NIXLKVServer:
                 await writer.drain()
                 return
             # from here this GEN hears every revocation; the epoch tells it which came before
-            gen = _Gen(writer, peer, time.monotonic() + self.config.pin_timeout_s)
+            agent = resp.get("agent")
+            gen = _Gen(writer, peer, time.monotonic() + self.config.pin_timeout_s,
+                       agent if isinstance(agent, str) and 0 < len(agent) <= 256 else None)
             self._gens.add(gen)
             self._wake.set()
             info = json.dumps({"layout": layout_info(self.store.layout), "pool": self._pool_info,
@@ -370,9 +388,9 @@ class NIXLKVServer:
                         write_msg(writer, {**self._refuse("BUSY", "too many lookups or pins at once"), "id": msg.get("id")})
                         continue
                     if self._answer_inline:  # nothing to wait for: answered here, no task (one loop turn less)
-                        write_msg(writer, {**self._lookup_or_pin(msg, pins), "id": msg.get("id")})
+                        write_msg(writer, {**self._lookup_or_pin(msg, pins, gen.reader), "id": msg.get("id")})
                         continue
-                    lookup = asyncio.ensure_future(self._answer_lookup(writer, msg, pins))
+                    lookup = asyncio.ensure_future(self._answer_lookup(writer, msg, pins, gen.reader))
                     lookups.add(lookup)
                     lookup.add_done_callback(lookups.discard)
                     continue
@@ -403,15 +421,16 @@ class NIXLKVServer:
         self._refused += 1
         return {"t": "error", "status": status, "reason": reason[:200]}
 
-    async def _answer_lookup(self, writer: asyncio.StreamWriter, msg: dict[str, Any], pins: set[str]) -> None:
+    async def _answer_lookup(self, writer: asyncio.StreamWriter, msg: dict[str, Any], pins: set[str],
+                             reader: object) -> None:
         """The task path (a subclass's ``_before_send`` may wait): a slow answer holds up no other."""
         await self._before_send(msg)
         if not writer.is_closing():  # the GEN went away meanwhile: nothing to pin for it
-            write_msg(writer, {**self._lookup_or_pin(msg, pins), "id": msg.get("id")})
+            write_msg(writer, {**self._lookup_or_pin(msg, pins, reader), "id": msg.get("id")})
 
-    def _lookup_or_pin(self, msg: dict[str, Any], pins: set[str]) -> dict[str, Any]:
+    def _lookup_or_pin(self, msg: dict[str, Any], pins: set[str], reader: object) -> dict[str, Any]:
         """Answer a lookup or a pin; a pin it leaves counts against its connection (``pins``) until it ends."""
-        answer = self._lookup(msg) if msg["t"] == "lookup" else self._pin_read(msg)
+        answer = self._lookup(msg, reader) if msg["t"] == "lookup" else self._pin_read(msg, reader)
         token = {"found": answer.get("token"), "pinned": msg.get("token")}.get(answer.get("t"))
         pin = self._pins.get(token) if isinstance(token, str) else None
         if pin is not None:
@@ -449,7 +468,7 @@ class NIXLKVServer:
         if kind == "release":
             try:
                 ok = self.store.release(check_request_id(msg.get("rid")), handle=check_handle(msg.get("handle")),
-                                        by_reader=True)  # the GEN that READs it let go
+                                        reader=gen.reader)  # this GEN let go; any other must too
             except (InvalidRequestId, ValueError):
                 ok = False
             return {"t": "released", "ok": ok}
@@ -482,7 +501,7 @@ class NIXLKVServer:
             return self._refuse("SHAPE_MISMATCH", f"have {want[0]}{list(want[1])}, asked {msg.get('dtype')}{list(shape)}")
         return rid, handle
 
-    def _lookup(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _lookup(self, msg: dict[str, Any], reader: object) -> dict[str, Any]:
         self._lookups += 1
         checked = self._checked(msg)
         if isinstance(checked, dict):
@@ -495,11 +514,11 @@ class NIXLKVServer:
             return self._refuse("UNKNOWN_REQUEST", "released while preparing")
         token = secrets.token_hex(12)
         self._pins[token] = _Pin(rid, handle, checkout, not msg.get("keep", False),
-                                 time.monotonic() + self.config.pin_timeout_s)
+                                 time.monotonic() + self.config.pin_timeout_s, reader=reader)
         self._wake.set()
         return {"t": "found", "token": token, "blocks": blocks}
 
-    def _pin_read(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _pin_read(self, msg: dict[str, Any], reader: object) -> dict[str, Any]:
         """A READ the GEN posted at once, from block ids the prefill reply named (no lookup first):
         its pin arrives beside it. "pinned" vouches for the bytes the READ got: the request is still
         held here with exactly those blocks, so they were not freed since the prefill (a lease
@@ -521,7 +540,8 @@ class NIXLKVServer:
             checkout.close()
             return self._refuse("BAD_REQUEST", "the blocks read are not the ones this request holds here")
         self.store.touch(rid, self._lease_s, handle=handle)
-        pin = _Pin(rid, handle, checkout, not msg.get("keep", False), time.monotonic() + self.config.pin_timeout_s)
+        pin = _Pin(rid, handle, checkout, not msg.get("keep", False), time.monotonic() + self.config.pin_timeout_s,
+                   reader=reader)
         if early is None:
             self._pins[token] = pin
             self._wake.set()

@@ -18,9 +18,10 @@ closes, and expiry skips pinned entries, so the blocks are never freed (and reus
 A full-slice checkout of blocks that form one ascending run is a zero-copy view of the pool.
 
 A one-sided transport (NIXL) whose readers READ without asking first installs ``guard_frees``:
-every free the store decides without the reader (a lease's end, a release not marked
-``by_reader``) is then a revocation: the entry goes at once, its blocks stay allocated until the
-guard says every reader that may READ them has let go, and ``revocations`` counts them. ``epoch``
+every free is then a revocation: the entry goes at once, its blocks stay allocated until the
+guard says every reader that may READ them has let go, and ``revocations`` counts them. A release
+that names its ``reader`` (the reader itself let go: its READs ended) is one too, for every other
+reader (a second reader may hold the same handle: a front's hand-off retry). ``epoch``
 names this store (a random tag per store: a CTX that restarted has another) and that count: a
 prefill reply names the epoch before its entry was put, so a reader can tell whether a revocation
 it never heard of may have been of its request, and that the request is this store's.
@@ -35,7 +36,7 @@ import hmac
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -55,6 +56,8 @@ class _Held:
     pins: int = 0
     released: bool = False
 
+
+Revoker = Callable[[str, Callable[[], None], Hashable | None], None]  # (request id, done, reader that let go)
 
 _EPOCH_BITS = 32
 _EPOCH_MASK = (1 << _EPOCH_BITS) - 1
@@ -112,21 +115,21 @@ class KVStore:
         self._released = 0
         self._expired = 0
         self._pins = 0  # open checkouts and pins, of held and released entries
-        self._revoker: Callable[[str, Callable[[], None]], None] | None = None
+        self._revoker: Revoker | None = None
         self._revocations = 0
         self._tag = (secrets.randbits(30) + 1) << _EPOCH_BITS  # this store among all (restarts included)
 
-    def guard_frees(self, revoker: Callable[[str, Callable[[], None]], None] | None) -> None:
-        """Route every free the store decides without the reader through ``revoker(request_id,
-        done)`` (called after the entry is gone, on the releasing thread): its blocks stay allocated
-        until ``done()`` is called. ``None`` removes the guard (revocations under way still end
-        with their ``done``)."""
+    def guard_frees(self, revoker: Revoker | None) -> None:
+        """Route every free through ``revoker(request_id, done, reader)`` (called after the entry is
+        gone, on the releasing thread; ``reader``: the one that let go, ``None`` when the store
+        decided): its blocks stay allocated until ``done()`` is called. ``None`` removes the guard
+        (revocations under way still end with their ``done``)."""
         with self._lock:
             self._revoker = revoker
 
     @property
     def revocations(self) -> int:
-        """Revocations so far (frees decided without the reader while a guard was installed)."""
+        """Revocations so far (frees while a guard was installed)."""
         with self._lock:
             return self._revocations
 
@@ -264,10 +267,10 @@ class KVStore:
         if free_now and held.on_release is not None:
             held.on_release()
 
-    def release(self, request_id: str, *, handle: str | None = None, by_reader: bool = False) -> bool:
-        """Free ``request_id``'s KV (after its last checkout closes, and its revocation unless
-        ``by_reader``: the reader itself let go); False when it was not held (or ``handle`` is not
-        its handle)."""
+    def release(self, request_id: str, *, handle: str | None = None, reader: Hashable | None = None) -> bool:
+        """Free ``request_id``'s KV (after its last checkout closes, and its revocation: every reader
+        but ``reader``, the one that let go, if named); False when it was not held (or ``handle``
+        is not its handle)."""
         with self._lock:
             try:
                 held = self._get_locked(request_id, handle)
@@ -276,11 +279,11 @@ class KVStore:
             del self._held[request_id]
             self._released += 1
             held.released = True
-            revoked = None if by_reader else self._guard_locked(held)
+            revoked = self._guard_locked(held)
             revoker = self._revoker
             free_now = held.pins == 0
         if revoked is not None and revoker is not None:
-            revoker(request_id, revoked)
+            revoker(request_id, revoked, reader)
         if free_now and held.on_release is not None:
             held.on_release()
         return True
@@ -298,7 +301,7 @@ class KVStore:
             revoker = self._revoker
         for rid, h, done in zip(dead, held, revoked):
             if done is not None and revoker is not None:
-                revoker(rid, done)
+                revoker(rid, done, None)
             elif h.on_release is not None:
                 h.on_release()
         return dead

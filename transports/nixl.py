@@ -147,7 +147,8 @@ class NIXLTransport:
         self.total_kv_heads = total_kv_heads if total_kv_heads is not None else (layout.num_kv_heads if layout else None)
         if config.secret is None:
             log.warning("nixl_auth_disabled", role="gen")
-        self.agent = make_agent(f"kvo-gen-{secrets.token_hex(6)}", config)
+        self.agent_name = f"kvo-gen-{secrets.token_hex(6)}"  # the CTX knows our READs' notifications by it
+        self.agent = make_agent(self.agent_name, config)
         self._regions: list[tuple[int, int, torch.Tensor, Any]] = []  # (start, end, tensor, reg descs)
         self._local_dlists: list[tuple[int, int, Any]] = []  # (start, end, prepped per-block dlist)
         self._remote_dlists: dict[str, Any] = {}  # agent name -> the CTX pool's prepped per-block dlist
@@ -332,7 +333,7 @@ class NIXLTransport:
         nc = _auth.new_nonce()
         mac = _auth.client_mac(secret, ns, nc) if secret is not None else b""
         answered_at = time.monotonic()
-        write_msg(writer, {"t": "response", "nc": nc.hex(), "mac": mac.hex()})
+        write_msg(writer, {"t": "response", "nc": nc.hex(), "mac": mac.hex(), "agent": self.agent_name})
         reply = await read_msg(reader, _MAX_MESSAGE_BYTES)
         if reply.get("t") != "ok":
             raise AuthenticationFailed(f"{peer} refused the handshake (wrong or missing secret?)", peer=peer)
