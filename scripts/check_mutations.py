@@ -281,6 +281,9 @@ M = [
   ("17 the reader that let go is not asked", "transports/_nixl_server.py", "waiting = {g for g in self._gens if g.lease_end > now and (reader is None or g.reader != reader)}", "waiting = {g for g in self._gens if g.lease_end > now}", "tests/test_nixl_unpinned.py -k another_gen"),
   ("17 a pinned READ's release names its reader", "transports/_nixl_server.py", "self.store.release(pin.request_id, handle=pin.handle, reader=pin.reader)", "self.store.release(pin.request_id, handle=pin.handle)", "tests/test_nixl_unpinned.py -k another_gen"),
   ("17 the GEN names its agent in the handshake", "transports/nixl.py", '"mac": mac.hex(), "agent": self.agent_name}', '"mac": mac.hex()}', "tests/test_nixl_unpinned.py -k another_gen"),
+  ("GEN: SIGTERM without etcd stops gracefully", "examples/two_node/gen.py", "                        tg.start_soon(self._stop_on_sigterm, drained.set)", "                        pass", "tests/test_faults.py -k 'sigterm_without_etcd and ucx'"),
+  ("GEN: a graceful stop aborts what outlived its grace", "examples/two_node/gen.py", "            for rid in left:\n                engine.abort(rid)", "            for rid in left:\n                pass", "tests/test_faults.py -k 'sigterm_without_etcd and ucx'"),
+  ("GEN: a node shutting down refuses new requests", "examples/two_node/gen.py", "        if self.shutting_down:\n            raise control.ControlError(", "        if False:\n            raise control.ControlError(", "tests/test_faults.py -k 'sigterm_without_etcd and ucx'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -317,7 +317,7 @@ async def test_generate_passes_the_kv_handle_and_refuses_when_unhealthy(gen_node
     ping = FakeStream()
     await gen_node.handle({"op": "ping"}, ping)  # type: ignore[arg-type]
     assert ping.sent == [{"ok": True, "role": "gen", "mode": "orchestrated", "healthy": False,
-                          "health": "decode loop died: RuntimeError"}]
+                          "health": "decode loop died: RuntimeError", "shutting_down": False}]
 
 
 async def test_a_duplicate_generate_leaves_the_first_stream_alone(gen_node: gen.GenNode) -> None:

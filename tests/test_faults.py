@@ -377,3 +377,65 @@ def test_drill_ctx_killed_mid_load_then_restarted_gen_at_rest_every_round(backen
     for r in report["rounds"]:
         assert r["failed"] > 0, f"the kill came after the load ended: it tested nothing ({out.getvalue()})"
         assert not r["rest_problems"]
+
+
+def test_gen_sigterm_without_etcd_ends_every_stream_and_frees_the_ctx_s_kv(backend: str) -> None:
+    """A GEN without --etcd gets SIGTERM with one request running, one received ahead and one
+    waiting (its KV still on the CTX, whose lease is a minute): it refuses new requests at once,
+    gives the live ones its graceful-shutdown time (1 s; they would run 30 s more), aborts them
+    so every stream gets its final message and the CTX frees the waiting one's KV, and exits 0.
+    Before, SIGTERM unwound the node wherever it was: streams ended without a final message and
+    the CTX held the waiting request's KV until its lease."""
+    env = node_env()
+    kv = ["--kv-transport", backend]
+    with NodeProcess.start(["ctx", "--lease-s", "60", "--num-blocks", "256", *kv], env=env) as ctx, \
+            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "256", "--max-num-seqs", "1",
+                               "--step", "device", "--device-step-ms", "20", "--graceful-shutdown-timeout-s", "1",
+                               *kv], env=env) as gen_node:
+
+        async def generate(rid: str) -> control.JsonStream:
+            r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
+                                                      "prompt_ids": list(range(40, 120)), "max_tokens": 1500},
+                                   secret=ctx.secret)
+            stream = await control.connect(gen_node.info["ctrl"], secret=gen_node.secret)
+            await stream.send({"op": "generate", "request_id": rid, "prompt_len": r["prompt_len"],
+                               "first_token": r["first_token"], "max_tokens": 1500, "kv_peer": r["kv_peer"],
+                               "kv_handle": r["kv_handle"]})
+            return stream
+
+        async def final(stream: control.JsonStream) -> dict:
+            with anyio.fail_after(10):
+                while not (msg := await stream.receive()).get("done"):
+                    assert "error" not in msg, msg
+            return msg
+
+        async def scenario() -> tuple[list[dict], dict, str]:
+            running = await generate("running")
+            assert "tokens" in await running.receive()
+            streams = [running, await generate("ahead"), await generate("waiting")]
+            with anyio.fail_after(10):  # the third waits (one decoding, one received ahead): its KV is on the CTX
+                while (s := await control.call(gen_node.info["ctrl"], {"op": "stats"}, secret=gen_node.secret)
+                       )["engine"]["waiting"] != 1:
+                    await anyio.sleep(0.05)
+            held = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+            assert held["store"]["held_requests"] == 1
+            gen_node.proc.send_signal(signal.SIGTERM)
+            with anyio.fail_after(5):
+                while not (await control.call(gen_node.info["ctrl"], {"op": "ping"}, secret=gen_node.secret)
+                           )["shutting_down"]:
+                    await anyio.sleep(0.02)
+            late = await generate("late")
+            refused = await late.receive()
+            finals = [await final(s) for s in streams]
+            with anyio.fail_after(5):
+                while (s := await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+                       )["store"]["held_requests"] > 1:  # "late" was prefilled and never pulled: its lease
+                    await anyio.sleep(0.05)
+            return finals, refused, s
+
+        finals, refused, ctx_stats = anyio.run(scenario, backend="asyncio")
+        assert "shutting down" in refused.get("error", ""), refused
+        assert [f["state"] for f in finals] == ["aborted"] * 3, finals
+        assert ctx_stats["store"]["held_requests"] == 1  # only "late"
+        gen_node.proc.wait(15)
+        assert gen_node.proc.returncode == 0, gen_node.log_tail()

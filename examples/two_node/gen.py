@@ -15,6 +15,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import signal
 import sys
 import threading
 import time
@@ -105,6 +106,7 @@ class GenNode:
         self.logprobs: dict[str, collections.deque[Any]] = {}  # per token drawn, until the pump sends it
         self._streams: dict[str, Any] = {}
         self._unfinished: set[str] = set()  # ids submitted whose final output is not pumped yet
+        self.shutting_down = False  # SIGTERM without --etcd: no new request; the live ones end (graceful stop)
         self._pending: collections.deque[RequestOutput] = collections.deque()
         self._pump_flag = threading.Event()
         self._call: Any = None
@@ -209,6 +211,7 @@ class GenNode:
                               {"ok": False, "error": "this node is not registered in etcd (--etcd)"})
         elif op == "ping":
             await stream.send({"ok": True, "role": "gen", "mode": self.config.mode.value, **self._health(),
+                               "shutting_down": self.shutting_down,
                                **({"tp": self.healer.statistics()} if self.healer is not None else {})})
         else:
             raise control.ControlError(f"unknown op {op!r}")
@@ -216,6 +219,8 @@ class GenNode:
     async def _generate(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
         if self.engine is None:
             raise control.ControlError("GEN engine unavailable: starting")
+        if self.shutting_down:
+            raise control.ControlError("this GEN node is shutting down (SIGTERM): send the request to another GEN")
         limit = self.config.max_model_len
         rid = control.request_id(msg)  # before anything is allocated for it
         pulls = self.config.mode is not Mode.IDEAL
@@ -349,6 +354,7 @@ class GenNode:
             "role": "gen",
             "mode": self.config.mode.value,
             **self._health(),
+            "shutting_down": self.shutting_down,
             "control": dataclasses.asdict(self.control.statistics()),
             "engine": {
                 "waiting": s.waiting, "receiving": s.receiving, "ready": s.ready, "running": s.running,
@@ -451,6 +457,8 @@ class GenNode:
                             meta={"tp": args.tp, "backend": self.config.kv_transport, "mode": self.config.mode.value,
                                   "model": "tiny", "capacity_blocks": self.config.num_blocks},
                             stop=drained.set, on_registration=self._set_registration))
+                    else:  # SIGTERM: a graceful stop (no new request, the live ones end), then stop
+                        tg.start_soon(self._stop_on_sigterm, drained.set)
                     await drained.wait()
                 finally:
                     with anyio.CancelScope(shield=True):
@@ -486,6 +494,49 @@ class GenNode:
         self._exec_stop = threading.Event()
         self._exec_thread = threading.Thread(target=self.loop.run, args=(self._exec_stop,), name="execution", daemon=True)
         self._exec_thread.start()
+
+    async def _stop_on_sigterm(self, stop: Any) -> None:
+        """Without etcd, SIGTERM stops the node gracefully: it takes no new request, lets the live ones
+        finish for ``--graceful-shutdown-timeout-s``, aborts the rest (each stream gets its final
+        message, each CTX is told to free the request's KV), then ``stop()``. A second SIGTERM
+        exits at once (status 143)."""
+        if sys.platform == "win32":  # pragma: no cover
+            return
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+            assert self.engine is not None
+            self.shutting_down = True
+            grace = self.args.graceful_shutdown_timeout_s
+            log.info("sigterm_shutting_down", live=self.engine.live_requests, streams=self.streams_open(), grace_s=grace)
+            async with anyio.create_task_group() as tg:
+
+                async def again() -> None:
+                    async for _ in signals:
+                        log.warning("sigterm_again_exiting_now", live=self.engine.live_requests if self.engine else 0)
+                        raise SystemExit(143)
+
+                tg.start_soon(again)
+                await self._wind_down(grace)
+                tg.cancel_scope.cancel()
+        stop()
+
+    async def _wind_down(self, grace_s: float) -> None:
+        """Until nothing is live here: ``grace_s`` for the live requests to finish, then they are
+        aborted; at most 2 s more for their final outputs to reach their streams."""
+        assert self.engine is not None
+        engine = self.engine
+        with anyio.move_on_after(grace_s):
+            while engine.live_requests or self._unfinished:
+                await anyio.sleep(0.02)
+        left = sorted(self._unfinished)
+        if left:
+            log.warning("shutdown_aborting", requests=len(left), grace_s=grace_s)
+            for rid in left:
+                engine.abort(rid)
+        with anyio.move_on_after(2.0):
+            while self._unfinished or self.streams_open():
+                await anyio.sleep(0.02)
 
     async def end_generation(self, *, tell_group: bool = False, timeout_s: float = 10.0) -> None:
         """Stop this generation's execution thread and engine. ``tell_group``: rank 0 is stopping and
@@ -549,6 +600,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="sys.setswitchinterval for this process: how long a thread may hold the GIL "
                         "while another waits (Python's default: 5 ms)")
     p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
+    p.add_argument("--graceful-shutdown-timeout-s", type=float, default=5.0,
+                   help="without --etcd: on SIGTERM, how long live requests may finish (no new one is taken) "
+                        "before the rest are aborted (their streams get a final message, their CTX frees the "
+                        "KV); a second SIGTERM exits at once. With --etcd, SIGTERM drains instead")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
     p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=False,
                    help="CRC32 of each received KV block (per KV head; each rank its own, sent to rank 0 off the "

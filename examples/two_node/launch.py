@@ -140,7 +140,9 @@ def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
     raise TimeoutError(f"no READY line within {timeout:.0f} s")
 
 
-def _stop(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
+def _stop(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` (a GEN ends live requests for its
+    ``--graceful-shutdown-timeout-s``, 5 s, first)."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
