@@ -284,6 +284,7 @@ M = [
   ("GEN: SIGTERM without etcd stops gracefully", "examples/two_node/gen.py", "                        tg.start_soon(self._stop_on_sigterm, drained.set)", "                        pass", "tests/test_faults.py -k 'sigterm_without_etcd and ucx'"),
   ("GEN: a graceful stop aborts what outlived its grace", "examples/two_node/gen.py", "            for rid in left:\n                engine.abort(rid)", "            for rid in left:\n                pass", "tests/test_faults.py -k 'sigterm_without_etcd and ucx'"),
   ("GEN: a node shutting down refuses new requests", "examples/two_node/gen.py", "        if self.shutting_down:\n            raise control.ControlError(", "        if False:\n            raise control.ControlError(", "tests/test_faults.py -k 'sigterm_without_etcd and ucx'"),
+  ("GEN: logprobs must be a plain integer", "examples/two_node/gen.py", "if top is not None and not (type(top) is int and 0 <= top <= 20):", "if top is not None and not (isinstance(top, int) and 0 <= top <= 20):", "tests/test_gen_node.py -k malformed"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -119,7 +119,10 @@ def test_control_lines_that_python_would_misread_are_refused_as_invalid_json(lin
 
 
 @pytest.mark.parametrize("bad", [{"kv_sources": 5}, {"sampling": {"top_k": float("inf")}},
-                                 {"sampling": {"seed": float("inf")}}])
+                                 {"sampling": {"seed": float("inf")}},
+                                 {"sampling": {"temperature": 1.0}, "logprobs": True},
+                                 {"sampling": {"temperature": 1.0}, "logprobs": 21},
+                                 {"sampling": {"temperature": 1.0}, "logprobs": "3"}])
 async def test_a_malformed_generate_is_a_clear_error_not_a_crash(bad: dict) -> None:
     """Before, these raised TypeError or OverflowError out of the handler: the client got no answer
     and the node logged a traceback."""

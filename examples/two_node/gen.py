@@ -256,11 +256,14 @@ class GenNode:
                 request = dataclasses.replace(request, sampling=SamplingParams.from_wire(msg["sampling"]))
         except (ValueError, OverflowError) as exc:  # OverflowError: an infinite number where an int goes
             raise control.ControlError(str(exc)) from None
+        top = msg.get("logprobs")
+        if top is not None and not (type(top) is int and 0 <= top <= 20):  # true is not 1, "3" is not 3
+            raise control.ControlError(f"logprobs must be an integer 0-20 (alternatives per token), not {str(top)[:20]!r}")
         # submit first (it refuses a live id), then own the stream: no await in between, so no
         # output of this request can reach the pump before its stream is there, and a refused
         # duplicate never touches the live request's stream
-        top = msg.get("logprobs") if request.sampling is not None else None
-        mine = isinstance(top, int) and 0 <= top <= 20 and rid not in self.logprob_top  # before submit
+        top = top if request.sampling is not None else None
+        mine = top is not None and rid not in self.logprob_top  # before submit
         if mine:
             self.logprob_top[rid] = top
         try:
