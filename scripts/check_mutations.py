@@ -285,6 +285,8 @@ M = [
   ("GEN: a graceful stop aborts what outlived its grace", "examples/two_node/gen.py", "            for rid in left:\n                engine.abort(rid)", "            for rid in left:\n                pass", "tests/test_faults.py -k 'sigterm_without_etcd and ucx'"),
   ("GEN: a node shutting down refuses new requests", "examples/two_node/gen.py", "        if self.shutting_down:\n            raise control.ControlError(", "        if False:\n            raise control.ControlError(", "tests/test_faults.py -k 'sigterm_without_etcd and ucx'"),
   ("GEN: logprobs must be a plain integer", "examples/two_node/gen.py", "if top is not None and not (type(top) is int and 0 <= top <= 20):", "if top is not None and not (isinstance(top, int) and 0 <= top <= 20):", "tests/test_gen_node.py -k malformed"),
+  ("17 a slow pinned READ checks its pin held", "transports/nixl.py", "        if token is not None and time.monotonic() >= asked_at + conn.pin_s * 0.9:", "        if False:", "tests/test_nixl_unpinned.py -k stalled"),
+  ("17 the CTX says a lapsed pin did not hold", "transports/_nixl_server.py", '"held": isinstance(token, str) and (token in self._pins or token in self._served_pins)}', '"held": True}', "tests/test_nixl_unpinned.py -k stalled"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -340,3 +340,49 @@ async def test_a_gen_that_connects_after_a_reader_s_release_reads_that_request_p
                 await late.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS,
                                 remote_epoch=epoch)
             assert late.statistics().unpinned_reads == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["lookup", "pin"])
+async def test_a_pinned_read_whose_control_connection_stalled_past_the_pin_lease_is_not_used(how: str) -> None:
+    """The control connection stalls (the CTX reads nothing from it; nothing fails) for longer than
+    the pin lease (0.6 s) while a pinned READ runs: the CTX lets the pin lapse, the entry's lease
+    (0.3 s) and the GEN's connection lease end, and the blocks are freed and reused. Then the
+    connection recovers and the READ ends: its bytes are not used (PeerClosed). Before, the pull
+    succeeded with the reused bytes (the GEN's renewals had been sent, never read)."""
+    async with _served(lease_s=0.3, pin_timeout_s=0.6, server_kw={"expire_interval_s": 0.05}) as (
+            store, handle, server, peer, t):
+        await t.connect(peer)
+        go = _deferred_reads(t)
+        into, landing = _into(), Landing()
+        blocks = {} if how == "lookup" else {"remote_blocks": BLOCKS}  # no epoch: READ with a pin beside it
+        pull = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, landing=landing,
+                                            **blocks))
+        await _until(lambda: landing.busy and server.statistics().pinned == 1)
+        await asyncio.sleep(0.05)  # the pin's answer is back
+        for writer in list(server._conns):
+            writer.transport.pause_reading()
+        await _until(lambda: store.statistics().open_pins == 0 and bool((store.pool[IDS] == -1).all()), timeout=5)
+        for writer in list(server._conns):
+            writer.transport.resume_reading()
+        go.set()
+        with pytest.raises(PeerClosed, match="lapsed"):
+            await asyncio.wait_for(pull, 5)
+        assert t.statistics().pins_lapsed == 1 and server.statistics().pins_expired == 1
+
+
+@pytest.mark.anyio
+async def test_a_slow_pinned_read_whose_pin_was_renewed_is_used() -> None:
+    """The same slow READ (1.5 s against a 0.6 s pin lease) on a connection that does not stall:
+    the renewals keep the pin, the CTX says so, and the bytes are used."""
+    async with _served(lease_s=0.3, pin_timeout_s=0.6, server_kw={"expire_interval_s": 0.05}) as (
+            store, handle, server, peer, t):
+        go = _deferred_reads(t)
+        want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+        into, landing = _into(), Landing()
+        pull = asyncio.ensure_future(t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, landing=landing))
+        await _until(lambda: landing.busy)
+        await asyncio.sleep(1.5)
+        go.set()
+        await asyncio.wait_for(pull, 5)
+        assert torch.equal(into, want) and t.statistics().pins_lapsed == 0 and server.statistics().pins_expired == 0

@@ -131,6 +131,7 @@ class NIXLKVServer:
         self._pins: dict[str, _Pin] = {}
         # notifications and unpins of tokens not pinned (yet): a pin message may follow (_pin_read)
         self._early: dict[str, tuple[bool, float]] = {}  # token -> (a READ's notification?, when)
+        self._served_pins: dict[str, float] = {}  # token -> when its READ's notification ended it ("check")
         self._wake = asyncio.Event()  # a pin or a GEN's lease began: poll notifications often from now
         self._server: asyncio.base_events.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -236,11 +237,14 @@ class NIXLKVServer:
             while len(self._early) > _MAX_EARLY:
                 del self._early[next(iter(self._early))]
             return
-        self._finish(pin, ok=ok)
+        self._finish(token, pin, ok=ok)
 
-    def _finish(self, pin: _Pin, *, ok: bool) -> None:
+    def _finish(self, token: str, pin: _Pin, *, ok: bool) -> None:
         pin.checkout.close()
-        if ok:
+        if ok:  # held until the READ ended: a GEN's "check" of a slow READ says so a while (pin_timeout_s)
+            self._served_pins[token] = time.monotonic()
+            while len(self._served_pins) > _MAX_EARLY:
+                del self._served_pins[next(iter(self._served_pins))]
             self._served += 1
             if pin.release:
                 self.store.release(pin.request_id, handle=pin.handle, reader=pin.reader)
@@ -271,6 +275,8 @@ class NIXLKVServer:
             now = time.monotonic()
             while self._early and next(iter(self._early.values()))[1] <= now - self.config.pin_timeout_s:
                 del self._early[next(iter(self._early))]
+            while self._served_pins and next(iter(self._served_pins.values())) <= now - self.config.pin_timeout_s:
+                del self._served_pins[next(iter(self._served_pins))]
             for token in [t for t, p in self._pins.items() if p.deadline <= now]:
                 log.warning("nixl_pin_expired", request_id=self._pins[token].request_id)
                 self._expired += 1
@@ -457,6 +463,9 @@ class NIXLKVServer:
         if kind == "unpin":
             self._done(str(msg.get("token")), ok=False)
             return None
+        if kind == "check":  # a slow pinned READ ended: was its pin held until then (not lapsed)?
+            token = msg.get("token")
+            return {"t": "checked", "held": isinstance(token, str) and (token in self._pins or token in self._served_pins)}
         if kind == "renew":  # GEN may still READ these blocks: their pins' leases start again
             deadline = time.monotonic() + self.config.pin_timeout_s
             tokens = msg.get("tokens")
@@ -546,5 +555,5 @@ class NIXLKVServer:
             self._pins[token] = pin
             self._wake.set()
         else:  # the READ's notification (True) or the GEN's unpin (False) came first
-            self._finish(pin, ok=early[0])
+            self._finish(token, pin, ok=early[0])
         return {"t": "pinned"}

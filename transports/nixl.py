@@ -123,6 +123,7 @@ class NIXLTransportStatistics:
     adhoc_registrations: int  # pulls into memory not registered with register(): registered per pull
     prepped_reads: int = 0  # READs made from descriptor lists prepared once (make_prepped_xfer)
     unpinned_reads: int = 0  # READs posted with no pin (the CTX's revocations kept their blocks)
+    pins_lapsed: int = 0  # slow pinned READs whose pin the CTX let lapse meanwhile (their bytes not used)
 
 
 class NIXLTransport:
@@ -166,12 +167,12 @@ class NIXLTransport:
         self._unpinned = 0
         self._background: set[asyncio.Future[Any]] = set()
         self._poller = ReadPoller(self.agent)  # one thread watches every READ still in progress
-        self._ok = self._failed = self._bytes = self._adhoc = self._retried = 0
+        self._ok = self._failed = self._bytes = self._adhoc = self._retried = self._lapsed = 0
         self._closed = False
 
     def statistics(self) -> NIXLTransportStatistics:
         return NIXLTransportStatistics(self._peers.live, self._ok, self._failed, self._retried, self._bytes,
-                                       self._peers.down, self._adhoc, self._prepped, self._unpinned)
+                                       self._peers.down, self._adhoc, self._prepped, self._unpinned, self._lapsed)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Register ``tensor``'s memory with NIXL once (the GEN's KV pool or staging arena); the
@@ -449,6 +450,7 @@ class NIXLTransport:
         confirm: tuple[int, asyncio.Future[dict[str, Any]]] | None = None
         token: str | None
         unpinned = False
+        asked_at = time.monotonic()  # before any lookup or pin left: a pin it makes lasts pin_s from later
         if remote_blocks is None:  # learn the block ids (and pin them) first: one round trip
             conn, answer = await self._lookup(peer, ask("lookup"))
             if answer.get("t") == "error":
@@ -493,7 +495,21 @@ class NIXLTransport:
                              "lapsed and its blocks been freed under it", peer=peer)
         if unpinned and not conn.leased():  # revocations may have gone unheard: the bytes are not used
             raise PeerClosed(f"the control connection to {peer} lost its lease during an unpinned READ", peer=peer)
+        if token is not None and time.monotonic() >= asked_at + conn.pin_s * 0.9:
+            await self._check_pin(conn, token)  # renewals kept it, unless the connection stalled past the lease
         return into.numel() * into.element_size()
+
+    async def _check_pin(self, conn: _Conn, token: str) -> None:
+        """A pinned READ that ended later than its pin's first lease (a tenth less, for clock rates):
+        renewals kept the pin unless the control connection stalled longer than the lease without
+        failing (the CTX then let the pin lapse and may have freed and reused the blocks). The CTX
+        says whether the pin held until the READ's notification; if not, the bytes are not used."""
+        answer = await conn.request({"t": "check", "token": token}, self.config.request_timeout_s)
+        if answer.get("t") != "checked" or answer.get("held") is not True:
+            self._lapsed += 1
+            raise PeerClosed(f"the pin of a READ from {conn.peer} lapsed while the READ ran (its control connection "
+                             f"stalled longer than the pin lease, {conn.pin_s:g} s): its blocks may have been freed "
+                             "under it", peer=conn.peer)
 
     async def _read(self, conn: _Conn, request_id: str, token: str | None, raw_blocks: Any, kv_slice: KVSlice,
                     into: torch.Tensor, landing: Landing, blame_peer: bool,
