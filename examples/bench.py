@@ -38,7 +38,6 @@ import json
 import math
 import os
 import secrets
-import selectors
 import shutil
 import signal
 import subprocess
@@ -54,6 +53,7 @@ import numpy as np
 
 from examples import _report
 from examples.two_node import control
+from examples.two_node.launch import wait_ready
 from examples.two_node.client import LoadResult, make_prompts, run_load, summarize
 from examples.tiny_model import ModelConfig
 from examples.shaped_link import node_netns_env, shaped_netns
@@ -113,20 +113,11 @@ class Node:
             raise
 
     def _wait_ready(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if sel.select(timeout=0.5):
-                    line = self.proc.stdout.readline()
-                    if line.startswith("READY "):
-                        return json.loads(line[6:])
-                    if not line:
-                        break
-                elif self.proc.poll() is not None:
-                    break
-        raise RuntimeError(f"{self.role} node did not become ready; log {self.log_path}:\n{self.log_tail()}")
+        try:
+            return wait_ready(self.proc, timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{self.role} node did not become ready ({exc}); log {self.log_path}:\n"
+                               f"{self.log_tail()}") from None
 
     def log_tail(self, n: int = 30) -> str:
         try:

@@ -287,6 +287,7 @@ M = [
   ("GEN: logprobs must be a plain integer", "examples/two_node/gen.py", "if top is not None and not (type(top) is int and 0 <= top <= 20):", "if top is not None and not (isinstance(top, int) and 0 <= top <= 20):", "tests/test_gen_node.py -k malformed"),
   ("17 a slow pinned READ checks its pin held", "transports/nixl.py", "        if token is not None and time.monotonic() >= asked_at + conn.pin_s * 0.9:", "        if False:", "tests/test_nixl_unpinned.py -k stalled"),
   ("17 the CTX says a lapsed pin did not hold", "transports/_nixl_server.py", '"held": isinstance(token, str) and (token in self._pins or token in self._served_pins)}', '"held": True}', "tests/test_nixl_unpinned.py -k stalled"),
+  ("launcher reads every line already in the pipe", "examples/two_node/launch.py", '            for line in pending.split(b"\\n")[:-1]:', '            for line in pending.split(b"\\n")[:1]:', "tests/test_control.py -k ready_line"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

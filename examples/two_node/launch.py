@@ -84,7 +84,7 @@ class NodeProcess:
             _remove(owned_dir)
             raise
         try:
-            info = _wait_ready(proc, timeout)
+            info = wait_ready(proc, timeout)
         except BaseException as exc:
             why = f"{exc}" + (f", exit status {proc.poll()}" if proc.poll() is not None else "")
             _stop(proc)
@@ -121,23 +121,34 @@ class NodeProcess:
         return _tail(self.log_path, lines)
 
 
-def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+def wait_ready(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """The JSON of the node's ``READY {...}`` line on its stdout. Read from the pipe unbuffered: a
+    buffered ``readline()`` takes every line already in the pipe into Python's buffer and returns
+    the first, so a READY line that came in one write with a library's log line before it (NIXL
+    prints two just before it) sat in that buffer while ``select`` waited for the pipe in vain."""
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
     deadline = time.monotonic() + timeout
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    while time.monotonic() < deadline:
-        if not sel.select(timeout=min(0.5, max(0.0, deadline - time.monotonic()))):
-            if proc.poll() is not None:
+    pending = b""  # the last line, not ended yet (READY may follow a library's partial line in it)
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            for line in pending.split(b"\n")[:-1]:
+                at = line.find(b"READY {")  # not only at the line's start: a C library's log (UCX, NIXL)
+                if at >= 0:                 # shares this stdout, and a partial line of it may come first
+                    return json.loads(line[at + 6:])
+            pending = pending[pending.rfind(b"\n") + 1:][-(1 << 20):]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no READY line within {timeout:.0f} s")
+            if not sel.select(timeout=min(0.5, left)):
+                if proc.poll() is not None:
+                    raise RuntimeError("exited before READY")
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
                 raise RuntimeError("exited before READY")
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError("exited before READY")
-        at = line.find("READY {")  # not only at the line's start: a C library's log (UCX, NIXL) shares
-        if at >= 0:                 # this stdout, and a buffered partial line of it may come first
-            return json.loads(line[at + 6:])
-    raise TimeoutError(f"no READY line within {timeout:.0f} s")
+            pending += chunk
 
 
 def _stop(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
