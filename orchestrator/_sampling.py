@@ -55,7 +55,7 @@ class SamplingParams:
             return cls(temperature=float(raw.get("temperature", 1.0)), top_p=float(raw.get("top_p", 1.0)),
                        top_k=int(raw.get("top_k", 0)), seed=int(raw.get("seed", 0)) & _MASK63,
                        min_tokens=int(raw.get("min_tokens", 0)), suppress=tuple(int(t) for t in raw.get("suppress", ())))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity (1e400)
             raise ValueError(f"sampling: {exc}") from None
 
 

@@ -288,6 +288,7 @@ M = [
   ("17 a slow pinned READ checks its pin held", "transports/nixl.py", "        if token is not None and time.monotonic() >= asked_at + conn.pin_s * 0.9:", "        if False:", "tests/test_nixl_unpinned.py -k stalled"),
   ("17 the CTX says a lapsed pin did not hold", "transports/_nixl_server.py", '"held": isinstance(token, str) and (token in self._pins or token in self._served_pins)}', '"held": True}', "tests/test_nixl_unpinned.py -k stalled"),
   ("launcher reads every line already in the pipe", "examples/two_node/launch.py", '            for line in pending.split(b"\\n")[:-1]:', '            for line in pending.split(b"\\n")[:1]:', "tests/test_control.py -k ready_line"),
+  ("sampling: an infinity where an integer goes is a ValueError", "orchestrator/_sampling.py", "except (TypeError, ValueError, OverflowError) as exc:", "except (TypeError, ValueError) as exc:", "tests/test_sampling.py"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

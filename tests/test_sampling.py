@@ -63,6 +63,11 @@ def test_min_tokens_suppresses_eos_and_stop_ids() -> None:
     assert SamplingParams.from_wire(p.to_wire()) == p
     with pytest.raises(ValueError):
         SamplingParams.from_wire({"temperature": "hot"})
+    for field in ("top_k", "seed", "min_tokens"):  # JSON's 1e400 is an infinity: int() raised OverflowError,
+        with pytest.raises(ValueError, match="sampling"):  # which the CTX's prefill did not catch (no answer)
+            SamplingParams.from_wire({field: float("inf")})
+    with pytest.raises(ValueError, match="sampling"):
+        SamplingParams.from_wire({"suppress": [float("inf")]})
 
 
 # -- through the front ----------------------------------------------------------------------------
