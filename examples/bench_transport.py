@@ -474,10 +474,20 @@ async def _nixl_pull_server() -> None:
     layout = _bench_layout()
     store = KVStore(layout, layout.new_pool(max(SIZES_MIB)).uniform_())
     for mib in SIZES_MIB:  # pulled with keep (release=False), so they stay
-        store.put(f"r{mib}", torch.arange(mib), num_tokens=mib * layout.block_size, lease_s=3600, handle=_BENCH_HANDLE)
+        store.put(f"r{mib}", torch.arange(mib), num_tokens=mib * layout.block_size, lease_s=3600,
+                  handle=_named_handle(f"r{mib}"))
     async with NIXLKVServer(store, _nixl_config(NIXLConfig, load_secret())) as server:
         print(json.dumps({"port": server.port}), flush=True)
         await anyio.sleep_forever()
+
+
+def _named_handle(request_id: str) -> str:
+    """The NIXL benchmark's handle of ``request_id``: one that names it under the shared secret (as
+    a NIXL CTX issues them; a GEN READs unpinned only with such a handle), the same in both processes."""
+    from transports._auth import load_secret
+    from transports._ids import handle_key, new_handle
+
+    return new_handle(request_id, handle_key(load_secret()), nonce=b"kvobench")
 
 
 def _nixl_config(cls: Any, secret: bytes | None) -> Any:
@@ -513,7 +523,7 @@ async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float
             into = arena[:mib]
             timer = _Timer(into.nbytes, budget_s)
             for _ in timer:
-                await t.pull(peer, f"r{mib}", layout.full_slice(), into, handle=_BENCH_HANDLE, release=False,
+                await t.pull(peer, f"r{mib}", layout.full_slice(), into, handle=_named_handle(f"r{mib}"), release=False,
                              **({"remote_blocks": list(range(mib))} if name_blocks else {}),
                              **({"remote_epoch": epoch} if name_epoch else {}))
             out[str(mib)] = timer.result()
@@ -521,7 +531,7 @@ async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float
         lookups = []
         for _ in range(20):
             t0 = time.perf_counter()
-            answer = await conn.request({"t": "lookup", "rid": "r1", "handle": _BENCH_HANDLE, "slice": [0, 8, 0, 8],
+            answer = await conn.request({"t": "lookup", "rid": "r1", "handle": _named_handle("r1"), "slice": [0, 8, 0, 8],
                                          "dtype": "float16", "shape": list(layout.wire_shape(1)), "keep": True}, 5.0)
             lookups.append(time.perf_counter() - t0)
             conn.send({"t": "unpin", "token": answer["token"]})

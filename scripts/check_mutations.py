@@ -289,6 +289,9 @@ M = [
   ("17 the CTX says a lapsed pin did not hold", "transports/_nixl_server.py", '"held": isinstance(token, str) and (token in self._pins or token in self._served_pins)}', '"held": True}', "tests/test_nixl_unpinned.py -k stalled"),
   ("launcher reads every line already in the pipe", "examples/two_node/launch.py", '            for line in pending.split(b"\\n")[:-1]:', '            for line in pending.split(b"\\n")[:1]:', "tests/test_control.py -k ready_line"),
   ("sampling: an infinity where an integer goes is a ValueError", "orchestrator/_sampling.py", "except (TypeError, ValueError, OverflowError) as exc:", "except (TypeError, ValueError) as exc:", "tests/test_sampling.py"),
+  ("17 an unpinned READ needs a handle that names its request", "transports/nixl.py", "                    and handle_names(handle, request_id, self._handle_key)):", "                    and True):", "tests/test_nixl_unpinned.py -k issued_for"),
+  ("17 a handle names its request id", "transports/_ids.py", "    return hmac.compare_digest(raw[half:], _tag(key, raw[:half], request_id))", "    return True", "tests/test_store.py -k names_its_handles"),
+  ("17 a NIXL CTX issues handles that name their request", "transports/_nixl_server.py", "        self.store.name_handles(handle_key(self.config.secret))", "        pass", "tests/test_nixl_unpinned.py -k named_with_its_epoch"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -54,9 +54,9 @@ async def _served(*, lease_s: float = 60, gen: type[NIXLTransport] = NIXLTranspo
     def reuse() -> None:
         store.pool[IDS] = -1.0
 
-    handle = store.put("r1", IDS, num_tokens=25, lease_s=lease_s, on_release=reuse)
     config = NIXLConfig(secret=SECRET, **config_kw)  # type: ignore[arg-type]
     async with server(store, config, host="127.0.0.1", lease_s=lease_s, **(server_kw or {})) as srv:
+        handle = store.put("r1", IDS, num_tokens=25, lease_s=lease_s, on_release=reuse)  # its handle names "r1"
         async with gen(config, layout=LAYOUT) as t:
             yield store, handle, srv, f"127.0.0.1:{srv.port}", t
 

@@ -386,3 +386,24 @@ async def test_a_slow_pinned_read_whose_pin_was_renewed_is_used() -> None:
         go.set()
         await asyncio.wait_for(pull, 5)
         assert torch.equal(into, want) and t.statistics().pins_lapsed == 0 and server.statistics().pins_expired == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["another-id", "another-handle"])
+async def test_an_unpinned_read_needs_the_handle_issued_for_that_request_id(how: str) -> None:
+    """The GEN READs without asking only when the handle is the one the CTX issued for that request
+    id (it names the id under the shared secret): a generate that names "r1"'s blocks and epoch
+    with another request's id, or "r1" with a handle of its own making, goes through a pin, which
+    the CTX refuses; nothing is read into it. Before, both READ "r1"'s KV unasked and succeeded (an
+    outside drill: a generate streamed another request's tokens; over UCX they failed)."""
+    async with _served() as (store, handle, server, peer, t):
+        epoch = store.epoch
+        rid, h = ("r2", handle) if how == "another-id" else ("r1", "0" * 32 if handle != "0" * 32 else "1" * 32)
+        into = _into()
+        with pytest.raises(UnknownRequest):
+            await t.pull(peer, rid, LAYOUT.full_slice(), into, handle=h, remote_blocks=BLOCKS, remote_epoch=epoch)
+        assert t.statistics().unpinned_reads == 0 and server.statistics().unpinned_reads == 0
+        assert "r1" in store._held  # still there for its own pull, which needs no pin
+        want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
+        await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS, remote_epoch=epoch)
+        assert torch.equal(into, want) and t.statistics().unpinned_reads == 1

@@ -138,3 +138,17 @@ def test_a_checkout_gathers_the_blocks_it_pinned_even_if_its_id_is_put_again(wit
     store.hook = other_thread
     with store.checkout("r", half, handle=h1 if with_handle else None) as c:
         assert set(c.tensor.flatten().tolist()) == {1.0}
+
+
+def test_a_store_that_names_its_handles_ties_each_to_its_request_id() -> None:
+    from transports._ids import handle_key, handle_names
+
+    store, _ = store_with([1, 2])
+    assert not handle_names(store._held["r"].handle, "r", handle_key(b"s" * 32))  # plain random before
+    store.name_handles(handle_key(b"s" * 32))
+    h = store.put("q", torch.tensor([3]), num_tokens=4, lease_s=60.0)
+    assert handle_names(h, "q", handle_key(b"s" * 32))
+    assert not handle_names(h, "r", handle_key(b"s" * 32)) and not handle_names(h, "q", handle_key(b"t" * 32))
+    assert not handle_names(h[:-1] + ("0" if h[-1] != "0" else "1"), "q", handle_key(b"s" * 32))
+    assert not handle_names("not hex", "q", handle_key(b"s" * 32))
+    assert handle_names(store.new_handle("x"), "x", handle_key(b"s" * 32))

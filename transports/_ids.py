@@ -4,13 +4,19 @@ A request id is 1..128 characters of ``[A-Za-z0-9._:-]`` (ASCII only). The rule 
 every edge where an id enters the system (prefill, submit, the control plane) and again by the wire
 decoder, so an id that a peer could not carry is refused before anything is allocated for it.
 
-A KV handle is an unguessable token (128 random bits, 32 lowercase hex characters) that a CTX node
+A KV handle is an unguessable token (128 bits, 32 lowercase hex characters) that a CTX node
 issues with each prefill; a GEN node must present it to pull or release that request's KV, so
-knowing a request id is not enough to read or free someone else's KV.
+knowing a request id is not enough to read or free someone else's KV. A store that names its
+handles (``KVStore.name_handles``: a NIXL CTX, whose GENs READ without asking) makes them 64
+random bits and a 64-bit HMAC of those and the request id under a key from the nodes' shared
+secret (``handle_key``): a GEN holding that secret tells, without asking the CTX, whether a handle
+is the one issued for that request id (``handle_names``), before it READs with no pin.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import secrets
 
@@ -37,8 +43,36 @@ def check_request_id(request_id: object) -> str:
     return request_id
 
 
-def new_handle() -> str:
-    return secrets.token_hex(HANDLE_LEN // 2)
+def new_handle(request_id: str | None = None, key: bytes | None = None, *, nonce: bytes | None = None) -> str:
+    """A fresh handle; with ``request_id`` and ``key``, one that names that request (``handle_names``).
+    ``nonce``: its 8 random bytes given (a benchmark whose processes agree on a handle)."""
+    if request_id is None or key is None:
+        return secrets.token_hex(HANDLE_LEN // 2)
+    nonce = secrets.token_bytes(HANDLE_LEN // 4) if nonce is None else nonce
+    if len(nonce) != HANDLE_LEN // 4:
+        raise ValueError(f"a handle's nonce is {HANDLE_LEN // 4} bytes")
+    return (nonce + _tag(key, nonce, request_id)).hex()
+
+
+def handle_key(secret: bytes | None) -> bytes:
+    """The key that ties handles to request ids, from the nodes' shared secret. With none (an
+    insecure setup) a fixed key: a handle given with another request's id is still told apart,
+    but anyone can make one."""
+    return hmac.new(secret or b"", b"kvo-kv-handle-v1", hashlib.sha256).digest()
+
+
+def handle_names(handle: str, request_id: str, key: bytes) -> bool:
+    """Whether ``handle`` is one issued (under ``key``) for ``request_id``."""
+    try:
+        raw = bytes.fromhex(check_handle(handle))
+    except (InvalidRequestId, ValueError):
+        return False
+    half = HANDLE_LEN // 4
+    return hmac.compare_digest(raw[half:], _tag(key, raw[:half], request_id))
+
+
+def _tag(key: bytes, nonce: bytes, request_id: str) -> bytes:
+    return hmac.new(key, nonce + request_id.encode(), hashlib.sha256).digest()[:HANDLE_LEN // 4]
 
 
 def check_handle(handle: object) -> str:

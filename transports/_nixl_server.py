@@ -34,7 +34,7 @@ import structlog
 
 from . import _auth
 from ._errors import ProtocolViolation, UnknownRequest
-from ._ids import InvalidRequestId, check_handle, check_request_id
+from ._ids import InvalidRequestId, check_handle, check_request_id, handle_key
 from ._layout import KVSlice, dtype_name
 from ._nixl_common import (
     _MAX_MESSAGE_BYTES,
@@ -163,6 +163,7 @@ class NIXLKVServer:
         self._server = await asyncio.start_server(self._on_connect, self.host, self._port)
         self._tasks = [asyncio.ensure_future(self._notif_loop()), asyncio.ensure_future(self._expire_loop())]
         self.store.guard_frees(self._on_free)
+        self.store.name_handles(handle_key(self.config.secret))  # a GEN tells a handle given with another id
         return self
 
     async def __aexit__(self, *exc: object) -> None:

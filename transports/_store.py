@@ -41,7 +41,8 @@ from collections.abc import Callable, Hashable
 import torch
 
 from ._errors import UnknownRequest
-from ._ids import check_handle, check_request_id, new_handle
+from ._ids import check_handle, check_request_id
+from ._ids import new_handle as _new_handle
 from ._layout import KVLayout, KVSlice, gather, run_start
 
 
@@ -116,8 +117,19 @@ class KVStore:
         self._expired = 0
         self._pins = 0  # open checkouts and pins, of held and released entries
         self._revoker: Revoker | None = None
+        self._handle_key: bytes | None = None  # set: the handles it issues name their request (_ids)
         self._revocations = 0
         self._tag = (secrets.randbits(30) + 1) << _EPOCH_BITS  # this store among all (restarts included)
+
+    def name_handles(self, key: bytes | None) -> None:
+        """Issue handles that name their request under ``key`` (``transports._ids.handle_names``)
+        from here on (``None``: plain random handles)."""
+        self._handle_key = key
+
+    def new_handle(self, request_id: str) -> str:
+        """A handle for ``request_id`` as ``put`` would issue it (a TP CTX's rank 0 issues one for
+        the whole group)."""
+        return _new_handle(check_request_id(request_id), self._handle_key)
 
     def guard_frees(self, revoker: Revoker | None) -> None:
         """Route every free through ``revoker(request_id, done, reader)`` (called after the entry is
@@ -164,7 +176,7 @@ class KVStore:
         its handle (``handle`` if given). Raises ``ValueError`` (``InvalidRequestId`` for a bad id) for
         an id that breaks the rule or is already held."""
         check_request_id(request_id)
-        handle = new_handle() if handle is None else check_handle(handle)
+        handle = self.new_handle(request_id) if handle is None else check_handle(handle)
         with self._lock:
             if request_id in self._held:
                 raise ValueError(f"duplicate request id {request_id!r}")

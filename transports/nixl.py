@@ -85,7 +85,7 @@ from ._errors import (
     TransportError,
     UnknownRequest,
 )
-from ._ids import InvalidRequestId, check_handle, check_request_id
+from ._ids import InvalidRequestId, check_handle, check_request_id, handle_key, handle_names
 from ._layout import KVLayout, KVSlice, dtype_from_name, dtype_name
 from ._nixl_common import (
     _MAX_MESSAGE_BYTES,
@@ -148,6 +148,7 @@ class NIXLTransport:
         self.total_kv_heads = total_kv_heads if total_kv_heads is not None else (layout.num_kv_heads if layout else None)
         if config.secret is None:
             log.warning("nixl_auth_disabled", role="gen")
+        self._handle_key = handle_key(config.secret)  # the CTX's handles name their request under it
         self.agent_name = f"kvo-gen-{secrets.token_hex(6)}"  # the CTX knows our READs' notifications by it
         self.agent = make_agent(self.agent_name, config)
         self._regions: list[tuple[int, int, torch.Tensor, Any]] = []  # (start, end, tensor, reg descs)
@@ -463,7 +464,8 @@ class NIXLTransport:
         else:  # the prefill reply named them: READ at once, the pin (if any) travels beside it
             conn = await self._conn(peer)
             raw_blocks = list(remote_blocks)  # checked (as the CTX's answer would be) before the READ is built
-            if handle is not None and conn.vouches(request_id, remote_epoch):
+            if (handle is not None and conn.vouches(request_id, remote_epoch)
+                    and handle_names(handle, request_id, self._handle_key)):  # else the CTX checks it (pin)
                 token, unpinned = None, True  # the CTX's revocations keep the blocks: nothing to ask
             else:
                 token = secrets.token_hex(12)

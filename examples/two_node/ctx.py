@@ -33,7 +33,7 @@ from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
 from orchestrator._sampling import SamplingParams, sample
 from orchestrator._sampling import logprobs as token_logprobs
-from transports import KVStore, new_handle
+from transports import KVStore
 
 log = structlog.get_logger("examples.ctx")
 
@@ -268,7 +268,7 @@ class CtxNode:
 
     async def _prefill_in_group(self, rid: str, prompt: list[int], block_ids: torch.Tensor) -> dict[str, Any]:
         """Every rank prefills its shard and holds its heads under one handle; the reply names them all."""
-        handle = new_handle()
+        handle = self.store.new_handle(rid)  # as a single-rank put would issue it (it may name its request)
         t0 = time.perf_counter()
         held = [block_ids]  # the group's prefill takes them (and frees or stores them); else freed here
         try:
