@@ -292,6 +292,7 @@ M = [
   ("17 an unpinned READ needs a handle that names its request", "transports/nixl.py", "                    and handle_names(handle, request_id, self._handle_key)):", "                    and True):", "tests/test_nixl_unpinned.py -k issued_for"),
   ("17 a handle names its request id", "transports/_ids.py", "    return hmac.compare_digest(raw[half:], _tag(key, raw[:half], request_id))", "    return True", "tests/test_store.py -k names_its_handles"),
   ("17 a NIXL CTX issues handles that name their request", "transports/_nixl_server.py", "        self.store.name_handles(handle_key(self.config.secret))", "        pass", "tests/test_nixl_unpinned.py -k named_with_its_epoch"),
+  ("TP: rank 0's own stall names the cause", "examples/two_node/tp_group.py", "        if best is not None and stall is not None:", "        if False:", "tests/test_tp_heal_units.py -k own_stall"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -398,3 +398,31 @@ async def test_a_ctx_computes_its_kv_checksums_off_the_event_loop(monkeypatch) -
     reply = await node._prefill({"op": "prefill", "request_id": "r1", "prompt_ids": [1, 2, 3, 4, 5], "max_tokens": 2})
     assert reply["block_checksums"] and reply["head_checksums"]
     assert len(threads) == 2 and threading.current_thread().name not in threads
+
+
+def test_rank_0_s_own_stall_is_the_cause_not_the_rank_that_gave_up_on_it() -> None:
+    """Rank 0 stopped (SIGSTOP) past the step timeout: rank 1 gave up on it and left cleanly (exit
+    0). The cause names rank 0's stall, whichever detector asks first; before, clients were told
+    the healthy rank 1 "exited with code 0" (an outside drill). A stall long past, or one no rank
+    broke in, names nothing."""
+    for first in ("poll", "exchange"):
+        clock = Clock()
+        child = FakeChild(2**22 + 7)
+        watch = tp_group.RankWatch("GEN", [child], 10.0, clock=clock)
+        assert watch.poll() is None
+        clock.t += 12.0  # rank 0 frozen: its watchdog did not look
+        child.code = 0
+        text = watch.poll() if first == "poll" else watch.cause(RuntimeError("Connection closed by peer"), settle_s=0.0)
+        assert text.startswith(f"GEN rank 0 (pid {os.getpid()}) itself made no progress for 12.0 s"), text
+        assert watch.decided == text
+    clock = Clock()
+    child = FakeChild(2**22 + 7)
+    watch = tp_group.RankWatch("GEN", [child], 10.0, clock=clock)
+    assert watch.poll() is None
+    clock.t += 12.0
+    assert watch.poll() is None  # the whole group was frozen together: nothing broke
+    for _ in range(11):
+        clock.t += 1.0
+        assert watch.poll() is None
+    child.code = -signal.SIGKILL
+    assert watch.poll() == "GEN rank 1 (pid 4194311) was killed by SIGKILL"

@@ -223,6 +223,8 @@ class RankWatch:
         self._stopped_since: dict[int, float] = {}
         self._lock = threading.Lock()
         self._cause: str | None = None
+        self._last_poll: float | None = None  # the watchdog's last look (a gap: rank 0 itself was frozen)
+        self._stall: tuple[float, float] | None = None  # (how long, when it ended) of rank 0's own last stall
         self.busy_since: float | None = None
         """When rank 0's execution thread entered a collective it has not left (None: not in one)."""
 
@@ -234,8 +236,32 @@ class RankWatch:
         return (f"{self.role} rank {rank} (pid {pid}) stopped answering: no step exchange for "
                 f"{self.step_timeout_s:g} s (the process is stopped)")
 
+    def _own_stall(self) -> float | None:
+        """How long rank 0 itself made no progress (its watchdog did not look), if longer than the step
+        timeout and within a step timeout ago: stopped (SIGSTOP), or starved of CPU. Its other ranks
+        then gave up on it (their exits may show a moment later)."""
+        now = self._clock()
+        if self._last_poll is not None and now - self._last_poll > self.step_timeout_s:
+            self._stall = (now - self._last_poll, now)
+        if self._stall is not None and now - self._stall[1] > self.step_timeout_s:
+            self._stall = None  # long past: a later break has another cause
+        return None if self._stall is None else self._stall[0]
+
     def _evidence(self) -> tuple[int, str] | None:
-        """(strength, sentence) of the strongest sign of a broken rank now, or None."""
+        """(strength, sentence) of the strongest sign of a broken rank now, or None. Rank 0's own
+        stall past the step timeout explains whatever its other ranks did meanwhile (they leave
+        cleanly when rank 0 stops answering)."""
+        best = self._ranks_evidence()
+        stall = self._own_stall()
+        if best is not None and stall is not None:
+            return (4, self._own_stall_text(stall))
+        return best
+
+    def _own_stall_text(self, stall: float) -> str:
+        return (f"{self.role} rank 0 (pid {os.getpid()}) itself made no progress for {stall:.1f} s (stopped, or "
+                f"starved of CPU), longer than the step timeout ({self.step_timeout_s:g} s): its ranks gave up on it")
+
+    def _ranks_evidence(self) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
         now = self._clock()
         for rank, child in enumerate(self.children, start=1):
@@ -274,7 +300,9 @@ class RankWatch:
             deadline = self._clock() + settle_s
             while (found := self._evidence()) is None and self._clock() < deadline:
                 time.sleep(0.02)
-            self._cause = found[1] if found is not None else self._no_evidence_text(exc)
+            stall = self._own_stall()
+            self._cause = (found[1] if found is not None else self._own_stall_text(stall) if stall is not None
+                           else self._no_evidence_text(exc))
             log.error("tp_group_broken", role=self.role, cause=self._cause)
             return self._cause
 
@@ -284,7 +312,7 @@ class RankWatch:
         if self._cause is not None:
             return self._cause
         found = self._evidence()
-        now = self._clock()
+        now = self._last_poll = self._clock()
         if found is not None and found[0] != 2:
             return self.cause()
         if any(now - t >= self.step_timeout_s for t in self._stopped_since.values()):
