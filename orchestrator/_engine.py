@@ -94,6 +94,9 @@ log = structlog.get_logger("orchestrator.engine")
 __all__ = ["DecodeBatch", "EngineStatistics", "GenEngine", "Histogram", "PreparedStep", "StepReport"]
 
 
+_GROUP_STOPPED = "the tensor-parallel group was stopped"  # rank 0 asked (request_stop): the node stops
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeBatch:
     """Input of one decode step: the RUNNING requests, in a stable order."""
@@ -427,7 +430,7 @@ class GenEngine:
     def _disagreement(self, messages: Seq[StepMessage]) -> str | None:
         """Why the group cannot apply this step (None: it can)."""
         if any(m.stop for m in messages):
-            return "the tensor-parallel group was stopped"
+            return _GROUP_STOPPED
         for rank, m in enumerate(messages):
             if m.broken:
                 return m.broken if self.world_size == 1 else f"GEN rank {rank}: {m.broken}"
@@ -446,7 +449,7 @@ class GenEngine:
             return
         self.stopped = True
         self.mark_unhealthy(cause)
-        if self.receiver is not None and self.receiver.cancelled:  # the node is stopping: no failure
+        if cause == _GROUP_STOPPED or (self.receiver is not None and self.receiver.cancelled):  # a stop: no failure
             log.info("engine_stopped", rank=self.rank, world_size=self.world_size, cause=cause)
         else:
             log.error("engine_broken", rank=self.rank, world_size=self.world_size, cause=cause)

@@ -293,6 +293,7 @@ M = [
   ("17 a handle names its request id", "transports/_ids.py", "    return hmac.compare_digest(raw[half:], _tag(key, raw[:half], request_id))", "    return True", "tests/test_store.py -k names_its_handles"),
   ("17 a NIXL CTX issues handles that name their request", "transports/_nixl_server.py", "        self.store.name_handles(handle_key(self.config.secret))", "        pass", "tests/test_nixl_unpinned.py -k named_with_its_epoch"),
   ("TP: rank 0's own stall names the cause", "examples/two_node/tp_group.py", "        if best is not None and stall is not None:", "        if False:", "tests/test_tp_heal_units.py -k own_stall"),
+  ("TP: a stop rank 0 asked for is logged as a stop", "orchestrator/_engine.py", "        if cause == _GROUP_STOPPED or (self.receiver", "        if (self.receiver", "tests/test_one_step.py -k own_threads_agree"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -12,6 +12,8 @@ import tracemalloc
 
 import anyio
 import pytest
+import structlog
+import structlog.testing
 
 from orchestrator import (
     FailureReason,
@@ -213,12 +215,15 @@ async def test_ranks_on_their_own_threads_agree_through_the_barrier(anyio_backen
         assert all(g.final(f"r{i}").state is RequestState.FINISHED for i in range(8))
         assert g.steps[0].decoded == g.steps[1].decoded
     finally:
-        g.lead.request_stop()
-        g.lead.step()
-        stop.set()
-        for t in threads:
-            t.join(10)
+        with structlog.testing.capture_logs() as logs:
+            g.lead.request_stop()
+            g.lead.step()
+            stop.set()
+            for t in threads:
+                t.join(10)
     assert all(e.stopped for e in g.engines) and not any(e.rest_problems() for e in g.engines)
+    # a stop rank 0 asked for is not a failure (it was logged as engine_broken, at error)
+    assert {(e["event"], e["log_level"]) for e in logs if e["event"].startswith("engine_")} == {("engine_stopped", "info")}
 
 
 def test_the_step_message_round_trips_and_stays_compact() -> None:
