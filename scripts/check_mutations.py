@@ -294,6 +294,9 @@ M = [
   ("17 a NIXL CTX issues handles that name their request", "transports/_nixl_server.py", "        self.store.name_handles(handle_key(self.config.secret))", "        pass", "tests/test_nixl_unpinned.py -k named_with_its_epoch"),
   ("TP: rank 0's own stall names the cause", "examples/two_node/tp_group.py", "        if best is not None and stall is not None:", "        if False:", "tests/test_tp_heal_units.py -k own_stall"),
   ("TP: a stop rank 0 asked for is logged as a stop", "orchestrator/_engine.py", "        if cause == _GROUP_STOPPED or (self.receiver", "        if (self.receiver", "tests/test_one_step.py -k own_threads_agree"),
+  # an outside review of the front and etcd membership
+  ("etcd: a member's ctrl must be host:port", "examples/two_node/membership.py", ' or meta.get("ctrl") != ctrl or not _is_addr(ctrl):', ' or meta.get("ctrl") != ctrl:', "tests/test_etcd_membership.py -k malformed"),
+  ("etcd: a value that is not UTF-8 is unreadable", "examples/two_node/membership.py", 'return base64.b64decode(s).decode(errors="replace")', 'return base64.b64decode(s).decode()', "tests/test_etcd_membership.py -k malformed"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -5,7 +5,9 @@ POST /admin/drain for a CTX) under load loses nothing; two fronts see the same s
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import functools
 import secrets
 import signal
 import threading
@@ -17,11 +19,12 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
 from examples.tiny_model import ByteTokenizer, ModelConfig, TinyModel
 from examples.two_node import control
 from examples.two_node.launch import NodeProcess, node_env
-from examples.two_node.membership import Etcd, start_etcd
+from examples.two_node.membership import Etcd, start_etcd, watch_members
 from tests.test_serve import running_front
 
 pytestmark = pytest.mark.integration
@@ -248,3 +251,48 @@ def test_etcd_client_lease_and_watch(etcd_url: str) -> None:
             await etcd.aclose()
 
     anyio.run(main)
+
+
+def test_a_malformed_member_is_skipped_and_the_watch_goes_on(etcd_url: str) -> None:
+    """Anyone may write under the prefix: an entry whose control address is not ``host:port`` or whose
+    value is not UTF-8 is logged (``etcd_member_unreadable``) and skipped, when listed and when watched;
+    the nodes around it still come and go."""
+    prefix = "/kvo/malformed/"
+    raw = {prefix + "gen/bad": b'{"role": "gen", "ctrl": "bad"}',
+           prefix + "gen/127.0.0.1:1": b"\xff\xfe{",
+           prefix + "ctx/127.0.0.1:2": b'{"role": "ctx", "ctrl": "127.0.0.1:2"}'}
+
+    async def put_raw(key: str, value: bytes) -> None:
+        async with httpx.AsyncClient() as c:
+            r = await c.post(etcd_url + "/v3/kv/put", json={"key": base64.b64encode(key.encode()).decode(),
+                                                            "value": base64.b64encode(value).decode()})
+            assert r.status_code == 200
+
+    async def main() -> list[tuple[str, str]]:
+        for key, value in raw.items():
+            await put_raw(key, value)
+        seen: list[tuple[str, str]] = []
+        listed = anyio.Event()
+
+        async def on_put(role: str, meta: dict[str, Any]) -> None:
+            seen.append((role, meta["ctrl"]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(watch_members, etcd_url, prefix, on_put=on_put,
+                                            on_delete=lambda role, ctrl: None, on_listed=listed.set))
+            with anyio.fail_after(10):
+                await listed.wait()
+                await put_raw(prefix + "gen/x:y", b'{"role": "gen", "ctrl": "x:y"}')  # watched, not listed
+                await put_raw(prefix + "gen/127.0.0.1:3", b"\x80")
+                await put_raw(prefix + "gen/127.0.0.1:4", b'{"role": "gen", "ctrl": "127.0.0.1:4"}')
+                while ("gen", "127.0.0.1:4") not in seen:
+                    await anyio.sleep(0.02)
+            tg.cancel_scope.cancel()
+        return seen
+
+    with capture_logs() as logs:
+        seen = anyio.run(main)
+    assert seen == [("ctx", "127.0.0.1:2"), ("gen", "127.0.0.1:4")]
+    unreadable = sorted(e["key"] for e in logs if e["event"] == "etcd_member_unreadable")
+    assert unreadable == sorted([prefix + "gen/bad", prefix + "gen/127.0.0.1:1", prefix + "gen/x:y",
+                                 prefix + "gen/127.0.0.1:3"])

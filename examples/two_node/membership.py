@@ -36,6 +36,8 @@ import anyio.abc
 import httpx
 import structlog
 
+from transports import parse_peer
+
 log = structlog.get_logger("examples.membership")
 
 DEFAULT_PREFIX = "/kvo/"
@@ -51,7 +53,9 @@ def _b64(s: str) -> str:
 
 
 def _unb64(s: str) -> str:
-    return base64.b64decode(s).decode()
+    """A key or value as text; bytes that are not UTF-8 read as U+FFFD (anyone may write under the
+    prefix: a value that is not ours must be skipped as unreadable, not stop the watch)."""
+    return base64.b64decode(s).decode(errors="replace")
 
 
 def _prefix_end(prefix: str) -> str:
@@ -300,13 +304,22 @@ def _member(prefix: str, key: str, value: str) -> tuple[str, dict[str, Any]] | N
     role, _, ctrl = key[len(prefix):].partition("/")
     try:
         meta = json.loads(value)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an int longer than Python reads, nested too deep
         log.warning("etcd_member_unreadable", key=key)
         return None
-    if role not in ("ctx", "gen") or not isinstance(meta, dict) or meta.get("ctrl") != ctrl:
+    if role not in ("ctx", "gen") or not isinstance(meta, dict) or meta.get("ctrl") != ctrl or not _is_addr(ctrl):
         log.warning("etcd_member_unreadable", key=key)
         return None
     return role, meta
+
+
+def _is_addr(ctrl: str) -> bool:
+    """A control address a front can dial (``host:port``): anything else would fail in every poll."""
+    try:
+        parse_peer(ctrl)
+    except ValueError:
+        return False
+    return True
 
 
 # -- a real etcd for tests and demos --------------------------------------------------------------
