@@ -297,6 +297,10 @@ M = [
   # an outside review of the front and etcd membership
   ("etcd: a member's ctrl must be host:port", "examples/two_node/membership.py", ' or meta.get("ctrl") != ctrl or not _is_addr(ctrl):', ' or meta.get("ctrl") != ctrl:', "tests/test_etcd_membership.py -k malformed"),
   ("etcd: a value that is not UTF-8 is unreadable", "examples/two_node/membership.py", 'return base64.b64decode(s).decode(errors="replace")', 'return base64.b64decode(s).decode()', "tests/test_etcd_membership.py -k malformed"),
+  ("front: n choices take their slots at once", "examples/serve/_app.py", "        await self.admission.enter(g.n)  #", "        for _ in range(g.n): await self.admission.enter()  #", "tests/test_front_faults.py -k deadlock"),
+  ("admission: a waiter for n is granted only when n are free", "examples/serve/_admission.py", "while self._waiters and self.active + self._waiters[0].weight <= self.limit:", "while self._waiters and self.active < self.limit:", "tests/test_front_routing.py -k slots_at_once"),
+  ("admission: a head waiter that leaves lets the next in", "examples/serve/_admission.py", "            self._grant()  # it may have been the head", "            pass  # it may have been the head", "tests/test_front_routing.py -k head_that_leaves"),
+  ("front: n over max_concurrent_requests is a 400", "examples/serve/_api.py", "    if n > limits.max_concurrent_requests:", "    if False:", "tests/test_front_routing.py -k n_over_max"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

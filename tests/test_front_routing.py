@@ -174,6 +174,74 @@ async def test_admission_timeout_and_cancel_pass_the_slot_on() -> None:
     assert got == ["patient"] and adm.active == 1
 
 
+@pytest.mark.anyio
+async def test_admission_takes_a_requests_slots_at_once_in_fifo_order() -> None:
+    """Requests of n choices take their n slots in one step: two that each hold part of what they need
+    can not hold every slot and wait for each other (the review's deadlock until queue.timeout_s)."""
+    adm = Admission(3, 8, timeout_s=5.0)
+    await adm.enter()
+    await adm.enter()  # two plain requests running: 1 slot free
+    order: list[str] = []
+
+    async def request(name: str, n: int) -> None:
+        await adm.enter(n)
+        order.append(name)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request, "a3", 3)
+        await wait_all_tasks_blocked()
+        tg.start_soon(request, "b2", 2)
+        await wait_all_tasks_blocked()
+        tg.start_soon(request, "c1", 1)
+        await wait_all_tasks_blocked()
+        assert repr(adm) == "<Admission [2/3 active, 3/8 queued]>"  # nobody holds part of what it waits for
+        adm.leave()
+        await wait_all_tasks_blocked()
+        assert order == [] and adm.active == 1  # a3 needs 3; c1 does not overtake it
+        adm.leave()
+        await wait_all_tasks_blocked()
+        assert order == ["a3"] and adm.active == 3
+        adm.leave(3)  # both fit now: granted together, in queue order
+    assert order[0] == "a3" and sorted(order[1:]) == ["b2", "c1"] and adm.active == 3
+    adm.leave(2)
+    adm.leave()
+    assert repr(adm) == "<Admission [0/3 active, 0/8 queued]>"
+    with pytest.raises(ValueError):
+        await adm.enter(4)
+
+
+@pytest.mark.anyio
+async def test_admission_a_head_that_leaves_lets_the_next_in() -> None:
+    adm = Admission(2, 8, timeout_s=5.0)
+    await adm.enter()
+    got: list[str] = []
+    async with anyio.create_task_group() as tg:
+        scope = anyio.CancelScope()
+
+        async def big() -> None:
+            with scope:
+                await adm.enter(2)
+
+        async def small() -> None:
+            await adm.enter()
+            got.append("small")
+
+        tg.start_soon(big)
+        await wait_all_tasks_blocked()
+        tg.start_soon(small)
+        await wait_all_tasks_blocked()
+        assert got == []
+        scope.cancel()  # the waiter for 2 went away: the one behind it fits in the free slot now
+    assert got == ["small"] and adm.active == 2
+
+
+def test_n_over_max_concurrent_requests_is_a_400() -> None:
+    http = TestClient(_front(_cluster(1, 1), limits={"max_concurrent_requests": 2}).app)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": 3, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "max_concurrent_requests" in r.json()["error"]["message"]
+
+
 # -- the HTTP surface -----------------------------------------------------------------------------
 
 def test_refused_fields_and_errors_name_the_parameter_sent() -> None:

@@ -224,6 +224,8 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     n = _int(body, "n", lo=1) if body.get("n") is not None else 1
     if n > limits.max_n:
         raise invalid(f"n={n} exceeds this server's limit of {limits.max_n}", "n")
+    if n > limits.max_concurrent_requests:  # its n choices run at once: more could never be admitted
+        raise invalid(f"n={n} exceeds this server's max_concurrent_requests of {limits.max_concurrent_requests}", "n")
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise invalid("best_of must equal n (or be omitted)", "best_of", "unsupported_value")

@@ -274,23 +274,18 @@ class Front:
                 await flight.aclose()
                 raise
             return _FlightResponse(flight)
+        await self.admission.enter(g.n)  # every choice's slot at once (one by one, two requests could deadlock)
+        flights = [Flight(self, g.choice(i), endpoint, t0) for i in range(g.n)]  # each gives its slot back
         if g.stream:  # n choices in one stream, each chunk naming its choice's index
-            started: list[Flight] = []
             try:
-                for i in range(g.n):
-                    await self.admission.enter()
-                    started.append(Flight(self, g.choice(i), endpoint, t0))
-                    await started[-1].start()
+                for f in flights:
+                    await f.start()
             except BaseException:
-                for f in started:
+                for f in flights:
                     await f.aclose()
                 raise
-            return _ChoicesResponse(self, g, started, endpoint)
-        flights: list[Flight] = []  # n choices: n flights, each its own request on the nodes
-        try:
-            for i in range(g.n):
-                await self.admission.enter()
-                flights.append(Flight(self, g.choice(i), endpoint, t0))
+            return _ChoicesResponse(self, g, flights, endpoint)
+        try:  # n choices: n flights, each its own request on the nodes
             # not streamed: a client that goes away is seen at once (its ``http.disconnect``), not when
             # the answer is written: the flights are cancelled, so GEN and CTX abort within ms
             gone = False

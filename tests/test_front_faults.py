@@ -1,0 +1,180 @@
+"""The front against fake CTX and GEN nodes (the real control protocol, insecure, in this process)
+and a real uvicorn on loopback: admission of n choices, GEN refusals and deaths, drains refused,
+deadlines, membership trouble, metrics per HTTP request. Each fake node records what the front asked
+of it (prefills, releases, generates, aborts), so a test asserts what the nodes were left holding."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import uvicorn
+
+from examples.serve._app import Front
+from examples.serve.cluster import Cluster
+from examples.serve.config import parse
+from examples.two_node import control
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # uvicorn serves on asyncio
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class FakeCtx:
+    """Prefills answer at once (after ``delay_s``) with ``first_token``; the KV "held" until released."""
+
+    def __init__(self, first_token: int = 65, delay_s: float = 0.0) -> None:
+        self.first_token = first_token
+        self.delay_s = delay_s
+        self.prefills: list[str] = []
+        self.held: dict[str, str] = {}
+        self.released: list[str] = []
+        self.addr = ""
+
+    async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
+        op = msg.get("op")
+        if op == "stats":
+            await stream.send({"ok": True, "store": {"held_requests": len(self.held)}, "pool": {"used_blocks": 0}})
+        elif op == "prefill":
+            rid = msg["request_id"]
+            self.prefills.append(rid)
+            await anyio.sleep(self.delay_s)
+            self.held[rid] = handle = secrets.token_hex(16)
+            await stream.send({"ok": True, "request_id": rid, "first_token": self.first_token,
+                               "prompt_len": len(msg["prompt_ids"]), "kv_peer": "127.0.0.1:1", "kv_handle": handle})
+        elif op == "release":
+            self.released.append(msg["request_id"])
+            self.held.pop(msg["request_id"], None)
+            await stream.send({"ok": True, "released": True})
+        elif op == "drain":
+            await stream.send({"ok": False, "error": "this node is not registered in etcd (--etcd)"})
+        else:
+            raise control.ControlError(f"unknown op {op!r}")
+
+
+Behaviour = Callable[[dict[str, Any], control.JsonStream, "FakeGen"], Awaitable[None]]
+
+
+class FakeGen:
+    """``generate``: ``behaviour(msg, stream, gen)`` when given, else max_tokens - 1 tokens "a" (97),
+    one per ``delay_s``, then done/finished. It pulls nothing: a test reads what the CTX still holds."""
+
+    def __init__(self, behaviour: Behaviour | None = None, delay_s: float = 0.005) -> None:
+        self.behaviour = behaviour
+        self.delay_s = delay_s
+        self.generates: list[str] = []
+        self.addr = ""
+
+    async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
+        op = msg.get("op")
+        if op == "stats":
+            await stream.send({"ok": True, "healthy": True, "mode": "orchestrated",
+                               "engine": {"waiting": 0, "receiving": 0, "ready": 0, "running": 0,
+                                          "pool": {"used_blocks": 0}}})
+        elif op == "generate":
+            self.generates.append(msg["request_id"])
+            if self.behaviour is not None:
+                await self.behaviour(msg, stream, self)
+                return
+            await finish(msg, stream, self.delay_s)
+        elif op == "drain":
+            await stream.send({"ok": False, "error": "this node is not registered in etcd (--etcd)"})
+        else:
+            raise control.ControlError(f"unknown op {op!r}")
+
+
+async def finish(msg: dict[str, Any], stream: control.JsonStream, delay_s: float = 0.0) -> None:
+    for _ in range(msg["max_tokens"] - 1):
+        await anyio.sleep(delay_s)
+        await stream.send({"tokens": [97]})
+    await stream.send({"done": True, "state": "finished", "failure": None, "message": ""})
+
+
+@contextlib.asynccontextmanager
+async def front_on(ctxs: list[FakeCtx], gens: list[FakeGen], **extra: Any) -> AsyncIterator[tuple[Front, httpx.AsyncClient]]:
+    """The fake nodes serving, a front over them on a loopback port, and an HTTP client for it."""
+    async with anyio.create_task_group() as tg:
+        for n in [*ctxs, *gens]:
+            port = await tg.start(lambda task_status, n=n: control.serve(
+                "127.0.0.1", 0, n.handle, secret=None, insecure=True, task_status=task_status))
+            n.addr = f"127.0.0.1:{port}"
+        cfg = parse({"model": "tiny", "insecure": True,
+                     "routing": {"stats_interval_s": 0.2, "retry_after_s": 1, "connect_timeout_s": 2},
+                     "ctx": [{"addr": n.addr} for n in ctxs], "gen": [{"addr": n.addr} for n in gens], **extra})
+        cluster = Cluster([n.addr for n in ctxs], [n.addr for n in gens], secret=None,
+                          interval_s=cfg.routing.stats_interval_s, timeout_s=cfg.routing.connect_timeout_s,
+                          policies={"ctx": cfg.router.ctx, "gen": cfg.router.gen})
+        front = Front(cfg, cluster)
+        port = _free_port()
+        server = uvicorn.Server(uvicorn.Config(front.app, host="127.0.0.1", port=port, log_level="error"))
+        tg.start_soon(server.serve)
+        with anyio.fail_after(10):
+            while not server.started:
+                await anyio.sleep(0.01)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+                yield front, http
+        finally:
+            server.should_exit = True
+            tg.cancel_scope.cancel()
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    with anyio.fail_after(timeout_s):
+        while not cond():
+            await anyio.sleep(0.01)
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": "x", "max_tokens": 3, "temperature": 0, **fields}
+
+
+# -- admission of n choices -----------------------------------------------------------------------
+
+async def test_requests_of_n_choices_never_deadlock_admission() -> None:
+    """Two slow requests hold 2 of 3 slots; A (n=3) then B (n=2) queue. Taking one slot per choice,
+    A and B each ended up holding part of what they needed and waited for each other until the queue
+    timeout (429); taken all at once, both are served once the slow ones end."""
+    gates = {50: anyio.Event(), 60: anyio.Event()}
+
+    async def gated(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:
+        if msg["max_tokens"] in gates:
+            await gates[msg["max_tokens"]].wait()
+        await finish(msg, stream)
+
+    status: dict[str, int] = {}
+    async with front_on([FakeCtx()], [FakeGen(gated)], limits={"max_concurrent_requests": 3, "max_tokens": 100},
+                        queue={"size": 8, "timeout_s": 2}) as (front, http):
+        await wait_until(front.cluster.ready)
+
+        async def post(name: str, **fields: Any) -> None:
+            status[name] = (await http.post("/v1/completions", json=completion(**fields))).status_code
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: post("r1", max_tokens=50))
+            tg.start_soon(lambda: post("r2", max_tokens=60))
+            await wait_until(lambda: front.admission.active == 2)
+            tg.start_soon(lambda: post("a", n=3))
+            await wait_until(lambda: front.admission.statistics().waiting == 1)
+            tg.start_soon(lambda: post("b", n=2))
+            await wait_until(lambda: front.admission.statistics().waiting == 2)
+            gates[50].set()
+            await wait_until(lambda: "r1" in status)
+            gates[60].set()
+        assert front.admission.active == 0
+    assert status == {"r1": 200, "r2": 200, "a": 200, "b": 200}
