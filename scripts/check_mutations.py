@@ -301,6 +301,7 @@ M = [
   ("admission: a waiter for n is granted only when n are free", "examples/serve/_admission.py", "while self._waiters and self.active + self._waiters[0].weight <= self.limit:", "while self._waiters and self.active < self.limit:", "tests/test_front_routing.py -k slots_at_once"),
   ("admission: a head waiter that leaves lets the next in", "examples/serve/_admission.py", "            self._grant()  # it may have been the head", "            pass  # it may have been the head", "tests/test_front_routing.py -k head_that_leaves"),
   ("front: n over max_concurrent_requests is a 400", "examples/serve/_api.py", "    if n > limits.max_concurrent_requests:", "    if False:", "tests/test_front_routing.py -k n_over_max"),
+  ("front: a refused drain leaves the node routable", "examples/serve/_app.py", '            answer = await control.call(node.addr, {"op": "drain"}', '            node.draining = True\n            answer = await control.call(node.addr, {"op": "drain"}', "tests/test_front_faults.py -k drain"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

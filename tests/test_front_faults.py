@@ -178,3 +178,20 @@ async def test_requests_of_n_choices_never_deadlock_admission() -> None:
             gates[60].set()
         assert front.admission.active == 0
     assert status == {"r1": 200, "r2": 200, "a": 200, "b": 200}
+
+
+# -- /admin/drain ---------------------------------------------------------------------------------
+
+async def test_a_drain_the_node_refused_leaves_it_serving() -> None:
+    """A node started without --etcd refuses the drain (ok: false): this front must not stop sending
+    it requests as if it were draining."""
+    ctx = FakeCtx()
+    async with front_on([ctx], [FakeGen()]) as (front, http):
+        await wait_until(front.cluster.ready)
+        r = await http.post("/admin/drain", json={"node": ctx.addr})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "node_unavailable"
+        assert "etcd" in r.json()["error"]["message"]
+        health = (await http.get("/health")).json()
+        assert health["status"] == "ok"
+        assert [n["draining"] for n in health["nodes"] if n["addr"] == ctx.addr] == [False]
+        assert (await http.post("/v1/completions", json=completion())).status_code == 200

@@ -229,13 +229,13 @@ class Front:
         node = self.cluster.find(str(body.get("node")))
         if node is None:
             raise ApiError(404, f"no node {body.get('node')!r} in this cluster", param="node", code="node_not_found")
-        node.draining = True  # this front at once; every front once the node says so in etcd
         try:
             answer = await control.call(node.addr, {"op": "drain"}, secret=self.secret,
                                         timeout=self.cfg.routing.connect_timeout_s)
-        except CONTROL_ERRORS as exc:
+        except CONTROL_ERRORS as exc:  # refused (no --etcd) or unreachable: it serves on as before
             raise ApiError(503, f"{node.role} {node.addr} did not take the drain: {describe(exc)}",
                            code="node_unavailable") from None
+        node.draining = True  # it took it: this front at once; every front once the node says so in etcd
         log.info("node_drain_requested", node=node.addr, answer=answer)
         return JSONResponse({"node": node.addr, "role": node.role, **answer})
 
