@@ -302,6 +302,9 @@ M = [
   ("admission: a head waiter that leaves lets the next in", "examples/serve/_admission.py", "            self._grant()  # it may have been the head", "            pass  # it may have been the head", "tests/test_front_routing.py -k head_that_leaves"),
   ("front: n over max_concurrent_requests is a 400", "examples/serve/_api.py", "    if n > limits.max_concurrent_requests:", "    if False:", "tests/test_front_routing.py -k n_over_max"),
   ("front: a refused drain leaves the node routable", "examples/serve/_app.py", '            answer = await control.call(node.addr, {"op": "drain"}', '            node.draining = True\n            answer = await control.call(node.addr, {"op": "drain"}', "tests/test_front_faults.py -k drain"),
+  ("front: a GEN refusal before any token is a failed hand-off", "examples/serve/_flight.py", "                if got_gen:  # it had taken the request", "                if True:  # it had taken the request", "tests/test_front_faults.py -k refusal"),
+  ("front: a GEN that refused is marked down", "examples/serve/_flight.py", "        self.front.cluster.mark_down(gen, why)\n", "", "tests/test_front_faults.py -k refusal"),
+  ("front: a GEN that failed has the CTX copy released", "examples/serve/_flight.py", " and self.error is None\n", "\n", "tests/test_front_faults.py -k dies_before"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -71,11 +71,12 @@ Behaviour = Callable[[dict[str, Any], control.JsonStream, "FakeGen"], Awaitable[
 
 
 class FakeGen:
-    """``generate``: ``behaviour(msg, stream, gen)`` when given, else max_tokens - 1 tokens "a" (97),
-    one per ``delay_s``, then done/finished. It pulls nothing: a test reads what the CTX still holds."""
+    """``generate``: ``behaviour(msg, stream, gen)`` when given, else ``finish``: the pull (the KV
+    leaves ``ctx``), then max_tokens - 1 tokens "a" (97), one per ``delay_s``, then done/finished."""
 
-    def __init__(self, behaviour: Behaviour | None = None, delay_s: float = 0.005) -> None:
+    def __init__(self, behaviour: Behaviour | None = None, *, ctx: FakeCtx | None = None, delay_s: float = 0.005) -> None:
         self.behaviour = behaviour
+        self.ctx = ctx
         self.delay_s = delay_s
         self.generates: list[str] = []
         self.addr = ""
@@ -91,16 +92,18 @@ class FakeGen:
             if self.behaviour is not None:
                 await self.behaviour(msg, stream, self)
                 return
-            await finish(msg, stream, self.delay_s)
+            await finish(msg, stream, self)
         elif op == "drain":
             await stream.send({"ok": False, "error": "this node is not registered in etcd (--etcd)"})
         else:
             raise control.ControlError(f"unknown op {op!r}")
 
 
-async def finish(msg: dict[str, Any], stream: control.JsonStream, delay_s: float = 0.0) -> None:
+async def finish(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:
+    if gen.ctx is not None:
+        gen.ctx.held.pop(msg["request_id"], None)  # pulled: the CTX frees its copy
     for _ in range(msg["max_tokens"] - 1):
-        await anyio.sleep(delay_s)
+        await anyio.sleep(gen.delay_s)
         await stream.send({"tokens": [97]})
     await stream.send({"done": True, "state": "finished", "failure": None, "message": ""})
 
@@ -155,7 +158,7 @@ async def test_requests_of_n_choices_never_deadlock_admission() -> None:
     async def gated(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:
         if msg["max_tokens"] in gates:
             await gates[msg["max_tokens"]].wait()
-        await finish(msg, stream)
+        await finish(msg, stream, gen)
 
     status: dict[str, int] = {}
     async with front_on([FakeCtx()], [FakeGen(gated)], limits={"max_concurrent_requests": 3, "max_tokens": 100},
@@ -195,3 +198,57 @@ async def test_a_drain_the_node_refused_leaves_it_serving() -> None:
         assert health["status"] == "ok"
         assert [n["draining"] for n in health["nodes"] if n["addr"] == ctx.addr] == [False]
         assert (await http.post("/v1/completions", json=completion())).status_code == 200
+
+
+# -- a GEN that refuses or dies before it pulled ------------------------------------------------
+
+async def refuse(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:
+    raise control.ControlError("GEN engine unavailable: starting")  # the node answers {"ok": false}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_gen_refusal_before_any_token_goes_to_another_gen(stream: bool) -> None:
+    """A refusal touches nothing on GEN: the request goes to another GEN with the same KV (no token
+    but the CTX's first has reached the client), and the refusing GEN is marked down."""
+    ctx = FakeCtx()
+    bad, good = FakeGen(refuse), FakeGen(ctx=ctx)
+    async with front_on([ctx], [bad, good], router={"ctx": "round_robin", "gen": "round_robin"},
+                        max_retries=2) as (front, http):
+        await wait_until(front.cluster.ready)
+        for _ in range(2):  # round robin: one of them goes to the refusing GEN first
+            r = await http.post("/v1/completions", json=completion(max_tokens=4, stream=stream))
+            assert r.status_code == 200
+            assert ("Aaaa" in r.text) if not stream else r.text.count('"text":"a"') == 3
+        assert len(bad.generates) == 1 and len(good.generates) == 2
+        assert not front.cluster.find(bad.addr).up  # type: ignore[union-attr]
+        assert front.metrics.retries.labels("gen")._value.get() == 1
+        assert ctx.held == {} and ctx.released == []  # the healthy GEN pulled both
+
+
+async def test_a_gen_refusal_with_no_other_gen_releases_the_kv_at_once() -> None:
+    ctx = FakeCtx()
+    async with front_on([ctx], [FakeGen(refuse)]) as (front, http):
+        await wait_until(front.cluster.ready)
+        r = await http.post("/v1/completions", json=completion())
+        assert r.status_code == 503 and r.json()["error"]["code"] == "gen_refused"
+        await wait_until(lambda: ctx.released == ctx.prefills)
+        assert ctx.held == {}
+
+
+async def test_a_gen_that_dies_before_it_pulled_has_the_ctx_copy_released() -> None:
+    """Not streamed, a GEN that died mid-request costs a retry of the whole flight: the first
+    prefill's KV, never pulled, is released on the CTX (not left to its lease), the retry's is pulled."""
+    ctx = FakeCtx()
+
+    async def die(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:
+        await stream.send({"tokens": [97]})
+        await stream.aclose()  # the node went away before its pull
+
+    dying, good = FakeGen(die), FakeGen(ctx=ctx)
+    async with front_on([ctx], [dying, good], router={"ctx": "round_robin", "gen": "round_robin"}) as (front, http):
+        await wait_until(front.cluster.ready)
+        r = await http.post("/v1/completions", json=completion(max_tokens=4))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Aaaa"
+        assert len(ctx.prefills) == 2 and dying.generates == ctx.prefills[:1]
+        await wait_until(lambda: ctx.released == ctx.prefills[:1])
+        assert ctx.held == {}

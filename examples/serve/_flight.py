@@ -59,6 +59,8 @@ class Flight:
                                     retry_after=front.cfg.routing.retry_after_s)
         self.holds_slot = True
         """It holds an admission slot (given back by ``aclose``, or handed to a retry of it)."""
+        self._tried_gens: list[Node] = []
+        """GENs that failed this flight's hand-off (unreachable, refused): not picked again for it."""
         self._held: list[Node] = []
         """The nodes whose ``inflight`` this flight raised (given back by ``aclose``, and only those)."""
         self._closed = False
@@ -117,9 +119,16 @@ class Flight:
         self._first_piece = self.text.text
         if self.text.finish_reason is not None:
             return  # the first token ended it: no GEN needed (aclose releases the KV on CTX)
-        tried = []
+        await self._hand_off()
+
+    async def _hand_off(self) -> None:
+        """Send ``generate`` (the prefill's KV handle) to a GEN by its router; a GEN that cannot be
+        reached is marked down and another one tried, within the flight's ``max_retries``."""
+        front, g, cluster = self.front, self.g, self.front.cluster
+        assert self.prefill is not None
+        retry = front.cfg.routing.retry_after_s
         while True:
-            gen = cluster.pick("gen", exclude=tuple(tried))
+            gen = cluster.pick("gen", exclude=tuple(self._tried_gens))
             if gen is None:
                 raise getattr(self, "_last_error", None) or ApiError(
                     503, "no GEN node is up", code="no_node_available", retry_after=retry)
@@ -138,20 +147,32 @@ class Flight:
                 self.sent = True
                 return
             except CONTROL_ERRORS as exc:
-                cluster.mark_down(gen, f"generate: {describe(exc)}")
                 self._last_error = ApiError(503, f"GEN {gen.addr} is unreachable: {describe(exc)}",
                                             code="gen_unavailable", retry_after=retry)
-                if self.stream is not None:
-                    with contextlib.suppress(*CONTROL_ERRORS):
-                        await self.stream.aclose()
-                    self.stream = None
-            self._let_go(gen)
-            self.gen = None
-            tried.append(gen)
-            if self.retries >= retries:
-                raise self._last_error
-            self.retries += 1
-            front.metrics.retries.labels("gen").inc()
+                await self._drop_gen(f"generate: {describe(exc)}")
+            self._count_retry()
+
+    async def _drop_gen(self, why: str) -> None:
+        """The hand-off to ``self.gen`` failed before it took the request (unreachable, or it refused):
+        it is marked down and excluded from this flight's next pick; the KV is still the CTX's."""
+        gen = self.gen
+        assert gen is not None
+        self.front.cluster.mark_down(gen, why)
+        if self.stream is not None:
+            with contextlib.suppress(*CONTROL_ERRORS):
+                await self.stream.aclose()
+            self.stream = None
+        self.sent = False
+        self._let_go(gen)
+        self.gen = None
+        self._tried_gens.append(gen)
+
+    def _count_retry(self) -> None:
+        """One more try on another GEN, or ``_last_error`` when the flight has had ``max_retries``."""
+        if self.retries >= self.front.cfg.max_retries:
+            raise self._last_error
+        self.retries += 1
+        self.front.metrics.retries.labels("gen").inc()
 
     async def _prefill(self, ctx: Node) -> dict[str, Any]:
         """The prefill call on ``ctx``, made so that a cancellation (its client went away) loses
@@ -195,6 +216,7 @@ class Flight:
         if self.stream is None:
             return
         last: float | None = None  # the first GEN message's wait is the KV transfer, not an inter-token gap
+        got_gen = False  # a message from the GEN that took the request
         itl = self.front.metrics.itl
         while self.text.finish_reason is None:
             try:
@@ -213,9 +235,24 @@ class Flight:
                                       code="gen_unavailable", retry_after=self.front.cfg.routing.retry_after_s)
                 return
             if msg.get("ok") is False:
-                self.error = ApiError(503, f"GEN refused the request: {msg.get('error')}", code="gen_refused",
-                                      retry_after=self.front.cfg.routing.retry_after_s)
-                return
+                assert self.gen is not None
+                refused = ApiError(503, f"GEN {self.gen.addr} refused the request: {msg.get('error')}",
+                                   code="gen_refused", retry_after=self.front.cfg.routing.retry_after_s)
+                if got_gen:  # it had taken the request: its tokens may have gone out
+                    self.error = refused
+                    return
+                # a refusal before any output is a hand-off that failed: GEN touched nothing, so the
+                # CTX still holds the KV for another GEN (aclose releases it if none takes it)
+                self._last_error = refused
+                await self._drop_gen(f"refused generate: {str(msg.get('error'))[:200]}")
+                try:
+                    self._count_retry()
+                    await self._hand_off()
+                except ApiError as exc:
+                    self.error = exc
+                    return
+                continue
+            got_gen = True
             tokens = msg.get("tokens")
             if tokens:
                 now = time.perf_counter()
@@ -246,8 +283,13 @@ class Flight:
             if self.stream is not None:
                 with contextlib.suppress(*CONTROL_ERRORS):
                     await self.stream.aclose()  # before "done": GEN aborts it and tells CTX to free its copy
-            pulled = self.sent and self.gen is not None and self.gen.mode != "ideal"  # an ideal GEN pulls nothing
-            if self.handle is not None and self.ctx is not None and (not pulled or self.gen_state not in (None, "finished")):
+            # GEN frees the CTX's copy (its pull, or its abort when the front closes the stream before
+            # "done") only while it is there to: with no generate sent, an ``ideal`` GEN (it pulls
+            # nothing), a request GEN ended unfinished, or a GEN that failed (refused, died, timed
+            # out: maybe before its pull) it is released here, harmless when GEN pulled it after all
+            gen_frees = (self.sent and self.gen is not None and self.gen.mode != "ideal" and self.error is None
+                         and self.gen_state in (None, "finished"))
+            if self.handle is not None and self.ctx is not None and not gen_frees:
                 front.spawn_release(self.ctx, self.g.request_id, self.handle)
         for node in list(self._held):
             self._let_go(node)
