@@ -305,6 +305,7 @@ M = [
   ("front: a GEN refusal before any token is a failed hand-off", "examples/serve/_flight.py", "                if got_gen:  # it had taken the request", "                if True:  # it had taken the request", "tests/test_front_faults.py -k refusal"),
   ("front: a GEN that refused is marked down", "examples/serve/_flight.py", "        self.front.cluster.mark_down(gen, why)\n", "", "tests/test_front_faults.py -k refusal"),
   ("front: a GEN that failed has the CTX copy released", "examples/serve/_flight.py", " and self.error is None\n", "\n", "tests/test_front_faults.py -k dies_before"),
+  ("front: a temperature below 1e-5 is greedy", "examples/serve/_api.py", "    if temperature < _MIN_TEMPERATURE:", "    if temperature < 0:", "tests/test_front_routing.py -k temperature"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

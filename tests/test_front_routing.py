@@ -13,6 +13,7 @@ from anyio import wait_all_tasks_blocked
 from starlette.testclient import TestClient
 
 from examples.serve._admission import Admission
+from examples.serve import _api
 from examples.serve._api import ApiError
 from examples.serve._app import VERSION, Front
 from examples.serve.cluster import Cluster, Node, Router, describe
@@ -240,6 +241,21 @@ def test_n_over_max_concurrent_requests_is_a_400() -> None:
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": 3, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert "max_concurrent_requests" in r.json()["error"]["message"]
+
+
+def test_a_temperature_below_1e_5_is_greedy() -> None:
+    """Logits divided by 5e-324 overflow to inf and the sampler always drew EOS: vLLM reads a
+    temperature under 1e-5 as greedy, and so does the front (no sampling sent to the nodes)."""
+    cfg = parse({"model": "tiny", "ctx": [{"addr": "127.0.0.1:9"}], "gen": [{"addr": "127.0.0.1:9"}]})
+
+    def sampling(**fields: Any) -> Any:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 4, **fields}
+        return _api.parse_completion(body, model="tiny", limits=cfg.limits, max_model_len=cfg.limits.max_model_len).sampling
+
+    for tiny in (5e-324, 1e-300, 9.9e-6):
+        assert sampling(temperature=tiny) is None, tiny
+    assert sampling(temperature=tiny, min_tokens=2)["temperature"] == 0  # sampled for min_tokens, still greedy
+    assert sampling(temperature=1e-5)["temperature"] == 1e-5
 
 
 # -- the HTTP surface -----------------------------------------------------------------------------
