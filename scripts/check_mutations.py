@@ -306,6 +306,8 @@ M = [
   ("front: a GEN that refused is marked down", "examples/serve/_flight.py", "        self.front.cluster.mark_down(gen, why)\n", "", "tests/test_front_faults.py -k refusal"),
   ("front: a GEN that failed has the CTX copy released", "examples/serve/_flight.py", " and self.error is None\n", "\n", "tests/test_front_faults.py -k dies_before"),
   ("front: a temperature below 1e-5 is greedy", "examples/serve/_api.py", "    if temperature < _MIN_TEMPERATURE:", "    if temperature < 0:", "tests/test_front_routing.py -k temperature"),
+  ("front: no stop string before min_tokens", "examples/serve/_api.py", "if len(self.token_ids) >= self.min_tokens and self._find_stop(start):", "if self._find_stop(start):", "tests/test_front_routing.py -k min_tokens"),
+  ("front: a flight's text knows min_tokens", "examples/serve/_flight.py", "                               min_tokens=g.min_tokens)", "                               )", "tests/test_front_faults.py -k min_tokens"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -252,3 +252,12 @@ async def test_a_gen_that_dies_before_it_pulled_has_the_ctx_copy_released() -> N
         assert len(ctx.prefills) == 2 and dying.generates == ctx.prefills[:1]
         await wait_until(lambda: ctx.released == ctx.prefills[:1])
         assert ctx.held == {}
+
+
+async def test_min_tokens_holds_stop_strings_back() -> None:
+    """vLLM applies no stop string before min_tokens tokens: the CTX's "A", then GEN's "a"s."""
+    async with front_on([FakeCtx()], [FakeGen()]) as (front, http):
+        await wait_until(front.cluster.ready)
+        r = await http.post("/v1/completions", json=completion(max_tokens=8, min_tokens=6, stop="a"))
+        choice, used = r.json()["choices"][0], r.json()["usage"]
+        assert (choice["text"], choice["finish_reason"], used["completion_tokens"]) == ("Aaaaa", "stop", 6)

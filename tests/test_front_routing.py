@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from examples.serve._admission import Admission
 from examples.serve import _api
-from examples.serve._api import ApiError
+from examples.serve._api import ApiError, TextStream
 from examples.serve._app import VERSION, Front
 from examples.serve.cluster import Cluster, Node, Router, describe
 from examples.serve.config import ConfigError, parse
@@ -256,6 +256,14 @@ def test_a_temperature_below_1e_5_is_greedy() -> None:
         assert sampling(temperature=tiny) is None, tiny
     assert sampling(temperature=tiny, min_tokens=2)["temperature"] == 0  # sampled for min_tokens, still greedy
     assert sampling(temperature=1e-5)["temperature"] == 1e-5
+
+
+def test_no_stop_string_before_min_tokens() -> None:
+    s = TextStream(max_tokens=8, stop=("a",), min_tokens=6)
+    assert s.feed([*b"Aaaa"]) == "Aaaa" and s.finish_reason is None
+    assert s.feed([*b"aaaa"]) == "a" and s.finish_reason == "stop" and len(s.token_ids) == 6
+    s = TextStream(max_tokens=8, stop=("xy",), min_tokens=3)  # the first "xy" came too early: the second ends it
+    assert s.feed([*b"xyxyxy"]) == "xy" and s.finish_reason == "stop" and len(s.token_ids) == 4
 
 
 # -- the HTTP surface -----------------------------------------------------------------------------

@@ -365,11 +365,13 @@ class TextStream:
 
     Text that might be the start of a stop string is held back until the next token decides; a stop
     string ends the output and is not part of it (nor is EOS). ``finish_reason`` is None until the
-    output ended (``stop`` or ``length``); tokens fed after that are ignored."""
+    output ended (``stop`` or ``length``); tokens fed after that are ignored. As in vLLM, no stop
+    string ends the output before ``min_tokens`` tokens (EOS and stop tokens cannot be drawn then)."""
 
     def __init__(self, *, max_tokens: int, stop: tuple[str, ...] = (), ignore_eos: bool = False,
-                 stop_token_ids: tuple[int, ...] = (), include_stop_str: bool = False) -> None:
+                 stop_token_ids: tuple[int, ...] = (), include_stop_str: bool = False, min_tokens: int = 0) -> None:
         self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
         self.stop = stop
         self.ignore_eos = ignore_eos
         self.stop_token_ids = frozenset(stop_token_ids)
@@ -404,7 +406,7 @@ class TextStream:
                 break
             if 0 <= t < 256:
                 self._text += self._decoder.decode(bytes((t,)))
-            if self._find_stop(start):
+            if len(self.token_ids) >= self.min_tokens and self._find_stop(start):
                 break
             if len(self.token_ids) >= self.max_tokens:
                 self._finish("length")

@@ -40,7 +40,8 @@ class Flight:
         self.endpoint = endpoint
         self.t0 = t0
         self.text = TextStream(max_tokens=g.max_tokens, stop=g.stop, ignore_eos=g.ignore_eos,
-                               stop_token_ids=g.stop_token_ids, include_stop_str=g.include_stop_str)
+                               stop_token_ids=g.stop_token_ids, include_stop_str=g.include_stop_str,
+                               min_tokens=g.min_tokens)
         self.ctx: Node | None = None
         self.gen: Node | None = None
         self.handle: str | None = None
