@@ -308,6 +308,8 @@ M = [
   ("front: a temperature below 1e-5 is greedy", "examples/serve/_api.py", "    if temperature < _MIN_TEMPERATURE:", "    if temperature < 0:", "tests/test_front_routing.py -k temperature"),
   ("front: no stop string before min_tokens", "examples/serve/_api.py", "if len(self.token_ids) >= self.min_tokens and self._find_stop(start):", "if self._find_stop(start):", "tests/test_front_routing.py -k min_tokens"),
   ("front: a flight's text knows min_tokens", "examples/serve/_flight.py", "                               min_tokens=g.min_tokens)", "                               )", "tests/test_front_faults.py -k min_tokens"),
+  ("front: serves while etcd is unreachable at start", "examples/serve/_app.py", "            self.etcd_error = str(exc)[:300]\n            start()\n", "            self.etcd_error = str(exc)[:300]\n", "tests/test_front_faults.py -k etcd_is_unreachable"),
+  ("etcd: the watch reports each failure", "examples/two_node/membership.py", "                if on_error is not None:\n                    on_error(exc)\n", "", "tests/test_front_faults.py -k etcd_is_unreachable"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -261,3 +261,17 @@ async def test_min_tokens_holds_stop_strings_back() -> None:
         r = await http.post("/v1/completions", json=completion(max_tokens=8, min_tokens=6, stop="a"))
         choice, used = r.json()["choices"][0], r.json()["usage"]
         assert (choice["text"], choice["finish_reason"], used["completion_tokens"]) == ("Aaaaa", "stop", 6)
+
+
+# -- etcd ------------------------------------------------------------------------------------------
+
+async def test_a_front_serves_its_fixed_nodes_while_etcd_is_unreachable() -> None:
+    """etcd down when the front starts: it serves its fixed nodes at once, says why in /health, and
+    keeps trying etcd in the background."""
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    async with front_on([FakeCtx()], [FakeGen()], etcd={"url": dead, "prefix": "/kvo/none/"}) as (front, http):
+        await wait_until(front.cluster.ready)
+        assert (await http.post("/v1/completions", json=completion())).status_code == 200
+        health = (await http.get("/health")).json()
+        assert health["status"] == "ok" and health["etcd"]["url"] == dead and health["etcd"]["ok"] is False
+        assert "127.0.0.1" in health["etcd"]["error"]

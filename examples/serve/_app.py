@@ -133,6 +133,8 @@ class Front:
         self.metrics.queued.set_function(lambda: self.admission.statistics().waiting)
         self.created = int(time.time())
         self._tg: anyio.abc.TaskGroup | None = None
+        self.etcd_error: str | None = None
+        """Why the last listing or watch of etcd failed (None: it works, or no etcd)."""
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -153,8 +155,8 @@ class Front:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            if self.cfg.etcd is not None:  # the nodes registered in etcd, then as they come and go
-                await tg.start(self._watch_members)
+            if self.cfg.etcd is not None:  # the nodes registered in etcd, then as they come and go; etcd
+                await tg.start(self._watch_members)  # unreachable: serve the fixed nodes, retry meanwhile
             await tg.start(self.cluster.run)
             if self.supervisor is not None:
                 tg.start_soon(self.supervisor.run)
@@ -191,13 +193,21 @@ class Front:
 
     async def health(self, request: Request) -> Response:
         body = self.cluster.health()
+        if self.cfg.etcd is not None:  # membership: whether the last look at etcd worked, else why not
+            body["etcd"] = {"url": self.cfg.etcd.url, "ok": self.etcd_error is None, "error": self.etcd_error}
         ok = body["status"] == "ok"
         headers = {} if ok else {"Retry-After": str(self.cfg.routing.retry_after_s)}
         return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
     async def _watch_members(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         assert self.cfg.etcd is not None and self._tg is not None
-        tg, listed = self._tg, False
+        tg, listed, started = self._tg, False, False
+
+        def start() -> None:  # after the first attempt, whatever its outcome: the front serves meanwhile
+            nonlocal started
+            if not started:
+                started = True
+                task_status.started()
 
         async def on_put(role: str, meta: dict[str, Any]) -> None:
             known = self.cluster.find(meta["ctrl"]) is not None
@@ -211,11 +221,16 @@ class Front:
         def on_listed() -> None:
             nonlocal listed
             listed = True
-            task_status.started()
+            self.etcd_error = None
+            start()
+
+        def on_error(exc: membership.EtcdError) -> None:
+            self.etcd_error = str(exc)[:300]
+            start()
 
         await membership.watch_members(self.cfg.etcd.url, self.cfg.etcd.prefix, on_put=on_put,
                                        on_delete=lambda role, ctrl: self.cluster.remove(ctrl, "left etcd"),
-                                       on_listed=on_listed)
+                                       on_listed=on_listed, on_error=on_error)
 
     async def admin_drain(self, request: Request) -> Response:
         """``POST /admin/drain {"node": "host:port"}``: the node takes nothing new from any front, finishes

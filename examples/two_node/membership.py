@@ -259,13 +259,14 @@ def add_args(p: Any) -> None:
 
 async def watch_members(url: str, prefix: str, *, on_put: Callable[[str, dict[str, Any]], Awaitable[None]],
                         on_delete: Callable[[str, str], None], on_listed: Callable[[], None] | None = None,
-                        retry_s: float = 0.5) -> None:
+                        on_error: Callable[[EtcdError], None] | None = None, retry_s: float = 0.5) -> None:
     """List ``prefix``, then follow it: ``on_put(role, value)`` for a node that registered (or changed,
     e.g. draining), ``on_delete(role, ctrl)`` for one that left. Re-lists after an etcd failure
-    (``on_put`` again for every node; nodes gone meanwhile are deleted)."""
+    (``on_put`` again for every node; nodes gone meanwhile are deleted). ``on_listed()`` after each
+    listing, ``on_error(exc)`` after each failure (etcd unreachable, at start too): it retries every
+    ``retry_s`` for as long as it runs."""
     etcd = Etcd(url)
     known: set[tuple[str, str]] = set()
-    first = True
     try:
         while True:
             try:
@@ -279,9 +280,8 @@ async def watch_members(url: str, prefix: str, *, on_put: Callable[[str, dict[st
                 for role, ctrl in known - now:
                     on_delete(role, ctrl)
                 known = now
-                if first and on_listed is not None:
+                if on_listed is not None:
                     on_listed()
-                first = False
                 async for kind, key, value in etcd.watch(prefix, revision + 1):
                     role_ctrl = key[len(prefix):].split("/", 1)
                     if len(role_ctrl) != 2:
@@ -294,6 +294,8 @@ async def watch_members(url: str, prefix: str, *, on_put: Callable[[str, dict[st
                         await on_put(*member)
             except EtcdError as exc:
                 log.warning("etcd_watch_failed", url=url, error=str(exc))
+                if on_error is not None:
+                    on_error(exc)
             await anyio.sleep(retry_s)
     finally:
         with anyio.CancelScope(shield=True):
