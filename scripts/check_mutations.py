@@ -310,6 +310,8 @@ M = [
   ("front: a flight's text knows min_tokens", "examples/serve/_flight.py", "                               min_tokens=g.min_tokens)", "                               )", "tests/test_front_faults.py -k min_tokens"),
   ("front: serves while etcd is unreachable at start", "examples/serve/_app.py", "            self.etcd_error = str(exc)[:300]\n            start()\n", "            self.etcd_error = str(exc)[:300]\n", "tests/test_front_faults.py -k etcd_is_unreachable"),
   ("etcd: the watch reports each failure", "examples/two_node/membership.py", "                if on_error is not None:\n                    on_error(exc)\n", "", "tests/test_front_faults.py -k etcd_is_unreachable"),
+  ("front: a retry keeps the request's deadline", "examples/serve/_app.py", "flight.endpoint, flight.t0, deadline=flight.deadline)", "flight.endpoint, flight.t0)", "tests/test_front_faults.py -k keeps_its_deadline"),
+  ("front: a slow prefill is the request's 504", "examples/serve/_flight.py", "            with anyio.fail_after(self._left_s()):\n                try:", "            with anyio.fail_after(None):\n                try:", "tests/test_front_faults.py -k slower_than"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -275,3 +275,40 @@ async def test_a_front_serves_its_fixed_nodes_while_etcd_is_unreachable() -> Non
         health = (await http.get("/health")).json()
         assert health["status"] == "ok" and health["etcd"]["url"] == dead and health["etcd"]["ok"] is False
         assert "127.0.0.1" in health["etcd"]["error"]
+
+
+# -- request_timeout_s ------------------------------------------------------------------------------
+
+async def test_a_prefill_slower_than_the_request_timeout_is_a_504_and_its_kv_released() -> None:
+    """The request's time ran out, not the CTX: a 504, the CTX still up, and the prefill's KV (it
+    answers late, to nobody) released at once, not left to the CTX's lease."""
+    ctx, gen = FakeCtx(delay_s=1.5), FakeGen()
+    async with front_on([ctx], [gen], routing={"request_timeout_s": 0.3, "stats_interval_s": 0.2,
+                                               "connect_timeout_s": 2}) as (front, http):
+        await wait_until(front.cluster.ready)
+        r = await http.post("/v1/completions", json=completion())
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert gen.generates == []  # the 504 came at the deadline, while the prefill still ran
+        assert front.cluster.find(ctx.addr).up  # type: ignore[union-attr]
+        assert front.metrics.retries.labels("ctx")._value.get() == 0
+        await wait_until(lambda: len(ctx.prefills) == 1 and ctx.released == ctx.prefills)
+        assert ctx.held == {}
+
+
+async def test_a_retried_request_keeps_its_deadline() -> None:
+    """Not streamed, a GEN that dies costs a retry of the whole flight: within the same
+    request_timeout_s, not a fresh one (1 s here; the retry alone would fit in it, both do not)."""
+    ctx = FakeCtx()
+
+    async def die_late(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:
+        await anyio.sleep(0.7)
+        await stream.aclose()
+
+    slow = FakeGen(ctx=ctx, delay_s=0.2)  # 3 tokens from GEN: 0.6 s
+    async with front_on([ctx], [FakeGen(die_late), slow], router={"ctx": "round_robin", "gen": "round_robin"},
+                        routing={"request_timeout_s": 1, "stats_interval_s": 0.2, "connect_timeout_s": 2}) as (front, http):
+        await wait_until(front.cluster.ready)
+        r = await http.post("/v1/completions", json=completion(max_tokens=4))
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert len(slow.generates) == 1  # it was retried, and that retry ran out of the request's time
+        await wait_until(lambda: ctx.held == {})

@@ -282,7 +282,7 @@ class Front:
         g: Generation = parse(body, model=self.cfg.model, limits=limits, max_model_len=self.max_model_len)
         if g.stream and g.n == 1:
             await self.admission.enter()
-            flight = Flight(self, g, endpoint, t0)
+            flight = Flight(self, g, endpoint, t0)  # request_timeout_s from here
             try:
                 await flight.start()
             except BaseException:
@@ -290,7 +290,8 @@ class Front:
                 raise
             return _FlightResponse(flight)
         await self.admission.enter(g.n)  # every choice's slot at once (one by one, two requests could deadlock)
-        flights = [Flight(self, g.choice(i), endpoint, t0) for i in range(g.n)]  # each gives its slot back
+        deadline = time.monotonic() + self.cfg.routing.request_timeout_s  # one for the request: every choice, every retry
+        flights = [Flight(self, g.choice(i), endpoint, t0, deadline=deadline) for i in range(g.n)]  # each gives its slot back
         if g.stream:  # n choices in one stream, each chunk naming its choice's index
             try:
                 for f in flights:
@@ -348,7 +349,7 @@ class Front:
                     flight.retries >= self.cfg.max_retries:
                 return
             again = Flight(self, dataclasses.replace(flight.g, request_id=f"{flight.g.request_id}-r{flight.retries + 1}"),
-                           flight.endpoint, flight.t0)
+                           flight.endpoint, flight.t0, deadline=flight.deadline)
             again.retries = flight.retries + 1
             flights[i] = again  # first: a cancellation from here on closes the new one (the caller's finally)
             flight.holds_slot = False  # its admission slot goes to the new flight

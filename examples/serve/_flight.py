@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 class Flight:
     """One request through a CTX and a GEN node; ``aclose`` gives everything back exactly once."""
 
-    def __init__(self, front: Front, g: Generation, endpoint: str, t0: float) -> None:
+    def __init__(self, front: Front, g: Generation, endpoint: str, t0: float, *, deadline: float | None = None) -> None:
         self.front = front
         self.g = g
         self.endpoint = endpoint
@@ -51,7 +51,8 @@ class Flight:
         self.sent = False
         """``generate`` reached GEN: from then on GEN pulls the KV, or tells CTX to free it."""
         self.error: ApiError | None = None
-        self.deadline = time.monotonic() + front.cfg.routing.request_timeout_s
+        self.deadline = time.monotonic() + front.cfg.routing.request_timeout_s if deadline is None else deadline
+        """When ``request_timeout_s`` ends for the HTTP request (shared by its choices and retries): 504."""
         self.retries = 0
         """Prefills and hand-offs tried again on another node."""
         self.logprobs: list[Any] = []
@@ -185,12 +186,13 @@ class Flight:
         left = False
 
         async def call() -> None:
-            try:
+            try:  # its timeout is later than the request's deadline, which the caller keeps: a prefill
+                # that answers after the deadline is still seen here, and released
                 box["answer"] = await control.call(ctx.addr, {
                     "op": "prefill", "request_id": g.request_id, "prompt_ids": g.prompt_ids, "max_tokens": g.max_tokens,
                     **({"sampling": g.sampling} if g.sampling else {}),
                     **({"logprobs": g.logprobs} if g.logprobs is not None else {}),
-                }, secret=front.secret, timeout=front.cfg.routing.request_timeout_s)
+                }, secret=front.secret, timeout=front.cfg.routing.request_timeout_s + front.cfg.routing.connect_timeout_s)
             except Exception as exc:
                 box["error"] = exc
             finally:
@@ -200,15 +202,26 @@ class Flight:
 
         front.spawn(call)
         try:
-            await done.wait()
-        except anyio.get_cancelled_exc_class():
-            left = True
-            if "answer" in box:  # it answered as the caller was cancelled: released here, once
-                front.spawn_release(ctx, g.request_id, box["answer"]["kv_handle"])
-            raise
+            with anyio.fail_after(self._left_s()):
+                try:
+                    await done.wait()
+                except anyio.get_cancelled_exc_class():  # the client went away, or the deadline passed
+                    left = True
+                    if "answer" in box:  # it answered as the caller was cancelled: released here, once
+                        front.spawn_release(ctx, g.request_id, box["answer"]["kv_handle"])
+                    raise
+        except TimeoutError:  # the request's time is up, not the CTX's fault: nothing marked down
+            raise self._timed_out() from None
         if "error" in box:
             raise box["error"]
         return box["answer"]  # type: ignore[no-any-return]
+
+    def _left_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    @staticmethod
+    def _timed_out() -> ApiError:
+        return ApiError(504, "the request timed out", code="timeout", type="server_error")
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
         """(text, token ids) as they come, the first token's first; ends with ``text.finish_reason`` set
@@ -221,10 +234,10 @@ class Flight:
         itl = self.front.metrics.itl
         while self.text.finish_reason is None:
             try:
-                with anyio.fail_after(max(0.0, self.deadline - time.monotonic())):
+                with anyio.fail_after(self._left_s()):
                     msg = await self.stream.receive()
             except TimeoutError:
-                self.error = ApiError(504, "the request timed out", code="timeout", type="server_error")
+                self.error = self._timed_out()
                 return
             except CONTROL_ERRORS as exc:
                 assert self.gen is not None
