@@ -312,6 +312,9 @@ M = [
   ("etcd: the watch reports each failure", "examples/two_node/membership.py", "                if on_error is not None:\n                    on_error(exc)\n", "", "tests/test_front_faults.py -k etcd_is_unreachable"),
   ("front: a retry keeps the request's deadline", "examples/serve/_app.py", "flight.endpoint, flight.t0, deadline=flight.deadline)", "flight.endpoint, flight.t0)", "tests/test_front_faults.py -k keeps_its_deadline"),
   ("front: a slow prefill is the request's 504", "examples/serve/_flight.py", "            with anyio.fail_after(self._left_s()):\n                try:", "            with anyio.fail_after(None):\n                try:", "tests/test_front_faults.py -k slower_than"),
+  ("front: a failing /health is counted", "examples/serve/_app.py", "        if not ok:  # /health is counted when it fails", "        if False:  # /health is counted when it fails", "tests/test_front_faults.py -k health_check_is_counted"),
+  ("front: a flight replaced by a retry is not counted", "examples/serve/_app.py", "            flight.counted = False  # and the request", "            pass  # and the request", "tests/test_front_faults.py -k counted_once"),
+  ("front: only a request's first try observes the TTFT", "examples/serve/_app.py", "again.retries, again.first_try = flight.retries + 1, False", "again.retries = flight.retries + 1", "tests/test_front_faults.py -k counted_once"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

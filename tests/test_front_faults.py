@@ -78,13 +78,14 @@ class FakeGen:
         self.behaviour = behaviour
         self.ctx = ctx
         self.delay_s = delay_s
+        self.healthy = True
         self.generates: list[str] = []
         self.addr = ""
 
     async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
         op = msg.get("op")
         if op == "stats":
-            await stream.send({"ok": True, "healthy": True, "mode": "orchestrated",
+            await stream.send({"ok": True, "healthy": self.healthy, "mode": "orchestrated",
                                "engine": {"waiting": 0, "receiving": 0, "ready": 0, "running": 0,
                                           "pool": {"used_blocks": 0}}})
         elif op == "generate":
@@ -312,3 +313,40 @@ async def test_a_retried_request_keeps_its_deadline() -> None:
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
         assert len(slow.generates) == 1  # it was retried, and that retry ran out of the request's time
         await wait_until(lambda: ctx.held == {})
+
+
+# -- metrics, per HTTP request --------------------------------------------------------------------
+
+def sample(front: Front, name: str, **labels: str) -> float:
+    return front.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_a_failing_health_check_is_counted() -> None:
+    gen = FakeGen()
+    gen.healthy = False
+    async with front_on([FakeCtx()], [gen]) as (front, http):
+        await wait_until(lambda: front.cluster.find(gen.addr).stats is not None)  # type: ignore[union-attr]
+        assert (await http.get("/health")).status_code == 503
+        assert sample(front, "kvo_front_requests_total", endpoint="/health", status="503") == 1
+
+
+async def test_a_retried_request_is_counted_once() -> None:
+    """Not streamed, a GEN that died costs a retry of the whole flight: one request, one finish
+    (length, no error), one TTFT, and the 4 tokens returned (not the dead flight's too)."""
+    ctx = FakeCtx()
+
+    async def die(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:
+        await stream.send({"tokens": [97]})
+        await stream.aclose()
+
+    async with front_on([ctx], [FakeGen(die), FakeGen(ctx=ctx)],
+                        router={"ctx": "round_robin", "gen": "round_robin"}) as (front, http):
+        await wait_until(front.cluster.ready)
+        r = await http.post("/v1/completions", json=completion(max_tokens=4))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert sample(front, "kvo_front_retries_total", role="gen") == 1
+        assert sample(front, "kvo_front_requests_total", endpoint="/v1/completions", status="200") == 1
+        assert sample(front, "kvo_front_requests_finished_total", finish_reason="length") == 1
+        assert sample(front, "kvo_front_requests_finished_total", finish_reason="error") == 0
+        assert sample(front, "kvo_front_time_to_first_token_seconds_count") == 1
+        assert sample(front, "kvo_front_generation_tokens_total") == 4

@@ -196,6 +196,8 @@ class Front:
         if self.cfg.etcd is not None:  # membership: whether the last look at etcd worked, else why not
             body["etcd"] = {"url": self.cfg.etcd.url, "ok": self.etcd_error is None, "error": self.etcd_error}
         ok = body["status"] == "ok"
+        if not ok:  # /health is counted when it fails
+            self.metrics.requests.labels("/health", "503").inc()
         headers = {} if ok else {"Retry-After": str(self.cfg.routing.retry_after_s)}
         return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
@@ -350,9 +352,10 @@ class Front:
                 return
             again = Flight(self, dataclasses.replace(flight.g, request_id=f"{flight.g.request_id}-r{flight.retries + 1}"),
                            flight.endpoint, flight.t0, deadline=flight.deadline)
-            again.retries = flight.retries + 1
+            again.retries, again.first_try = flight.retries + 1, False
             flights[i] = again  # first: a cancellation from here on closes the new one (the caller's finally)
             flight.holds_slot = False  # its admission slot goes to the new flight
+            flight.counted = False  # and the request is counted once, by the new flight
             await flight.aclose()
             self.metrics.retries.labels("gen").inc()
             log.info("flight_retried", request_id=flight.g.request_id, error=err.message)

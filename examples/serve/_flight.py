@@ -61,6 +61,11 @@ class Flight:
                                     retry_after=front.cfg.routing.retry_after_s)
         self.holds_slot = True
         """It holds an admission slot (given back by ``aclose``, or handed to a retry of it)."""
+        self.counted = True
+        """``aclose`` records it in the request metrics (finished, tokens returned, e2e); not a flight
+        replaced by a retry of it: a request is counted once, by its last flight."""
+        self.first_try = True
+        """Not a retry of an earlier flight of the same request (only the first observes the TTFT)."""
         self._tried_gens: list[Node] = []
         """GENs that failed this flight's hand-off (unreachable, refused): not picked again for it."""
         self._held: list[Node] = []
@@ -114,7 +119,8 @@ class Flight:
             self.retries += 1
             front.metrics.retries.labels("ctx").inc()
         self.handle = self.prefill["kv_handle"]
-        front.metrics.ttft.observe(time.perf_counter() - self.t0)
+        if self.first_try:
+            front.metrics.ttft.observe(time.perf_counter() - self.t0)
         front.metrics.prompt_tokens.inc(len(g.prompt_ids))
         self.text.feed([int(self.prefill["first_token"])])
         self.logprobs.append(self.prefill.get("first_logprobs"))
@@ -312,7 +318,7 @@ class Flight:
         m = front.metrics
         m.running.dec()
         reason = self.text.finish_reason or ("error" if self.error else "abort")
-        if self.prefill is not None:
+        if self.prefill is not None and self.counted:
             m.finished.labels(reason).inc()
             m.generation_tokens.inc(len(self.text.token_ids))
             if reason in ("stop", "length"):
