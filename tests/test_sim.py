@@ -216,6 +216,55 @@ def test_link_shares_bandwidth_among_its_transfers(concurrency: int, ends: list[
     assert done == pytest.approx(ends, abs=1e-6)
 
 
+def test_one_ctx_rank_sends_every_gen_ranks_heads_through_one_egress() -> None:
+    """CTX TP1 -> GEN TPn: the GEN ranks' pulls share the CTX's NIC (``ctx_nic_gbyte_s``), so a
+    request's transfer takes as long at GEN TP4 as at TP1 when the NIC is as fast as one GEN link,
+    and a quarter of it when the NIC is four times as fast."""
+    def kv_transfer_ms(**kw):
+        p = tiny(concurrency=1, warmup=0, requests=4, isl_choices=(), isl=48, max_tokens_in_buffer=160, connect_ms=0.0,
+                 **kw)
+        return replay(p, "orchestrated").kv_wait_ms_mean - replay(p, "ideal").kv_wait_ms_mean
+
+    alone = tiny().kv_bytes_per_token() * 48 / (tiny().link_gbyte_s * 1e9) * 1e3  # 24.6 ms over one link
+    for tp in (1, 2, 4):
+        assert kv_transfer_ms(gen_tp=tp) == pytest.approx(alone, rel=0.05)
+    assert kv_transfer_ms(gen_tp=4, ctx_nic_gbyte_s=4 * tiny().link_gbyte_s) == pytest.approx(alone / 4, rel=0.1)
+    assert tiny(gen_tp=4).transfer_s(48) * 1e3 == pytest.approx(alone, rel=0.01)
+
+
+def test_a_transfer_shorter_than_the_clocks_resolution_still_ends() -> None:
+    """At a bandwidth where bytes / bandwidth is below float resolution at the current time, the
+    link ends the transfer instead of rescheduling it at the same instant forever."""
+    out = {}
+
+    async def main():
+        await trio.sleep(1.0)
+        link = ModelledLink(1e15, 1e-4, 2)
+        await link.transfer(12288)
+        out["t"] = trio.current_time()
+
+    t = threading.Thread(target=lambda: trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and out["t"] == pytest.approx(1.0001)
+
+
+@pytest.mark.parametrize("change, name", [
+    ({"link_gbyte_s": 0.0}, "link_gbyte_s"), ({"link_gbyte_s": float("inf")}, "link_gbyte_s"),
+    ({"ctx_nic_gbyte_s": 0.0}, "ctx_nic_gbyte_s"), ({"ctx_prefill_slots": 0}, "ctx_prefill_slots"),
+    ({"link_concurrency": 0}, "link_concurrency"), ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"step_base_ms": -1.0}, "step_base_ms"), ({"idle_poll_ms": 0.0}, "idle_poll_ms"),
+    ({"kv_pool_requests": 0}, "kv_pool_requests")])
+def test_parameters_a_replay_cannot_run_with_are_refused_up_front(change, name) -> None:
+    with pytest.raises(ValueError, match=name):
+        replay(tiny(**change), "orchestrated")
+    from examples.sim.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--preset", "tiny", "--jobs", "1", *(a for k, v in change.items() for a in ("--set", f"{k}={v}"))])
+    assert exc.value.code == 2
+
+
 def test_public_case_parameters_come_from_the_seed_and_model_card() -> None:
     p = public_case()
     assert p.step_s(72) * 1e3 == pytest.approx(4.337, abs=1e-3)

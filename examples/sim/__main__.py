@@ -39,11 +39,15 @@ def _parse_set(params: SimParams, items: list[str]) -> SimParams:
             changes[key] = value.lower() in ("1", "true", "yes")
         elif isinstance(current, tuple):
             changes[key] = tuple(int(v) for v in value.split(",") if v)
-        elif key == "max_prefetch_seqs" or key == "kv_pool_requests":
-            changes[key] = None if value.lower() == "none" else int(value)
+        elif key in _OPTIONAL:
+            changes[key] = None if value.lower() == "none" else _OPTIONAL[key](value)
         else:
-            changes[key] = type(current)(value) if current is not None else int(value)
+            changes[key] = type(current)(value)
     return dataclasses.replace(params, **changes)
+
+
+_OPTIONAL = {"max_prefetch_seqs": int, "kv_pool_requests": int, "ctx_nic_gbyte_s": float}
+"""Parameters whose default is None, with the type of any other value."""
 
 
 def print_params(p: SimParams, out: Any = sys.stdout) -> None:
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
     quiet_logs()
     params = _parse_set(PRESETS[args.preset](), args.set)
+    try:
+        params.check()
+    except ValueError as exc:
+        ap.error(f"--preset {args.preset} --set ...: {exc}")
     if args.check:
         from ._check import main as check_main
 

@@ -6,6 +6,8 @@
                      ctx_prefill_ms_per_ktok x ISL / 1000
     link             one per (CTX, GEN rank): latency + bytes / bandwidth, the bandwidth shared
                      equally by the transfers on it, at most link_concurrency at once (FIFO beyond)
+    CTX egress       one NIC per CTX rank (CTX TP1: one), ctx_nic_gbyte_s, crossed by every GEN
+                     rank's pulls: a transfer runs at the smaller of its two fair shares
     KV geometry      layers x KV heads x head dim x dtype, paged in blocks of block_size tokens;
                      each GEN rank holds and pulls num_kv_heads / gen_tp heads
     budget           max_tokens_in_buffer tokens of KV per rank (OrchestratorConfig.transfer_budget_for_tokens)
@@ -19,6 +21,7 @@ shapes and byte counts, no memory), so a replay at the public case's geometry fi
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -65,6 +68,9 @@ class SimParams:
     ctx_prefill_ms_per_ktok: float = round(1024 / SEED["v1_output_tok_s"] * 1e3 / 8.192, 4)
     ctx_prefill_slots: int = 1
     link_gbyte_s: float = 50.0
+    ctx_nic_gbyte_s: float | None = None
+    """The CTX rank's egress, shared by the pulls of every GEN rank; None: one NIC as fast as a GEN
+    rank's link (``link_gbyte_s``)."""
     link_latency_us: float = 10.0
     link_concurrency: int = 4
     connect_ms: float = 1.0
@@ -104,6 +110,12 @@ class SimParams:
     def prefill_s(self, isl: int) -> float:
         return (self.ctx_prefill_base_ms + self.ctx_prefill_ms_per_ktok * isl / 1e3) / 1e3
 
+    def transfer_s(self, isl: int) -> float:
+        """One request's transfer alone on the links: a GEN rank's slice over its link, or every
+        rank's slices over the CTX's egress, whichever takes longer."""
+        whole = self.kv_bytes_per_token() * isl
+        return max(whole / self.gen_tp / (self.link_gbyte_s * 1e9), whole / self.ctx_nic_bytes_s())
+
     @property
     def heads_per_rank(self) -> int:
         return self.num_kv_heads // self.gen_tp
@@ -124,19 +136,41 @@ class SimParams:
         rng = random.Random(self.seed)
         return [rng.choice(self.isl_choices) for _ in range(n)]
 
+    def ctx_nic_bytes_s(self) -> float:
+        return (self.link_gbyte_s if self.ctx_nic_gbyte_s is None else self.ctx_nic_gbyte_s) * 1e9
+
     def check(self) -> None:
+        """Raise ``ValueError`` naming the first parameter a replay cannot run with (one that would
+        hang it, divide by zero or mean nothing)."""
         if self.num_kv_heads % self.gen_tp:
             raise ValueError(f"{self.num_kv_heads} KV heads do not split over GEN TP {self.gen_tp}")
         if min(self.concurrency, self.requests, self.osl, self.iterations_per_step) < 1 or self.warmup < 0:
             raise ValueError("concurrency, requests and osl must be >= 1, warmup >= 0")
+        at_least_one = ("num_layers", "num_kv_heads", "head_dim", "block_size", "isl", "gen_tp", "ctx_prefill_slots",
+                        "link_concurrency", "max_tokens_in_buffer", "max_num_seqs", "kv_transfer_timeout_ms")
+        for name in at_least_one:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_prefetch_seqs", "kv_pool_requests"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        if any(n < 1 for n in self.isl_choices):
+            raise ValueError(f"isl_choices must all be >= 1, got {self.isl_choices}")
+        positive = ["link_gbyte_s", "idle_poll_ms"] + ([] if self.ctx_nic_gbyte_s is None else ["ctx_nic_gbyte_s"])
+        non_negative = ("step_base_ms", "step_per_seq_us", "ctx_prefill_base_ms", "ctx_prefill_ms_per_ktok",
+                        "link_latency_us", "connect_ms", "host_us_per_pull", "inline_reserve_timeout_s")
+        for name in (*positive, *non_negative):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0 or (v == 0 and name in positive):
+                raise ValueError(f"{name} must be a finite number {'> 0' if name in positive else '>= 0'}, got {v}")
 
     def describe(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
         d["derived"] = {
             "kv_bytes_per_token_model": self.kv_bytes_per_token(),
             "kv_bytes_per_request_per_rank": self.kv_bytes_per_token() * max(self.isl_choices or (self.isl,)) // self.gen_tp,
-            "transfer_s_per_request_per_rank": self.kv_bytes_per_token() * (max(self.isl_choices or (self.isl,)))
-            / self.gen_tp / (self.link_gbyte_s * 1e9),
+            "transfer_s_per_request_per_rank": self.transfer_s(max(self.isl_choices or (self.isl,))),
+            "ctx_nic_gbyte_s": self.ctx_nic_bytes_s() / 1e9,
             "step_ms_at_72": round(self.step_s(72) * 1e3, 4),
             "step_ms_at_80": round(self.step_s(80) * 1e3, 4),
             "prefill_ms_at_isl": round(self.prefill_s(self.isl) * 1e3, 3),
@@ -159,6 +193,9 @@ SOURCES = {
                                "(V1 was CTX-bound: GEN batch ~72 = 16,084 tok/s x 4.464 ms)",
     "ctx_prefill_slots": "ASSUMED: one prefill at a time on CTX TP1",
     "link_gbyte_s": "ASSUMED 50 GB/s per GEN rank (one 400 Gb/s NIC per GB200 GPU); the sweep varies it",
+    "ctx_nic_gbyte_s": "ASSUMED one 400 Gb/s NIC per CTX GPU, as on GEN (None: = link_gbyte_s); CTX TP1 sends every "
+                       "GEN rank's heads through it, so GEN TP does not multiply the CTX's egress",
+    "idle_poll_ms": "REPLAY ONLY: an idle execution loop also wakes at a submission or a receive's end, else after this",
     "link_latency_us": "ASSUMED", "link_concurrency": "ASSUMED", "connect_ms": "ASSUMED (first connect per peer only)",
     "host_us_per_pull": "NOT MODELLED (0): no public figure for the host time a pull takes from TensorRT-LLM's "
                         "execution thread",
@@ -187,35 +224,63 @@ def tiny(**overrides: object) -> SimParams:
 PRESETS = {"public-case": public_case, "tiny": tiny}
 
 
+class _Flow:
+    __slots__ = ("remaining", "rate", "links", "scope")
+
+    def __init__(self, nbytes: float, links: tuple[ModelledLink, ...]) -> None:
+        self.remaining = nbytes
+        self.rate = 0.0
+        self.links = links
+        self.scope: trio.CancelScope | None = None
+
+
+class _Fabric:
+    """The transfers in flight over a set of links that share some of them (the GEN ranks' links
+    and the CTX's egress): each runs at the smallest fair share (bandwidth / transfers) among the
+    links it crosses, recomputed whenever one starts or ends. (Not max-min fair: a share a transfer
+    cannot use on one link is not handed to the others on it.)"""
+
+    def __init__(self) -> None:
+        self.flows: list[_Flow] = []
+        self._last = 0.0
+
+    def advance(self, now: float) -> None:
+        dt = now - self._last
+        if dt > 0:
+            for flow in self.flows:
+                flow.remaining -= dt * flow.rate
+        self._last = now
+
+    def reschedule(self, now: float) -> None:
+        for flow in self.flows:
+            flow.rate = min(link.bandwidth / link.active for link in flow.links)
+            if flow.scope is not None:
+                flow.scope.deadline = now + max(0.0, flow.remaining) / flow.rate
+
+
 class ModelledLink:
     """Transfers on one link: each waits for one of ``concurrency`` slots (FIFO), then ``latency``,
-    then its bytes flow at ``bandwidth / n`` while ``n`` transfers share the link (processor sharing)."""
+    then its bytes flow at ``bandwidth / n`` while ``n`` transfers share the link (processor sharing).
+    A transfer may also cross other links of the same fabric (``via``: the CTX's egress), and then
+    runs at the smallest of its fair shares (``_Fabric``).
 
-    def __init__(self, bandwidth_bytes_s: float, latency_s: float, concurrency: int) -> None:
+    A transfer ends at the deadline its rate gives it (not when its remaining bytes reach zero), so
+    a duration below the clock's float resolution still ends, at once."""
+
+    def __init__(self, bandwidth_bytes_s: float, latency_s: float, concurrency: int,
+                 fabric: _Fabric | None = None) -> None:
+        if not bandwidth_bytes_s > 0 or concurrency < 1:
+            raise ValueError(f"a link needs a bandwidth > 0 and concurrency >= 1, got {bandwidth_bytes_s}, {concurrency}")
         self.bandwidth = bandwidth_bytes_s
         self.latency = latency_s
+        self.fabric = fabric or _Fabric()
         self._slots = trio.Semaphore(concurrency)
-        self._active: list[list[float | trio.CancelScope | None]] = []  # [remaining bytes, scope]
-        self._last = 0.0
+        self.active = 0
         self.peak_active = 0
         self.bytes_in_flight = 0
         self.peak_bytes_in_flight = 0
 
-    def _advance(self, now: float) -> None:
-        if self._active:
-            drained = (now - self._last) * self.bandwidth / len(self._active)
-            for flow in self._active:
-                flow[0] = float(flow[0]) - drained  # type: ignore[arg-type]
-        self._last = now
-
-    def _reschedule(self, now: float) -> None:
-        n = len(self._active)
-        for flow in self._active:
-            scope = flow[1]
-            if scope is not None:
-                scope.deadline = now + max(0.0, float(flow[0])) * n / self.bandwidth  # type: ignore[union-attr,arg-type]
-
-    async def transfer(self, nbytes: int) -> None:
+    async def transfer(self, nbytes: int, via: Sequence[ModelledLink] = ()) -> None:
         try:  # a free slot is taken without a scheduling round (trio's acquire always yields once)
             self._slots.acquire_nowait()
         except trio.WouldBlock:
@@ -225,28 +290,39 @@ class ModelledLink:
             self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self.bytes_in_flight)
             try:
                 await trio.sleep(self.latency)
-                flow: list[float | trio.CancelScope | None] = [float(nbytes), None]
-                now = trio.current_time()
-                self._advance(now)
-                self._active.append(flow)
-                self.peak_active = max(self.peak_active, len(self._active))
-                try:
-                    while float(flow[0]) > 1e-6 * nbytes + 1e-9:  # type: ignore[arg-type]
-                        with trio.CancelScope() as scope:
-                            flow[1] = scope
-                            self._reschedule(trio.current_time())
-                            await trio.sleep_forever()
-                        flow[1] = None
-                        self._advance(trio.current_time())
-                finally:
-                    now = trio.current_time()
-                    self._advance(now)
-                    self._active.remove(flow)
-                    self._reschedule(now)
+                await self._flow(nbytes, (self, *via))
             finally:
                 self.bytes_in_flight -= nbytes
         finally:
             self._slots.release()
+
+    async def _flow(self, nbytes: int, links: tuple[ModelledLink, ...]) -> None:
+        fabric = self.fabric
+        flow = _Flow(float(nbytes), links)
+        fabric.advance(trio.current_time())
+        for link in links:
+            link.active += 1
+            link.peak_active = max(link.peak_active, link.active)
+        fabric.flows.append(flow)
+        try:
+            with trio.CancelScope() as scope:
+                flow.scope = scope
+                fabric.reschedule(trio.current_time())
+                await trio.sleep_forever()  # until its deadline (moved by every start and end)
+        finally:
+            flow.scope = None
+            now = trio.current_time()
+            fabric.advance(now)
+            fabric.flows.remove(flow)
+            for link in links:
+                link.active -= 1
+            fabric.reschedule(now)
+
+
+def ctx_egress(p: SimParams) -> ModelledLink:
+    """The CTX rank's NIC (``ctx_nic_gbyte_s``): no latency or slots of its own (the GEN links
+    have them), only bandwidth that every GEN rank's pulls share."""
+    return ModelledLink(p.ctx_nic_bytes_s(), 0.0, 1 << 30)
 
 
 class ModelledTransport:
@@ -258,10 +334,16 @@ class ModelledTransport:
 
     name = "modelled"
 
-    def __init__(self, params: SimParams, ready_at: dict[str, float] | None = None) -> None:
+    def __init__(self, params: SimParams, ready_at: dict[str, float] | None = None,
+                 ctx_nic: ModelledLink | None = None) -> None:
         self._p = params
         bw = params.link_gbyte_s * 1e9
-        self._links = {CTX_PEER: ModelledLink(bw, params.link_latency_us / 1e6, params.link_concurrency)}
+        self.ctx_nic = ctx_nic or ctx_egress(params)
+        """The CTX's egress: a replay gives every GEN rank's transport the same one."""
+        self._links = {CTX_PEER: ModelledLink(bw, params.link_latency_us / 1e6, params.link_concurrency,
+                                              self.ctx_nic.fabric)}
+        self._last_layer_bw = min(bw, self.ctx_nic.bandwidth / params.gen_tp)
+        """Pipelined: the last layer crosses while every rank pulls it at once."""
         self._connected: set[str] = set()
         self._ready_at = ready_at
         self.pulls = 0
@@ -289,9 +371,9 @@ class ModelledTransport:
         if link is None:
             raise PeerUnreachable(f"cannot reach {peer}", peer=peer)
         nbytes = into.numel() * into.element_size()
-        await link.transfer(nbytes)
+        await link.transfer(nbytes, via=(self.ctx_nic,))
         if self._ready_at is not None and request_id in self._ready_at:
-            last_layer = nbytes / max(1, kv_slice.num_layers) / link.bandwidth
+            last_layer = nbytes / max(1, kv_slice.num_layers) / self._last_layer_bw
             end = self._ready_at[request_id] + link.latency + last_layer
             if end > trio.current_time():
                 await trio.sleep_until(end)

@@ -3,7 +3,8 @@ project's own engines, in virtual time.
 
     client x concurrency ──> CTX (FIFO prefill slots) ──first token──> GEN rank 0 .submit()
     GEN: GenEngine (TP1) or TPGenEngine x gen_tp stepped by LocalGroup.step_all, each rank with its
-         ModelledTransport (link) and a meta-device KV pool; their receive groups on the trio loop
+         ModelledTransport (link) and a meta-device KV pool; their receive groups on the trio loop;
+         every rank's pulls also cross the one CTX rank's egress (ctx_nic_gbyte_s), shared
     execution loop (a trio task): step the engine(s) [in inline mode, a step that may wait runs each
          rank on its own ExecutionThread, whose blocking waits the loop serves side by side in
          virtual time] -> sleep step_s(batch) (+ the host time of pulls that ended: host_us_per_pull)
@@ -28,7 +29,7 @@ import trio.testing
 
 from orchestrator import GenEngine, GenRequest, LocalGroup, Mode, OrchestratorConfig, RequestState, TPGenEngine
 
-from ._model import CTX_PEER, ModelledTransport, SimParams
+from ._model import CTX_PEER, ModelledTransport, SimParams, ctx_egress
 from ._virtual import ExecutionThread, VirtualClock, call_all, one_cpu, seed_scheduler
 
 
@@ -104,8 +105,9 @@ class _Replay:
         self.ends: list[Any] = []  # RequestOutputs that end a request (FINISHED/FAILED), from rank 0
         on_output = self._on_output
         self.transports: list[ModelledTransport] = []
+        self.ctx_nic = ctx_egress(p)  # one CTX rank: its egress is every GEN rank's
         if p.gen_tp == 1:
-            transport = None if mode is Mode.IDEAL else ModelledTransport(p, self.ready_at)
+            transport = None if mode is Mode.IDEAL else ModelledTransport(p, self.ready_at, self.ctx_nic)
             self.transports = [transport] if transport else []
             self.engines: list[GenEngine] = [GenEngine(_config(p, mode, 0), transport, _tokens, on_output=on_output, clock=clock)]
             self._step = self._step_one
@@ -113,7 +115,7 @@ class _Replay:
             group = LocalGroup(p.gen_tp)
             self.engines = []
             for rank in range(p.gen_tp):
-                transport = None if mode is Mode.IDEAL else ModelledTransport(p, self.ready_at)
+                transport = None if mode is Mode.IDEAL else ModelledTransport(p, self.ready_at, self.ctx_nic)
                 if transport:
                     self.transports.append(transport)
                 self.engines.append(TPGenEngine(_config(p, mode, rank), transport, _tokens, on_output=on_output,
