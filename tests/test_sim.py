@@ -313,6 +313,21 @@ def test_each_mode_keeps_a_real_runs_invariants(mode: str, gen_tp: int) -> None:
         assert r.peak_budget_in_use == 0 and r.kv_wait_ms_mean >= 0
 
 
+def test_tokens_are_stamped_when_the_engine_emits_them() -> None:
+    """A step emits the tokens of the decode that ended as it began: a request's first GEN token
+    comes one model step after it starts decoding, and its last OSL - 2 steps after its first (not
+    a step later, after the next step's model time); its client hears of its end then."""
+    p = tiny(concurrency=1, warmup=0, requests=3, isl_choices=(), isl=48, osl=16)
+    step = p.step_s(1)
+    r = replay(p, "ideal", keep_requests=True)
+    for (_arrival, ctx_first, first_gen, end, ok), following in zip(r.requests, r.requests[1:] + [None]):
+        assert ok
+        assert end - first_gen == pytest.approx((p.osl - 2) * step, abs=1e-9)
+        assert first_gen - ctx_first < 1.5 * step
+        if following is not None:  # one client: its next request starts as this one ends
+            assert following[0] == pytest.approx(end, abs=1e-9)
+
+
 def test_the_replay_runs_the_projects_admission() -> None:
     """A smaller budget is a different admission decision: more backpressure, lower throughput."""
     wide = replay(tiny(max_tokens_in_buffer=512), "orchestrated")

@@ -7,8 +7,9 @@ project's own engines, in virtual time.
          every rank's pulls also cross the one CTX rank's egress (ctx_nic_gbyte_s), shared
     execution loop (a trio task): step the engine(s) [in inline mode, a step that may wait runs each
          rank on its own ExecutionThread, whose blocking waits the loop serves side by side in
-         virtual time] -> sleep step_s(batch) (+ the host time of pulls that ended: host_us_per_pull)
-         -> finished requests wake their clients
+         virtual time] -> the outputs it emitted (the tokens of the decode that ended as it began:
+         stamped at emission) wake their clients -> sleep step_s(batch) (+ the host time of pulls
+         that ended: host_us_per_pull)
 
 Nothing here decides admission: the engine's ``Scheduler``, ``TransferBudget`` and ``KVBlockPool``
 do, inside ``step()``. The replay only supplies time (``VirtualClock``), the link, the CTX, the
@@ -102,7 +103,7 @@ class _Replay:
         self.p, self.mode, self.clock = p, mode, clock
         self.keep_requests = keep_requests
         self.ready_at: dict[str, float] | None = {} if p.pipelined else None
-        self.ends: list[Any] = []  # RequestOutputs that end a request (FINISHED/FAILED), from rank 0
+        self.ends: list[tuple[Any, float]] = []  # RequestOutputs that end a request (FINISHED/FAILED), from rank 0, and when
         on_output = self._on_output
         self.transports: list[ModelledTransport] = []
         self.ctx_nic = ctx_egress(p)  # one CTX rank: its egress is every GEN rank's
@@ -138,19 +139,18 @@ class _Replay:
         self._submitted = False
         self.max_admitted = 0
         self.admission_order: list[str] = []
-        self._unstamped: list[str] = []
         self.progress = progress
         """Called as requests end, every tenth of them and at the last: (ended so far, total)."""
         self._ended = 0
         self._next_report = 0
 
     def _on_output(self, out: Any, _running: RequestState = RequestState.RUNNING) -> None:
-        # on the execution thread, inside step(), once per token: kept small
+        # on the execution thread, inside step(), once per token: kept small. A step emits the
+        # tokens of the decode that ended as it began: stamped now, at emission
         if out.state is not _running:
-            self.ends.append(out)
+            self.ends.append((out, self.clock.now()))
         elif out.request_id not in self.first_gen_token:
-            self.first_gen_token[out.request_id] = -1.0  # stamped after the step's model time
-            self._unstamped.append(out.request_id)
+            self.first_gen_token[out.request_id] = self.clock.now()
 
     def _may_block(self) -> bool:
         """Inline: only admitting a request waits (staging reservation, connect): a step may wait
@@ -196,6 +196,7 @@ class _Replay:
                     self.admission_order.extend(self.lead.admission_log[-admitted:])
                     if admitted > self.max_admitted:
                         self.max_admitted = admitted
+                self._settle()  # the clients hear of what this step emitted now, not after its model time
                 host = self._host_debt()
                 if batch:
                     await trio.sleep(p.step_s(batch) * p.iterations_per_step + host)
@@ -203,7 +204,6 @@ class _Replay:
                     with trio.move_on_after(idle):
                         await self.activity.wait()
                     self.activity = trio.Event()
-                self._settle()
         finally:
             for thread in threads:
                 thread.close()
@@ -219,23 +219,17 @@ class _Replay:
         return debt
 
     def _settle(self) -> None:
-        now = trio.current_time()
-        if self._unstamped:
-            for rid in self._unstamped:
-                self.first_gen_token[rid] = now
-            self._unstamped = []
         ends, self.ends = self.ends, []
         if ends and self.progress is not None:
             self._ended += len(ends)
             if self._ended >= self._next_report or self._ended == self.total:
                 self._next_report = self._ended + max(1, self.total // 10)
                 self.progress(self._ended, self.total)
-        for out in ends:
+        for out, at in ends:
             i = int(out.request_id[1:])
-            self.records[i, 3] = now
+            self.records[i, 3] = at
             self.records[i, 4] = 1.0 if out.state is RequestState.FINISHED else 0.0
-            ft = self.first_gen_token.pop(out.request_id, now)
-            self.records[i, 2] = ft if ft >= 0 else now
+            self.records[i, 2] = self.first_gen_token.pop(out.request_id, at)
             self.waiters.pop(out.request_id).set()
 
     # -- the client and the CTX ------------------------------------------------------------------
