@@ -180,6 +180,37 @@ def test_connect_blocking_waits_in_virtual_time() -> None:
     assert after == waits  # a connected peer is not handed to the loop at all
 
 
+def test_concurrent_first_connects_both_take_the_connect_time() -> None:
+    from examples.sim._model import CTX_PEER, ModelledTransport
+
+    p = tiny(connect_ms=40.0)
+
+    async def scenario(clock, thread):
+        transport = ModelledTransport(p)
+        ends = []
+
+        async def one():
+            await transport.connect(CTX_PEER)
+            ends.append(trio.current_time())
+
+        async with trio.open_nursery() as n:
+            n.start_soon(one)
+            n.start_soon(one)
+        return ends, transport.connected(CTX_PEER)
+
+    (ends, connected), _, _ = _run(scenario)
+    assert ends == pytest.approx([0.040, 0.040]) and connected
+
+
+def test_an_idle_loop_wakes_when_a_receive_ends_not_at_its_poll() -> None:
+    """As DecodeLoop on engine.wakeup: with nothing to decode, the execution loop sleeps until a
+    submission or a receive's end, so its poll interval changes nothing where receives succeed."""
+    for gen_tp in (1, 2):
+        base = replay(tiny(gen_tp=gen_tp), "orchestrated")
+        slow_poll = replay(tiny(gen_tp=gen_tp, idle_poll_ms=20.0), "orchestrated")
+        assert slow_poll.output_tok_s == base.output_tok_s and slow_poll.kv_wait_ms_mean == base.kv_wait_ms_mean
+
+
 def test_the_engine_waits_through_the_clock_it_is_given() -> None:
     from orchestrator import GenEngine, Mode, OrchestratorConfig
 

@@ -92,7 +92,8 @@ class SimParams:
     """Layer-wise pipelined transfer: GEN may pull layer i once CTX has prefilled it (see ``ModelledTransport``)."""
     iterations_per_step: int = 1
     """Device iterations one engine step stands for (its model time is that many step times; a
-    request then needs ceil((osl - 1) / k) engine steps). 1 is exact; larger trades admission
+    request then needs ceil((osl - 1) / k) engine steps, so it decodes ceil((osl - 1) / k) x k
+    iterations, up to k - 1 more than osl - 1: ``decode_iterations_per_request``). 1 is exact; larger trades admission
     granularity for speed and is sound only while one engine step stays shorter than the CTX's
     time between two first tokens (the output reports the most admissions seen in one step)."""
     idle_poll_ms: float = 0.5
@@ -174,6 +175,7 @@ class SimParams:
             "step_ms_at_72": round(self.step_s(72) * 1e3, 4),
             "step_ms_at_80": round(self.step_s(80) * 1e3, 4),
             "prefill_ms_at_isl": round(self.prefill_s(self.isl) * 1e3, 3),
+            "decode_iterations_per_request": (self.engine_max_tokens() - 1) * self.iterations_per_step,
         }
         return d
 
@@ -202,7 +204,8 @@ SOURCES = {
     "max_tokens_in_buffer": "ASSUMED = ISL (one request in flight per rank; this project's GEN default 8192)",
     "max_num_seqs": "ASSUMED 256: the original V2's mean batch was ~230 (12,559 tok/s x 18.3 ms), so the cap is above it",
     "iterations_per_step": "SPEED: 8 device iterations per engine step (35 ms < the 63.7 ms between two CTX first "
-                           "tokens); docs/sim.md compares it with 1 (exact)",
+                           "tokens); docs/sim.md compares it with 1 (exact). A request decodes ceil((osl - 1) / k) x k iterations "
+                           "(OSL 1024, k 8: 1,024 for 1,023)",
     "inline_reserve_timeout_s": "the inline path's blocking reservation timeout (0.2 s), then a slow fallback",
 }
 
@@ -345,6 +348,7 @@ class ModelledTransport:
         self._last_layer_bw = min(bw, self.ctx_nic.bandwidth / params.gen_tp)
         """Pipelined: the last layer crosses while every rank pulls it at once."""
         self._connected: set[str] = set()
+        self._connecting: dict[str, trio.Event] = {}
         self._ready_at = ready_at
         self.pulls = 0
         self.bytes_moved = 0
@@ -361,9 +365,18 @@ class ModelledTransport:
     async def connect(self, peer: str) -> None:
         if peer not in self._links:
             raise PeerUnreachable(f"cannot reach {peer}", peer=peer)
-        if peer not in self._connected:  # as the real transports: a connected peer costs no event-loop turn
-            self._connected.add(peer)
-            await trio.sleep(self._p.connect_ms / 1e3)
+        while peer not in self._connected:  # as the real transports: a connected peer costs no event-loop turn
+            pending = self._connecting.get(peer)
+            if pending is not None:  # someone is connecting: connected when they are, not before
+                await pending.wait()
+                continue
+            pending = self._connecting[peer] = trio.Event()
+            try:
+                await trio.sleep(self._p.connect_ms / 1e3)
+                self._connected.add(peer)
+            finally:
+                del self._connecting[peer]
+                pending.set()
 
     async def pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *,
                    handle: str | None = None, release: bool = True, landing: Landing | None = None) -> int:

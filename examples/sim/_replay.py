@@ -110,7 +110,8 @@ class _Replay:
         if p.gen_tp == 1:
             transport = None if mode is Mode.IDEAL else ModelledTransport(p, self.ready_at, self.ctx_nic)
             self.transports = [transport] if transport else []
-            self.engines: list[GenEngine] = [GenEngine(_config(p, mode, 0), transport, _tokens, on_output=on_output, clock=clock)]
+            self.engines: list[GenEngine] = [GenEngine(_config(p, mode, 0), transport, _tokens, on_output=on_output,
+                                                          on_received=self._received, clock=clock)]
             self._step = self._step_one
         else:
             group = LocalGroup(p.gen_tp)
@@ -120,7 +121,7 @@ class _Replay:
                 if transport:
                     self.transports.append(transport)
                 self.engines.append(TPGenEngine(_config(p, mode, rank), transport, _tokens, on_output=on_output,
-                                                clock=clock, sync=group.sync(rank)))
+                                                on_received=self._received, clock=clock, sync=group.sync(rank)))
             self._step = self._step_group
         self.lead = self.engines[0]
         self.isls = p.prompt_lengths()
@@ -152,6 +153,10 @@ class _Replay:
         elif out.request_id not in self.first_gen_token:
             self.first_gen_token[out.request_id] = self.clock.now()
 
+    def _received(self, _request_id: str, _blocks: Any) -> None:
+        # on the event loop, as a receive ends (just before the engine's wakeup is set for it)
+        self.activity.set()
+
     def _may_block(self) -> bool:
         """Inline: only admitting a request waits (staging reservation, connect): a step may wait
         only when a request is queued at an engine or was submitted since the last step."""
@@ -179,6 +184,13 @@ class _Replay:
         idle = p.idle_poll_ms / 1e3
         try:
             while not (self.clients_done and not self.lead.live_requests):
+                if not self.lead.num_running and not self.lead.wakeup.is_set():
+                    # nothing to decode: as DecodeLoop, sleep until there is work (a submission, a
+                    # receive's end), at most idle_poll_ms (a failed receive sets no activity)
+                    with trio.move_on_after(idle):
+                        await self.activity.wait()
+                self.activity = trio.Event()
+                self.lead.wakeup.clear()  # before the step: anything set from here on is seen next time
                 may_block = bool(threads) and self._may_block()
                 self._submitted = False  # submits from here on (also while this step waits) count for the next
                 if may_block:
@@ -200,10 +212,6 @@ class _Replay:
                 host = self._host_debt()
                 if batch:
                     await trio.sleep(p.step_s(batch) * p.iterations_per_step + host)
-                else:
-                    with trio.move_on_after(idle):
-                        await self.activity.wait()
-                    self.activity = trio.Event()
         finally:
             for thread in threads:
                 thread.close()
