@@ -359,6 +359,78 @@ def test_tokens_are_stamped_when_the_engine_emits_them() -> None:
             assert following[0] == pytest.approx(end, abs=1e-9)
 
 
+def test_fcfs_holds_among_the_requests_that_fit_and_kv_skips_are_allowed() -> None:
+    """A KV pool of one request: the scheduler skips prompts the pool cannot hold for now (a later,
+    smaller one may go first), which FCFS allows; the replay's check counts only overtaking of a
+    request that fitted."""
+    p = tiny(kv_pool_requests=1)
+    for mode in ("ideal", "inline", "orchestrated"):
+        r = replay(p, mode)
+        assert r.deferral_episodes["kv_exhausted"] > 0  # requests were skipped
+        assert r.fcfs_violations == 0 and r.problems() == []
+
+
+def _admit_against_a_budget_1000x(monkeypatch) -> None:
+    from orchestrator import _scheduler
+
+    orig = _scheduler.Scheduler.__init__
+
+    def bigger(self, config, budget, pool):
+        orig(self, config, TransferBudget(budget.capacity * 1000), pool)
+
+    monkeypatch.setattr(_scheduler.Scheduler, "__init__", bigger)
+
+
+def test_the_budget_check_reads_what_the_links_carry(monkeypatch) -> None:
+    """A scheduler that admits against a budget other than the engine's never makes the engine's
+    own budget exceed its capacity; the bytes pulled at once into a rank do, and the CLI fails."""
+    from examples.sim.__main__ import main
+
+    ok = replay(tiny(), "orchestrated")
+    assert 0 < ok.peak_staging_bytes <= ok.budget_capacity and ok.problems() == []
+    _admit_against_a_budget_1000x(monkeypatch)
+    broken = replay(tiny(), "orchestrated")
+    assert broken.peak_budget_in_use <= broken.budget_capacity  # what the old check looked at
+    assert broken.peak_staging_bytes > broken.budget_capacity
+    assert any("pulled at once" in problem for problem in broken.problems())
+    assert main(["--preset", "tiny", "--modes", "orchestrated", "--jobs", "1"]) == 1
+    assert main(["--preset", "tiny", "--modes", "orchestrated", "--jobs", "1", "--pipelined"]) == 1
+
+
+def test_the_sweep_fails_when_a_point_breaks_an_invariant(tmp_path, monkeypatch) -> None:
+    from examples.sim._sweep import sweep
+
+    kw = dict(json_path=str(tmp_path / "s.json"), png_path=str(tmp_path / "s.png"), budgets=(48,),
+              bandwidths=(0.0005,), tps=(1,), ctx_slots=(1,), warmup=8, requests=16, jobs=1)
+    assert sweep(tiny(), **kw) == 0
+    _admit_against_a_budget_1000x(monkeypatch)
+    assert sweep(tiny(), **kw) == 1
+    assert json.loads((tmp_path / "s.json").read_text())["problems"]
+
+
+@pytest.mark.parametrize("change", [{"max_tokens_in_buffer": 1}, {"gen_tp": 8, "num_kv_heads": 8}])
+def test_a_budget_below_one_layer_of_one_head_is_refused_up_front(change) -> None:
+    """The real node refuses such a request at submit (InvalidRequest): the replay says so before it runs."""
+    from examples.sim.__main__ import main
+
+    with pytest.raises(ValueError, match="raise the budget"):
+        replay(tiny(**change), "orchestrated")
+    with pytest.raises(SystemExit) as exc:
+        main(["--preset", "tiny", "--jobs", "1", *(a for k, v in change.items() for a in ("--set", f"{k}={v}"))])
+    assert exc.value.code == 2
+
+
+def test_the_sweep_leaves_out_a_tp_that_does_not_split_the_heads(tmp_path) -> None:
+    from examples.sim._sweep import sweep
+
+    js = tmp_path / "s.json"
+    assert sweep(tiny(), json_path=str(js), png_path=str(tmp_path / "s.png"), budgets=(64,), bandwidths=(0.001,),
+                 tps=(1, 8), ctx_slots=(1,), warmup=4, requests=8, jobs=1) == 0
+    data = json.loads(js.read_text())
+    assert data["tps_left_out"] == [8] and {p["gen_tp"] for p in data["points"]} == {1}
+    assert data["base"]["concurrency"] == 8  # what ran: no more clients than requests
+
+
 def test_the_replay_runs_the_projects_admission() -> None:
     """A smaller budget is a different admission decision: more backpressure, lower throughput."""
     wide = replay(tiny(max_tokens_in_buffer=512), "orchestrated")

@@ -21,7 +21,7 @@ from typing import Any
 from . import quiet_logs
 from ._model import PRESETS, SEED, SOURCES, SimParams
 from ._parallel import run_all
-from ._replay import ModeResult
+from ._replay import ModeResult, check_requests
 
 MODES = ("ideal", "inline", "orchestrated")
 
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     params = _parse_set(PRESETS[args.preset](), args.set)
     try:
         params.check()
+        check_requests(params)
     except ValueError as exc:
         ap.error(f"--preset {args.preset} --set ...: {exc}")
     if args.check:
@@ -137,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         from ._sweep import sweep
 
-        return sweep(params, json_path=args.json or "results/sim_sweep.json", png_path=args.png or "results/sim_sweep.png",
-                     jobs=args.jobs)
+        try:
+            return sweep(params, json_path=args.json or "results/sim_sweep.json",
+                         png_path=args.png or "results/sim_sweep.png", jobs=args.jobs)
+        except ValueError as exc:  # a point the sweep's grid cannot run (checked before any runs)
+            ap.error(f"--sweep: {exc}")
     print_params(params)
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or set(modes) - set(MODES):
@@ -161,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {m}: KV wait {results[m].kv_wait_ms_mean:.2f} -> {r.kv_wait_ms_mean:.2f} ms, "
                       f"CTX-token-to-first-GEN-token; throughput {results[m].output_tok_s:,.0f} -> {r.output_tok_s:,.0f}")
         payload["pipelined"] = {m: r.summary() for m, r in piped.items()}
-    bad = [f"{m}: {r.rest_problems or ''} failed={r.failed} fcfs_violations={r.fcfs_violations}"
-           for m, r in results.items() if r.rest_problems or r.failed or r.fcfs_violations
-           or r.peak_budget_in_use > r.budget_capacity]
+    bad = [problem for r in results.values() for problem in r.problems()]
+    if args.pipelined:
+        bad += [f"pipelined {problem}" for r in piped.values() for problem in r.problems()]
     _write_json(args.json, payload)
     if bad:
         print("INVARIANTS BROKEN:\n  " + "\n  ".join(bad), file=sys.stderr)

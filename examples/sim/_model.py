@@ -352,6 +352,10 @@ class ModelledTransport:
         self._ready_at = ready_at
         self.pulls = 0
         self.bytes_moved = 0
+        self.staging_bytes = 0
+        """Bytes of the pulls under way (from their call, queued for a link slot or not): what their
+        landings hold, which the budget bounds in orchestrated mode."""
+        self.peak_staging_bytes = 0
         self.host_debt_s = 0.0
         """Host time of pulls ended since the execution loop last took it (``host_us_per_pull``)."""
 
@@ -384,12 +388,17 @@ class ModelledTransport:
         if link is None:
             raise PeerUnreachable(f"cannot reach {peer}", peer=peer)
         nbytes = into.numel() * into.element_size()
-        await link.transfer(nbytes, via=(self.ctx_nic,))
-        if self._ready_at is not None and request_id in self._ready_at:
-            last_layer = nbytes / max(1, kv_slice.num_layers) / self._last_layer_bw
-            end = self._ready_at[request_id] + link.latency + last_layer
-            if end > trio.current_time():
-                await trio.sleep_until(end)
+        self.staging_bytes += nbytes
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes)
+        try:
+            await link.transfer(nbytes, via=(self.ctx_nic,))
+            if self._ready_at is not None and request_id in self._ready_at:
+                last_layer = nbytes / max(1, kv_slice.num_layers) / self._last_layer_bw
+                end = self._ready_at[request_id] + link.latency + last_layer
+                if end > trio.current_time():
+                    await trio.sleep_until(end)
+        finally:
+            self.staging_bytes -= nbytes
         self.pulls += 1
         self.bytes_moved += nbytes
         self.host_debt_s += self._p.host_us_per_pull / 1e6

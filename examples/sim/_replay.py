@@ -28,7 +28,8 @@ import numpy as np
 import trio
 import trio.testing
 
-from orchestrator import GenEngine, GenRequest, LocalGroup, Mode, OrchestratorConfig, RequestState, TPGenEngine
+from orchestrator import (DeferReason, GenEngine, GenRequest, LocalGroup, Mode, OrchestratorConfig, RequestState,
+                          TPGenEngine, plan_chunks)
 
 from ._model import CTX_PEER, ModelledTransport, SimParams, ctx_egress
 from ._virtual import ExecutionThread, VirtualClock, call_all, one_cpu, seed_scheduler
@@ -55,6 +56,8 @@ class ModeResult:
     budget_capacity: int
     peak_budget_in_use: int
     peak_link_bytes_in_flight: int
+    peak_staging_bytes: int
+    """Per GEN rank, the most bytes of pulls under way at once (what the budget bounds, orchestrated)."""
     finished: int
     failed: int
     measured: int
@@ -66,6 +69,21 @@ class ModeResult:
     rest_problems: list[str]
     requests: list[tuple[float, float, float, float, int]] = dataclasses.field(default_factory=list, repr=False)
     """Per request (arrival at CTX, first token, first GEN token, end, measured 0/1); only with keep_requests."""
+
+    def problems(self) -> list[str]:
+        """The real run's invariants this replay broke (empty: none): no request failed, each rank's
+        engine at rest, FCFS among the requests that fit, and, orchestrated, never more bytes being
+        pulled into a rank at once than its transfer budget (measured on the link, not read from the
+        budget, which cannot grant more than it has)."""
+        out = [f"{self.mode}: {msg}" for msg in self.rest_problems]
+        if self.failed:
+            out.append(f"{self.mode}: {self.failed} requests failed")
+        if self.fcfs_violations:
+            out.append(f"{self.mode}: {self.fcfs_violations} FCFS violations")
+        if self.mode == Mode.ORCHESTRATED.value and self.peak_staging_bytes > self.budget_capacity:
+            out.append(f"{self.mode}: {self.peak_staging_bytes} bytes pulled at once into a rank, "
+                       f"budget {self.budget_capacity}")
+        return out
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -130,7 +148,7 @@ class _Replay:
         self.phase_start = 0.0
         self.waiters: dict[str, trio.Event] = {}
         self.records = np.zeros((self.total, 5))  # arrival, first token, first GEN token, end, ok
-        self.gen_arrival: list[int] = []  # request indices in the order GEN received them
+        self.gen_arrival: dict[str, int] = {}  # request id -> its place in the order GEN received them
         self.first_gen_token: dict[str, float] = {}
         self.activity = trio.Event()
         self.batches: list[int] = []
@@ -139,7 +157,7 @@ class _Replay:
         self.clients_done = False
         self._submitted = False
         self.max_admitted = 0
-        self.admission_order: list[str] = []
+        self.fcfs_violations = 0
         self.progress = progress
         """Called as requests end, every tenth of them and at the last: (ended so far, total)."""
         self._ended = 0
@@ -205,7 +223,7 @@ class _Replay:
                     self.blocked.append(blocked)
                 admitted = reports[0].admitted
                 if admitted:  # this step's admissions, in the engine's order (its log keeps the newest)
-                    self.admission_order.extend(self.lead.admission_log[-admitted:])
+                    self._check_fcfs(self.lead.admission_log[-admitted:])
                     if admitted > self.max_admitted:
                         self.max_admitted = admitted
                 self._settle()  # the clients hear of what this step emitted now, not after its model time
@@ -264,7 +282,7 @@ class _Replay:
         # the last client to finish lets the execution loop end once nothing is live
 
     def _submit(self, i: int, rid: str, isl: int) -> None:
-        self.gen_arrival.append(i)
+        self.gen_arrival[rid] = len(self.gen_arrival)
         self.lead.submit(GenRequest(rid, prompt_len=isl, first_token=1, max_tokens=self.p.engine_max_tokens(), peer=CTX_PEER))
         self._submitted = True
         self.activity.set()
@@ -290,12 +308,29 @@ class _Replay:
                 engine.close()
 
     # -- what it showed --------------------------------------------------------------------------
-    def fcfs_violations(self) -> int:
-        """Requests admitted before one that reached GEN earlier (every request here fits the KV
-        pool, so FCFS must hold strictly), from the engine's own admission log, read every step."""
-        rank = {int(rid[1:]): k for k, rid in enumerate(self.admission_order)}
-        seq = [rank.get(i, len(rank)) for i in self.gen_arrival]
-        return sum(1 for a, b in zip(seq, seq[1:]) if b < a)
+    def _check_fcfs(self, admitted: list[str]) -> None:
+        """FCFS among the requests that fit (the scheduler's rule): a request that reached GEN before
+        one admitted this step and still waits must have been skipped because the KV pool could not
+        hold it (KV_EXHAUSTED) in this very step. Read from the engine's own admission log and queue."""
+        latest = max(self.gen_arrival[rid] for rid in admitted)
+        for seq in self.lead.scheduler.waiting:  # in arrival order
+            if self.gen_arrival[seq.request_id] > latest:
+                break
+            if seq.last_defer is not DeferReason.KV_EXHAUSTED:
+                self.fcfs_violations += 1
+
+
+def check_requests(p: SimParams) -> None:
+    """Raise ``ValueError`` when a GEN rank would refuse some of ``p``'s requests at submit (the
+    real node answers ``InvalidRequest``): a transfer budget smaller than one layer of one KV head
+    of a prompt. The replay's pool and model length are sized to fit every request."""
+    config = _config(p, Mode.ORCHESTRATED, 0)
+    for isl in sorted(set(p.isl_choices or (p.isl,))):
+        try:
+            plan_chunks(config.layout, config.layout.blocks_for(isl), config.kv_slice, config.transfer_budget_bytes)
+        except ValueError as exc:
+            raise ValueError(f"max_tokens_in_buffer {p.max_tokens_in_buffer} at GEN TP {p.gen_tp}: a GEN rank would "
+                             f"refuse every {isl}-token prompt ({exc}); raise the budget") from None
 
 
 def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False,
@@ -303,6 +338,7 @@ def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False,
     """Run one mode of ``p`` in virtual time; returns what a benchmark would report.
     ``progress(ended, total)``: as requests end, every tenth of them (for long runs)."""
     p.check()
+    check_requests(p)
     mode = Mode(mode)
     seed_scheduler(p.seed)
     mock = trio.testing.MockClock(autojump_threshold=0)
@@ -353,6 +389,7 @@ def _result(r: _Replay, virtual_s: float, wall_s: float) -> ModeResult:
         budget_capacity=stats[0].budget.capacity,
         peak_budget_in_use=max(s.budget.peak_in_use for s in stats),
         peak_link_bytes_in_flight=max((t.link.peak_bytes_in_flight for t in r.transports), default=0),
+        peak_staging_bytes=max((t.peak_staging_bytes for t in r.transports), default=0),
         finished=int(rec[:, 4].sum()),
         failed=int(r.total - rec[:, 4].sum()),
         measured=int(ok.sum()),
@@ -360,7 +397,7 @@ def _result(r: _Replay, virtual_s: float, wall_s: float) -> ModeResult:
         wall_s=wall_s,
         engine_steps=r.steps,
         max_admitted_per_step=r.max_admitted,
-        fcfs_violations=r.fcfs_violations(),
+        fcfs_violations=r.fcfs_violations,
         rest_problems=problems,
         requests=[tuple(row) for row in rec.tolist()] if r.keep_requests else [],  # type: ignore[misc]
     )

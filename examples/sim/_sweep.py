@@ -2,8 +2,10 @@
 
 Grid: arrivals (``ctx_prefill_slots``: 1 = the public case's CTX-bound load, one first token every
 63.7 ms; 4 = four times that, so GEN is the bottleneck and a queue waits at it) x transfer budget
-(``max_tokens_in_buffer``) x link bandwidth per GEN rank x GEN TP, for inline and orchestrated, each
-against ideal at the same arrivals and TP (ideal moves no KV).
+(``max_tokens_in_buffer``) x link bandwidth per GEN rank (the CTX's one NIC as fast, unless
+``ctx_nic_gbyte_s`` is set) x GEN TP (those that split the KV heads), for inline and orchestrated,
+each against ideal at the same arrivals and TP (ideal moves no KV). Concurrency is capped at the
+requests it runs (192). Exits 1 when a replay broke an invariant (``ModeResult.problems``).
 Plus the layer-wise pipelined what-if (orchestrated, the public case's budget, GEN TP4) at each
 bandwidth. Writes the JSON and a PNG of throughput / ideal.
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 from ._model import SimParams
 from ._parallel import run_all
-from ._replay import ModeResult
+from ._replay import ModeResult, check_requests
 
 BUDGETS = (8192, 32768)  # tokens: one request (the public case), four
 BANDWIDTHS = (50.0, 12.5, 3.125)  # GB/s per GEN rank
@@ -35,6 +37,15 @@ def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int,
     # (results/sim_iterations_per_step.json); fewer requests instead, so the grid runs in minutes
     base = dataclasses.replace(base, warmup=min(base.warmup, warmup), requests=min(base.requests, requests),
                                iterations_per_step=1)
+    base = dataclasses.replace(base, concurrency=min(base.concurrency, base.requests))  # what can be in flight
+    base.check()
+    skipped = [tp for tp in tps if base.num_kv_heads % tp]
+    if skipped:
+        print(f"sweep: GEN TP {', '.join(map(str, skipped))} left out: {base.num_kv_heads} KV heads do not split over it",
+              file=sys.stderr)
+        tps = tuple(tp for tp in tps if tp not in skipped)
+    if not tps:
+        raise ValueError(f"no GEN TP of the sweep splits {base.num_kv_heads} KV heads")
     t0 = time.perf_counter()
     work: list[tuple[SimParams, str]] = []
     refs: dict[str, int] = {}  # "slots/tp" -> index in work of its ideal
@@ -61,6 +72,10 @@ def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int,
         piped_at.append(len(work))
         work += [(q, "orchestrated"), (dataclasses.replace(q, pipelined=True), "orchestrated")]
 
+    for q, _ in work:
+        q.check()
+        check_requests(q)
+
     def done(i: int, r: ModeResult) -> None:
         q, mode = work[i]
         print(f"  [{time.perf_counter() - t0:4.0f} s] ctx={q.ctx_prefill_slots} tp={q.gen_tp} "
@@ -83,14 +98,20 @@ def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int,
                           "tpot_ms": [plain.tpot_ms_mean, piped.tpot_ms_mean],
                           "ttft_ms": [plain.ttft_ms_mean, piped.ttft_ms_mean],
                           "vs_ideal": [plain.output_tok_s / ideal[key], piped.output_tok_s / ideal[key]]})
+    problems = [f"ctx={q.ctx_prefill_slots} tp={q.gen_tp} budget={q.max_tokens_in_buffer} bw={q.link_gbyte_s}"
+                f"{' pipelined' if q.pipelined else ''} {problem}"
+                for (q, _), r in zip(work, results) for problem in r.problems()]
     payload = {"base": base.describe(), "ideal_output_tok_s": ideal, "points": points, "pipelined": pipelined,
-               "wall_s": time.perf_counter() - t0}
+               "tps_left_out": skipped, "problems": problems, "wall_s": time.perf_counter() - t0}
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(payload, f, indent=1)
     plot(payload, png_path)
     print(summary(payload))
     print(f"wrote {json_path} and {png_path} in {payload['wall_s']:.0f} s", file=sys.stderr)
+    if problems:
+        print("INVARIANTS BROKEN:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -139,12 +160,16 @@ def plot(payload: dict[str, Any], path: str) -> None:
             ax.minorticks_off()
             ax.set_title(f"GEN TP{tp}, {'CTX-bound (public case)' if slots == 1 else f'{slots}x arrivals (GEN-bound)'}",
                          fontsize=9)
-            ax.set_xlabel("link bandwidth per GEN rank (GB/s)")
+            nic = payload["base"]["ctx_nic_gbyte_s"]
+            ax.set_xlabel("link bandwidth per GEN rank (GB/s)" + ("; CTX NIC the same" if nic is None else f"; CTX NIC {nic:g}"),
+                          fontsize=8)
             ax.axhline(1.0, color="grey", lw=0.5)
             ax.grid(alpha=0.3)
         row[0].set_ylabel("output throughput / ideal")
     axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("Replay at the public case's geometry (GPT-OSS 120B, ISL 8192 / OSL 1024, concurrency 1024)")
+    b = payload["base"]
+    fig.suptitle(f"Replay: {b['num_layers']} layers x {b['num_kv_heads']} KV heads, ISL {b['isl']} / OSL {b['osl']}, "
+                 f"{b['warmup']} + {b['requests']} requests at concurrency {b['concurrency']}", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
