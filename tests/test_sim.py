@@ -573,6 +573,18 @@ def test_cli_refuses_an_unknown_mode() -> None:
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("argv", [["--check", "--preset", "tiny"], ["--check", "--set", "gen_tp=1"],
+                                  ["--check", "--modes", "ideal"], ["--check", "--json", "x.json"],
+                                  ["--sweep", "--modes", "inline"], ["--sweep", "--pipelined"],
+                                  ["--preset", "tiny", "--png", "x.png"]])
+def test_cli_refuses_options_the_command_would_ignore(argv) -> None:
+    from examples.sim.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+
+
 def test_a_replay_reports_its_progress_every_tenth_of_its_requests() -> None:
     p = tiny()
     seen: list[tuple[int, int]] = []

@@ -106,11 +106,28 @@ def _write_json(path: str | None, payload: dict[str, Any]) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
+def _refuse_ignored(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Options a command would not use are refused, not silently dropped."""
+    given = {"--preset": args.preset is not None, "--set": bool(args.set), "--modes": args.modes is not None,
+             "--json": args.json is not None, "--png": args.png is not None, "--pipelined": args.pipelined,
+             "--sweep": args.sweep}
+    if args.check:  # configured from this machine's measurements, its own options after --check (--out, ...)
+        unused = [k for k, v in given.items() if v]
+        if unused:
+            ap.error(f"--check takes none of {', '.join(unused)} (see python -m examples.sim --check --help)")
+    elif args.sweep:  # its own grid of modes, and its own pipelined what-if
+        unused = [k for k in ("--modes", "--pipelined") if given[k]]
+        if unused:
+            ap.error(f"--sweep takes none of {', '.join(unused)} (it runs every mode and its own pipelined what-if)")
+    elif args.png is not None:
+        ap.error("--png is written by --sweep only")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m examples.sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="public-case")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: public-case")
+    ap.add_argument("--modes", default=None, help=f"default: {','.join(MODES)}")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a parameter")
     ap.add_argument("--sweep", action="store_true", help="budget x link bandwidth x GEN TP -> JSON + PNG")
     ap.add_argument("--pipelined", action="store_true", help="the layer-wise pipelined transfer what-if")
@@ -122,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.jobs is not None and args.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
+    _refuse_ignored(ap, args)
+    args.preset = args.preset or "public-case"
+    args.modes = args.modes or ",".join(MODES)
     quiet_logs()
     params = _parse_set(PRESETS[args.preset](), args.set)
     try:

@@ -6,7 +6,7 @@ Grid: arrivals (``ctx_prefill_slots``: 1 = the public case's CTX-bound load, one
 ``ctx_nic_gbyte_s`` is set) x GEN TP (those that split the KV heads), for inline and orchestrated,
 each against ideal at the same arrivals and TP (ideal moves no KV). Concurrency is capped at the
 requests it runs (192). Exits 1 when a replay broke an invariant (``ModeResult.problems``).
-Plus the layer-wise pipelined what-if (orchestrated, the public case's budget, GEN TP4) at each
+Plus the layer-wise pipelined what-if (orchestrated, the first budget, the public case's, GEN TP4) at each
 bandwidth. Writes the JSON and a PNG of throughput / ideal.
 """
 
@@ -52,7 +52,7 @@ def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int,
     grid: list[int] = []  # indices in work of the inline and orchestrated points
     for slots in ctx_slots:
         for tp in tps:
-            p = dataclasses.replace(base, gen_tp=tp, ctx_prefill_slots=slots)
+            p = dataclasses.replace(base, gen_tp=tp, ctx_prefill_slots=slots, max_tokens_in_buffer=budgets[0])
             refs[f"{slots}/{tp}"] = len(work)
             work.append((p, "ideal"))
             for budget in (budgets if tp == 4 or len(tps) == 1 else budgets[:1]):  # the budget axis at TP4 only
@@ -65,10 +65,10 @@ def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int,
     key = f"{base.ctx_prefill_slots}/{tp}"
     if key not in refs:
         refs[key] = len(work)
-        work.append((dataclasses.replace(base, gen_tp=tp), "ideal"))
+        work.append((dataclasses.replace(base, gen_tp=tp, max_tokens_in_buffer=budgets[0]), "ideal"))
     piped_at: list[int] = []  # index in work of each bandwidth's plain run (its pipelined twin: the next)
     for bw in bandwidths:
-        q = dataclasses.replace(base, gen_tp=tp, link_gbyte_s=bw)
+        q = dataclasses.replace(base, gen_tp=tp, link_gbyte_s=bw, max_tokens_in_buffer=budgets[0])
         piped_at.append(len(work))
         work += [(q, "orchestrated"), (dataclasses.replace(q, pipelined=True), "orchestrated")]
 
