@@ -397,6 +397,22 @@ def test_the_budget_check_reads_what_the_links_carry(monkeypatch) -> None:
     assert main(["--preset", "tiny", "--modes", "orchestrated", "--jobs", "1", "--pipelined"]) == 1
 
 
+def test_the_cli_checks_the_pipelined_runs_too(monkeypatch) -> None:
+    from examples.sim import __main__ as cli
+
+    real = cli.run_modes
+
+    def pipelined_fail(p, modes, **kw):
+        results = real(p, modes, **kw)
+        for r in results.values():
+            r.failed += p.pipelined
+        return results
+
+    monkeypatch.setattr(cli, "run_modes", pipelined_fail)
+    assert cli.main(["--preset", "tiny", "--modes", "ideal,orchestrated", "--jobs", "1"]) == 0
+    assert cli.main(["--preset", "tiny", "--modes", "ideal,orchestrated", "--jobs", "1", "--pipelined"]) == 1
+
+
 def test_the_sweep_fails_when_a_point_breaks_an_invariant(tmp_path, monkeypatch) -> None:
     from examples.sim._sweep import sweep
 
