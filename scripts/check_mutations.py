@@ -323,7 +323,7 @@ M = [
   "            while flow.remaining > 1e-6 * nbytes + 1e-9:\n                with trio.CancelScope() as scope:\n                    flow.scope = scope\n                    fabric.reschedule(trio.current_time())\n                    await trio.sleep_forever()\n                flow.scope = None\n                fabric.advance(trio.current_time())\n",
   "tests/test_sim.py -k resolution"),
  ("18 sim parameters checked up front", "examples/sim/_model.py",
-  "            if getattr(self, name) < 1:\n", "            if False:\n", "tests/test_sim.py -k 'refused_up_front and (slots or concurrency)'"),
+  "            if getattr(self, name) < 1:\n", "            if False:\n", "tests/test_sim.py -k 'refused_up_front and change4'"),
  ("18 sim clients hear of an end at emission", "examples/sim/_replay.py",
   "                self._settle()  # the clients hear of what this step emitted now, not after its model time\n                host = self._host_debt()\n                if batch:\n                    await trio.sleep(p.step_s(batch) * p.iterations_per_step + host)\n",
   "                host = self._host_debt()\n                if batch:\n                    await trio.sleep(p.step_s(batch) * p.iterations_per_step + host)\n                self._settle()\n",

@@ -347,16 +347,21 @@ def test_each_mode_keeps_a_real_runs_invariants(mode: str, gen_tp: int) -> None:
 def test_tokens_are_stamped_when_the_engine_emits_them() -> None:
     """A step emits the tokens of the decode that ended as it began: a request's first GEN token
     comes one model step after it starts decoding, and its last OSL - 2 steps after its first (not
-    a step later, after the next step's model time); its client hears of its end then."""
-    p = tiny(concurrency=1, warmup=0, requests=3, isl_choices=(), isl=48, osl=16)
-    step = p.step_s(1)
+    a step later, after the next step's model time); its client hears of its end then, and starts
+    its next request at that instant (two clients: one ends while the other still decodes)."""
+    p = tiny(concurrency=2, warmup=0, requests=6, isl_choices=(), isl=48, osl=16)
     r = replay(p, "ideal", keep_requests=True)
-    for (_arrival, ctx_first, first_gen, end, ok), following in zip(r.requests, r.requests[1:] + [None]):
+    ends = [row[3] for row in r.requests]
+    for _arrival, ctx_first, first_gen, end, ok in r.requests:
         assert ok
-        assert end - first_gen == pytest.approx((p.osl - 2) * step, abs=1e-9)
-        assert first_gen - ctx_first < 1.5 * step
-        if following is not None:  # one client: its next request starts as this one ends
-            assert following[0] == pytest.approx(end, abs=1e-9)
+        batch_steps = [p.step_s(1), p.step_s(2)]  # decoding alone or beside the other client's request
+        assert (p.osl - 2) * batch_steps[0] - 1e-9 <= end - first_gen <= (p.osl - 2) * batch_steps[1] + 1e-9
+    for arrival in [row[0] for row in r.requests][p.concurrency:]:
+        assert min(abs(arrival - e) for e in ends) < 1e-9  # a client's next request starts as its last ends
+    q = tiny(concurrency=1, warmup=0, requests=3, isl_choices=(), isl=48, osl=16)
+    for _arrival, ctx_first, first_gen, end, _ok in replay(q, "ideal", keep_requests=True).requests:
+        assert end - first_gen == pytest.approx((q.osl - 2) * q.step_s(1), abs=1e-9)
+        assert first_gen - ctx_first < 1.5 * q.step_s(1)
 
 
 def test_fcfs_holds_among_the_requests_that_fit_and_kv_skips_are_allowed() -> None:
