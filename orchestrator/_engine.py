@@ -321,6 +321,11 @@ class GenEngine:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_ready(self) -> int:
+        """Requests whose KV is here, waiting for a decode slot (the next step starts them if one is free)."""
+        return len(self._ready)
+
     def step(self) -> StepReport:
         prepared = self.prepare_step()
         if self.stopped:

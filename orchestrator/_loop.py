@@ -77,8 +77,8 @@ class DecodeLoop:
         engine = self.engine
         leads = getattr(engine, "leads_steps", True)  # a tensor-parallel follower never waits: it
         while not stop.is_set():                      # steps whenever rank 0 does (in the collective)
-            if leads and not engine.num_running:  # nothing to decode: sleep until a submit or completion
-                engine.wakeup.wait(self._wait_s(engine))
+            if leads and not engine.num_running and not engine.num_ready:  # nothing to decode or start:
+                engine.wakeup.wait(self._wait_s(engine))  # sleep until a submit or a completion
             engine.wakeup.clear()  # before step(): anything set from here on is seen next time
             try:
                 report = engine.step()

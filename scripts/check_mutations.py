@@ -353,6 +353,7 @@ M = [
   "        tps = tuple(tp for tp in tps if tp not in skipped)\n", "        pass\n", "tests/test_sim.py -k leaves_out"),
  ("18 sim CLI refuses ignored options", "examples/sim/__main__.py",
   "    _refuse_ignored(ap, args)\n", "", "tests/test_sim.py -k 'would_ignore and argv6'"),
+  ("loop: a READY request is started without the idle wait", "orchestrator/_loop.py", "            if leads and not engine.num_running and not engine.num_ready:", "            if leads and not engine.num_running:", "tests/test_threads.py -k idle_wait"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

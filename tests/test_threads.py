@@ -102,3 +102,23 @@ def test_decode_loop_statistics_are_bounded_and_keep_the_newest() -> None:
     assert loop._ring.nbytes == 5 * 8 * 8  # fixed, whatever the number of iterations
     loop.reset_statistics()
     assert loop.statistics().iterations == 0
+
+
+def test_a_request_admitted_while_nothing_runs_decodes_without_waiting_out_the_idle_wait() -> None:
+    """IDEAL mode admits a request straight to READY, after the step filled its decode slots: with
+    nothing running, the loop slept its idle wait (here 2 s) before the next step started it. Each
+    of three requests submitted one at a time to an idle engine now gets its first token at once."""
+    from orchestrator import GenRequest
+
+    engine = GenEngine(make_config(mode=Mode.IDEAL, num_blocks=64), None, lambda batch: batch.tokens + 1)
+    with EngineThreads(engine, idle_wait_s=2.0):
+        for i in range(3):
+            started = time.monotonic()
+            engine.submit(GenRequest(f"r{i}", prompt_len=4, first_token=1, max_tokens=2))
+            done = None
+            while done is None and time.monotonic() - started < 5:
+                done = next((o for o in engine.poll() if o.finished), None)
+                time.sleep(0.002)
+            assert done is not None and done.state is RequestState.FINISHED
+            assert time.monotonic() - started < 1.0, "the request waited out the idle wait"
+    assert engine.rest_problems() == []

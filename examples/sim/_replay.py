@@ -202,8 +202,8 @@ class _Replay:
         idle = p.idle_poll_ms / 1e3
         try:
             while not (self.clients_done and not self.lead.live_requests):
-                if not self.lead.num_running and not self.lead.wakeup.is_set():
-                    # nothing to decode: as DecodeLoop, sleep until there is work (a submission, a
+                if not self.lead.num_running and not self.lead.num_ready and not self.lead.wakeup.is_set():
+                    # nothing to decode or start: as DecodeLoop, sleep until there is work (a submission, a
                     # receive's end), at most idle_poll_ms (a failed receive sets no activity)
                     with trio.move_on_after(idle):
                         await self.activity.wait()
