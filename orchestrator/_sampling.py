@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 _MASK63 = (1 << 63) - 1
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (as vLLM's _SAMPLING_EPS)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
-    """0: greedy (argmax)."""
+    """0 (or below ``GREEDY_BELOW``): greedy (argmax)."""
     top_p: float = 1.0
     top_k: int = 0
     """0: every token."""
@@ -41,7 +42,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax: temperature 0, or so small that dividing the logits by it would overflow them to
+        infinities (then the last of them was drawn, whatever the model said), or top_k 1."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"suppress": list(self.suppress)}

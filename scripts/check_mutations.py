@@ -305,7 +305,7 @@ M = [
   ("front: a GEN refusal before any token is a failed hand-off", "examples/serve/_flight.py", "                if got_gen:  # it had taken the request", "                if True:  # it had taken the request", "tests/test_front_faults.py -k refusal"),
   ("front: a GEN that refused is marked down", "examples/serve/_flight.py", "        self.front.cluster.mark_down(gen, why)\n", "", "tests/test_front_faults.py -k refusal"),
   ("front: a GEN that failed has the CTX copy released", "examples/serve/_flight.py", " and self.error is None\n", "\n", "tests/test_front_faults.py -k dies_before"),
-  ("front: a temperature below 1e-5 is greedy", "examples/serve/_api.py", "    if temperature < _MIN_TEMPERATURE:", "    if temperature < 0:", "tests/test_front_routing.py -k temperature"),
+  ("front: a temperature below 1e-5 is greedy", "examples/serve/_api.py", "    if temperature < GREEDY_BELOW:", "    if temperature < 0:", "tests/test_front_routing.py -k temperature"),
   ("front: no stop string before min_tokens", "examples/serve/_api.py", "if len(self.token_ids) >= self.min_tokens and self._find_stop(start):", "if self._find_stop(start):", "tests/test_front_routing.py -k min_tokens"),
   ("front: a flight's text knows min_tokens", "examples/serve/_flight.py", "                               min_tokens=g.min_tokens)", "                               )", "tests/test_front_faults.py -k min_tokens"),
   ("front: serves while etcd is unreachable at start", "examples/serve/_app.py", "            self.etcd_error = str(exc)[:300]\n            start()\n", "            self.etcd_error = str(exc)[:300]\n", "tests/test_front_faults.py -k etcd_is_unreachable"),
@@ -354,6 +354,7 @@ M = [
  ("18 sim CLI refuses ignored options", "examples/sim/__main__.py",
   "    _refuse_ignored(ap, args)\n", "", "tests/test_sim.py -k 'would_ignore and argv6'"),
   ("loop: a READY request is started without the idle wait", "orchestrator/_loop.py", "            if leads and not engine.num_running and not engine.num_ready:", "            if leads and not engine.num_running:", "tests/test_threads.py -k idle_wait"),
+  ("sampling: a tiny temperature is greedy", "orchestrator/_sampling.py", "        return self.temperature < GREEDY_BELOW or self.top_k == 1", "        return self.temperature == 0 or self.top_k == 1", "tests/test_sampling.py"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -63,6 +63,10 @@ def test_min_tokens_suppresses_eos_and_stop_ids() -> None:
     assert SamplingParams.from_wire(p.to_wire()) == p
     with pytest.raises(ValueError):
         SamplingParams.from_wire({"temperature": "hot"})
+    logits = torch.zeros(300, dtype=torch.float32)
+    logits[59] = 3.0
+    for tiny in (5e-324, 1e-300, 1e-6):  # logits / 5e-324 were infinities: the last token (EOS) always drawn
+        assert all(sample(logits, SamplingParams(temperature=tiny, seed=s), position=s, index=0) == 59 for s in range(20))
     for field in ("top_k", "seed", "min_tokens"):  # JSON's 1e400 is an infinity: int() raised OverflowError,
         with pytest.raises(ValueError, match="sampling"):  # which the CTX's prefill did not catch (no answer)
             SamplingParams.from_wire({field: float("inf")})

@@ -20,6 +20,7 @@ import structlog
 
 from examples.serve.config import Limits
 from examples.tiny_model import ByteTokenizer
+from orchestrator._sampling import GREEDY_BELOW
 
 log = structlog.get_logger("examples.serve")
 TOKENIZER = ByteTokenizer()
@@ -202,7 +203,7 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
         raise invalid(f"this model's maximum context length is {max_model_len} tokens; the request asks for "
                       f"{len(prompt_ids)} prompt + {max_tokens} completion tokens", max_field, "context_length_exceeded")
     temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)  # OpenAI's and vLLM's default: 1
-    if temperature < _MIN_TEMPERATURE:  # logits / 5e-324 overflow to inf: greedy, as vLLM reads it
+    if temperature < GREEDY_BELOW:  # logits / 5e-324 overflow to inf: greedy, as vLLM reads it (the nodes too)
         temperature = 0.0
     top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
     if top_p == 0:
@@ -352,10 +353,6 @@ def _stop(stop: Any, limits: Limits) -> tuple[str, ...]:
         raise invalid(f"stop must be a string or a list of at most {limits.max_stop_strings} strings of "
                       f"1..{limits.max_stop_chars} characters", "stop")
     return tuple(items)
-
-
-_MIN_TEMPERATURE = 1e-5
-"""vLLM's ``_SAMPLING_EPS``: a temperature below it is greedy (dividing logits by it overflows)."""
 
 
 # -- detokenizing ---------------------------------------------------------------------------------
