@@ -296,3 +296,24 @@ def test_a_malformed_member_is_skipped_and_the_watch_goes_on(etcd_url: str) -> N
     unreadable = sorted(e["key"] for e in logs if e["event"] == "etcd_member_unreadable")
     assert unreadable == sorted([prefix + "gen/bad", prefix + "gen/127.0.0.1:1", prefix + "gen/x:y",
                                  prefix + "gen/127.0.0.1:3"])
+
+
+def test_an_unreachable_etcd_is_retried_with_backoff_and_logged_sparingly() -> None:
+    """etcd down: the watch retried every 0.5 s and logged a warning each time (a front's log
+    filled). Now each failure in a row doubles the wait (up to max_retry_s) and only the 1st, 2nd,
+    4th, 8th ... are logged."""
+    errors: list[object] = []
+
+    async def main() -> None:
+        async def on_put(role: str, meta: dict[str, Any]) -> None:
+            raise AssertionError("nothing to list")
+
+        with anyio.move_on_after(1.0):
+            await watch_members("http://127.0.0.1:1", "/kvo/none/", on_put=on_put, on_delete=lambda r, c: None,
+                                on_error=errors.append, retry_s=0.01, max_retry_s=0.16)
+
+    with capture_logs() as logs:
+        anyio.run(main)
+    warned = [e["failures_in_a_row"] for e in logs if e["event"] == "etcd_watch_failed"]
+    assert 5 <= len(errors) <= 15, len(errors)  # 0.01 + 0.02 + 0.04 + 0.08 + 0.16 ... (every 0.01 s: ~100)
+    assert warned == [n for n in (1, 2, 4, 8, 16) if n <= len(errors)]

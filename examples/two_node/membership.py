@@ -259,18 +259,22 @@ def add_args(p: Any) -> None:
 
 async def watch_members(url: str, prefix: str, *, on_put: Callable[[str, dict[str, Any]], Awaitable[None]],
                         on_delete: Callable[[str, str], None], on_listed: Callable[[], None] | None = None,
-                        on_error: Callable[[EtcdError], None] | None = None, retry_s: float = 0.5) -> None:
+                        on_error: Callable[[EtcdError], None] | None = None, retry_s: float = 0.5,
+                        max_retry_s: float = 5.0) -> None:
     """List ``prefix``, then follow it: ``on_put(role, value)`` for a node that registered (or changed,
     e.g. draining), ``on_delete(role, ctrl)`` for one that left. Re-lists after an etcd failure
     (``on_put`` again for every node; nodes gone meanwhile are deleted). ``on_listed()`` after each
-    listing, ``on_error(exc)`` after each failure (etcd unreachable, at start too): it retries every
-    ``retry_s`` for as long as it runs."""
+    listing, ``on_error(exc)`` after each failure (etcd unreachable, at start too): it retries after
+    ``retry_s``, twice as long after each failure in a row up to ``max_retry_s``, for as long as it
+    runs (logged at the 1st, 2nd, 4th, 8th ... failure in a row, not every retry)."""
     etcd = Etcd(url)
     known: set[tuple[str, str]] = set()
+    failures = 0  # in a row
     try:
         while True:
             try:
                 kvs, revision = await etcd.list(prefix)
+                failures = 0
                 now = set()
                 for key, value in kvs.items():
                     member = _member(prefix, key, value)
@@ -293,10 +297,12 @@ async def watch_members(url: str, prefix: str, *, on_put: Callable[[str, dict[st
                         known.add((member[0], member[1]["ctrl"]))
                         await on_put(*member)
             except EtcdError as exc:
-                log.warning("etcd_watch_failed", url=url, error=str(exc))
+                failures += 1
+                if failures & (failures - 1) == 0:
+                    log.warning("etcd_watch_failed", url=url, error=str(exc), failures_in_a_row=failures)
                 if on_error is not None:
                     on_error(exc)
-            await anyio.sleep(retry_s)
+            await anyio.sleep(min(retry_s * 2 ** max(failures - 1, 0), max(retry_s, max_retry_s)))
     finally:
         with anyio.CancelScope(shield=True):
             await etcd.aclose()
