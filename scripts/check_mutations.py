@@ -356,6 +356,7 @@ M = [
   ("loop: a READY request is started without the idle wait", "orchestrator/_loop.py", "            if leads and not engine.num_running and not engine.num_ready:", "            if leads and not engine.num_running:", "tests/test_threads.py -k idle_wait"),
   ("sampling: a tiny temperature is greedy", "orchestrator/_sampling.py", "        return self.temperature < GREEDY_BELOW or self.top_k == 1", "        return self.temperature == 0 or self.top_k == 1", "tests/test_sampling.py"),
   ("etcd: a watch that keeps failing backs off", "examples/two_node/membership.py", "            await anyio.sleep(min(retry_s * 2 ** max(failures - 1, 0), max(retry_s, max_retry_s)))", "            await anyio.sleep(retry_s)", "tests/test_etcd_membership.py -k backoff"),
+  ("CTX TP: a late free keeps a newer copy's record", "examples/two_node/ctx.py", "        if request_id is not None and self.group_copies.get(request_id) == handle:", "        if request_id is not None:", "tests/test_tp_heal_units.py -k late_free"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

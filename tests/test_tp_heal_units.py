@@ -426,3 +426,35 @@ def test_rank_0_s_own_stall_is_the_cause_not_the_rank_that_gave_up_on_it() -> No
         assert watch.poll() is None
     child.code = -signal.SIGKILL
     assert watch.poll() == "GEN rank 1 (pid 4194311) was killed by SIGKILL"
+
+
+def test_a_late_free_of_an_old_copy_keeps_the_record_of_a_newer_prefill_of_that_id() -> None:
+    """A group copy of "x" released while a pull pinned it is freed when the pin closes, perhaps
+    after a new prefill of "x" stored its own copy: that free forgot the new copy's record (by id
+    alone), so a heal's stop() left the new copy on rank 0 until its lease (an outside review)."""
+    import types
+
+    from examples.two_node import ctx
+    from orchestrator import KVBlockPool
+    from transports import KVLayout, KVStore
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
+    pool = KVBlockPool(layout, 8)
+    store = KVStore(layout, pool.kv)
+    node = types.SimpleNamespace(group_copies={}, pool=pool, group=None, _call=lambda f: None, _wake_allocators=None)
+
+    def put(blocks: torch.Tensor) -> str:
+        handle = store.new_handle("x")
+        store.put("x", blocks, num_tokens=8, lease_s=60, handle=handle,
+                  on_release=lambda: ctx.CtxNode.on_free(node, blocks, "x", handle))  # type: ignore[arg-type]
+        node.group_copies["x"] = handle
+        return handle
+
+    old = put(pool.allocate(2))
+    _, pin = store.pin("x")  # a GEN's pull of the old copy
+    assert store.release("x", handle=old)  # released: freed when the pull ends
+    new = put(pool.allocate(2))
+    pin.close()  # the old pull ends: the old copy's blocks go back
+    assert node.group_copies == {"x": new} and pool.statistics().used_blocks == 2
+    assert store.release("x", handle=node.group_copies["x"])  # what the heal's stop() does
+    assert node.group_copies == {} and pool.statistics().used_blocks == 0

@@ -66,9 +66,11 @@ class CtxNode:
                                          self.healer.watch if self.healer is not None else None)
         self.control = control_server(args, self.handle, self.model.config) if self.rank == 0 else None
 
-    def on_free(self, block_ids: torch.Tensor, request_id: str | None = None) -> None:
-        """Any thread: give the blocks back and wake every prefill waiting for blocks."""
-        if request_id is not None:
+    def on_free(self, block_ids: torch.Tensor, request_id: str | None = None, handle: str | None = None) -> None:
+        """Any thread: give the blocks back and wake every prefill waiting for blocks. A group's copy
+        (``request_id`` and its ``handle``) is forgotten only if it is still the one recorded: a copy
+        released while a pull pinned it is freed later, perhaps after a new prefill of that id."""
+        if request_id is not None and self.group_copies.get(request_id) == handle:
             self.group_copies.pop(request_id, None)
         self.pool.free(block_ids)
         if self.group is not None:

@@ -232,7 +232,7 @@ class CtxGroup:
         epoch = node.store.epoch  # before the put: any revocation of this request comes after
         try:
             node.store.put(rid, blocks, num_tokens=len(prompt), lease_s=lease_s, handle=handle,
-                           on_release=lambda: node.on_free(blocks, rid))
+                           on_release=lambda: node.on_free(blocks, rid, handle))
             node.group_copies[rid] = handle
         except ValueError as exc:  # a duplicate id
             node.pool.free(blocks)
