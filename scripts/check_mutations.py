@@ -357,6 +357,8 @@ M = [
   ("sampling: a tiny temperature is greedy", "orchestrator/_sampling.py", "        return self.temperature < GREEDY_BELOW or self.top_k == 1", "        return self.temperature == 0 or self.top_k == 1", "tests/test_sampling.py"),
   ("etcd: a watch that keeps failing backs off", "examples/two_node/membership.py", "            await anyio.sleep(min(retry_s * 2 ** max(failures - 1, 0), max(retry_s, max_retry_s)))", "            await anyio.sleep(retry_s)", "tests/test_etcd_membership.py -k backoff"),
   ("CTX TP: a late free keeps a newer copy's record", "examples/two_node/ctx.py", "        if request_id is not None and self.group_copies.get(request_id) == handle:", "        if request_id is not None:", "tests/test_tp_heal_units.py -k late_free"),
+  ("TP: an idle CTX group's heartbeat follows the step timeout", "examples/two_node/ctx_tp.py", "        self._heartbeat_s = tp_group.idle_period_s(node.args)", "        self._heartbeat_s = 1.0", "tests/test_tp_heal_units.py -k idle_group"),
+  ("TP: the idle period is a quarter of the step timeout", "examples/two_node/tp_group.py", "    return min(1.0, getattr(args, \"tp_step_timeout_s\", 10.0) / 4)", "    return 1.0", "tests/test_tp_heal_units.py -k idle_group"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -458,3 +458,35 @@ def test_a_late_free_of_an_old_copy_keeps_the_record_of_a_newer_prefill_of_that_
     assert node.group_copies == {"x": new} and pool.statistics().used_blocks == 2
     assert store.release("x", handle=node.group_copies["x"])  # what the heal's stop() does
     assert node.group_copies == {} and pool.statistics().used_blocks == 0
+
+
+def test_an_idle_group_s_collectives_come_well_within_a_short_step_timeout() -> None:
+    """Rank 0 of an idle group ran a collective once a second (the CTX's heartbeat, the GEN's idle
+    step) whatever the step timeout: at --tp-step-timeout-s 1 or less the other ranks gave up in
+    it and an idle group broke and healed over and over (an outside review). Now it runs one every
+    quarter of the step timeout (at most a second)."""
+    import argparse
+    import types
+
+    from examples.two_node import ctx_tp
+    from orchestrator import DecodeLoop
+
+    seen: list[float] = []
+
+    class Dist:
+        def broadcast_object_list(self, box, src, group):  # noqa: ANN001, ANN201
+            seen.append(time.monotonic())
+
+    node = types.SimpleNamespace(args=argparse.Namespace(inject_first_token=None, tp_step_timeout_s=0.4))
+    group = ctx_tp.CtxGroup(node, None, 0, 2)
+    group._dist = Dist()
+    lead = threading.Thread(target=group.lead, daemon=True)
+    lead.start()
+    time.sleep(0.8)
+    group._jobs.put(ctx_tp._Job(("stop",), None, lambda _: None))
+    lead.join(5)
+    gaps = [b - a for a, b in zip(seen, seen[1:])]
+    assert len(seen) >= 5 and max(gaps) < 0.2, gaps  # every 0.1 s, well within 0.4 s
+    assert tp_group.idle_period_s(argparse.Namespace(tp_step_timeout_s=10.0)) == 1.0
+    gen_loop = DecodeLoop(types.SimpleNamespace(), tp_idle_s=tp_group.idle_period_s(node.args))
+    assert gen_loop._wait_s(types.SimpleNamespace(world_size=2, live_requests=0)) == 0.1

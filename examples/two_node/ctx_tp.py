@@ -44,8 +44,6 @@ from examples.two_node.gen_tp import head_checksums
 
 log = structlog.get_logger("examples.ctx_tp")
 
-HEARTBEAT_S = 1.0
-
 
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tensor parallelism")
@@ -88,6 +86,7 @@ class CtxGroup:
         self._stopped = False
         self._freed = threading.Condition()
         self._watch = watch  # rank 0: times its collectives and names the cause when the group breaks
+        self._heartbeat_s = tp_group.idle_period_s(node.args)  # rank 0, idle: a no-op collective this often
         rank_, _, prefix = (node.args.inject_first_token or "").partition(":")
         self._skew_prefix = prefix if rank_ and int(rank_) == rank else None
 
@@ -114,7 +113,7 @@ class CtxGroup:
         """Rank 0's execution thread: run queued operations (a heartbeat when idle) until stop."""
         while True:
             try:
-                job = self._jobs.get(timeout=HEARTBEAT_S)
+                job = self._jobs.get(timeout=self._heartbeat_s)
             except queue.Empty:
                 job = _Job(("noop",), None, lambda _: None)
             try:

@@ -63,6 +63,14 @@ def model_timeout_s(args: argparse.Namespace) -> float:
     return args.tp_model_timeout_s or 3 * args.tp_step_timeout_s
 
 
+def idle_period_s(args: argparse.Namespace) -> float:
+    """How often an idle group's rank 0 runs a collective (the CTX's heartbeat, the GEN's idle step):
+    once a second, or a quarter of the step timeout if that is shorter (the other ranks wait in
+    that collective, which must come well within their timeout: at 1 s or less an idle group broke
+    and healed over and over)."""
+    return min(1.0, getattr(args, "tp_step_timeout_s", 10.0) / 4)
+
+
 # -- devices ----------------------------------------------------------------------------------------
 
 def model_backend(cuda_available: bool | None = None) -> str:
