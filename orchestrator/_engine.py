@@ -212,6 +212,7 @@ class GenEngine:
         self.rank_admitted: list[tuple[int, int]] = [(0, 0)] * self.world_size
         """Every rank's (admissions, digest) at the last step."""
         self._steps = 0
+        self.agreed_steps = 0  # steps every rank agreed on (a group's first: every rank steps)
         self._receive_seconds = Histogram(RECEIVE_SECONDS_BUCKETS)
         self._receive_bytes = Histogram(RECEIVE_BYTES_BUCKETS)
         self._next_hold = clock() + config.kv_hold_interval_s
@@ -394,6 +395,7 @@ class GenEngine:
         if cause is not None:
             self._break(cause)
             return self._apply_alone(prepared)
+        self.agreed_steps += 1
         lead = messages[0]
         if self._on_command is not None:
             for command in lead.commands:

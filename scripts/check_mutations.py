@@ -359,6 +359,7 @@ M = [
   ("CTX TP: a late free keeps a newer copy's record", "examples/two_node/ctx.py", "        if request_id is not None and self.group_copies.get(request_id) == handle:", "        if request_id is not None:", "tests/test_tp_heal_units.py -k late_free"),
   ("TP: an idle CTX group's heartbeat follows the step timeout", "examples/two_node/ctx_tp.py", "        self._heartbeat_s = tp_group.idle_period_s(node.args)", "        self._heartbeat_s = 1.0", "tests/test_tp_heal_units.py -k idle_group"),
   ("TP: the idle period is a quarter of the step timeout", "examples/two_node/tp_group.py", "    return min(1.0, getattr(args, \"tp_step_timeout_s\", 10.0) / 4)", "    return 1.0", "tests/test_tp_heal_units.py -k idle_group"),
+  ("TP: healthy only after every rank's first collective", "examples/two_node/tp_group.py", "                why = await self._first_collective(node)", "                why = None", "tests/test_tp_heal_units.py -k before_the_first"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

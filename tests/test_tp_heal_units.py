@@ -226,13 +226,19 @@ def test_the_fronts_health_shows_each_groups_restarts_and_last_cause() -> None:
 
 
 class _Node:
-    """A GroupNode that records what the healer asked of it."""
+    """A GroupNode that records what the healer asked of it; its first ``broken_starts`` generations
+    break before their first collective (a rank that joined died starting)."""
 
-    def __init__(self) -> None:
+    def __init__(self, broken_starts: int = 0) -> None:
         self.calls: list[str] = []
+        self.broken_starts = broken_starts
+        self.starts = 0
 
     def broken(self) -> str | None:
-        return None
+        return "CTX rank 1 exited with code 1" if 0 < self.starts <= self.broken_starts else None
+
+    def serving(self) -> bool:
+        return self.starts > self.broken_starts
 
     async def fail(self, cause: str) -> None:
         self.calls.append("fail")
@@ -242,6 +248,7 @@ class _Node:
 
     async def start(self, group: object) -> None:
         self.calls.append("start")
+        self.starts += 1
 
 
 def _healer(monkeypatch: pytest.MonkeyPatch, failures: int, **args: object) -> tuple[tp_group.Healer, list[float]]:
@@ -289,6 +296,27 @@ async def test_a_group_that_cannot_form_gives_up_after_the_attempts_allowed(monk
         await healer._heal(node, "GEN rank 1 was killed")
     assert waits == [1.0, 2.0]  # no wait after the last attempt
     assert node.calls == ["fail", "stop"]  # never served on a half-formed group
+    assert healer.statistics()["regrouping"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_group_whose_rank_breaks_before_the_first_collective_is_a_failed_attempt(monkeypatch) -> None:
+    """A rank that joined and died starting (its port taken): the group broke before its first
+    collective. Before, that was a heal ("healthy" for a moment), then a break, for ever, with no
+    backoff, no limit, and no form error. Now each is a failed attempt: backoff, the reason in
+    last_form_error, healthy only once every rank took part in a collective; and a limit."""
+    healer, waits = _healer(monkeypatch, failures=0)
+    node = _Node(broken_starts=2)
+    await healer._heal(node, "CTX rank 1 was killed")
+    assert node.calls == ["fail", "stop", "start", "fail", "stop", "start", "fail", "stop", "start"]
+    assert waits == [1.0, 2.0]  # the backoff between attempts
+    s = healer.statistics()
+    assert s["restarts"] == 1 and not s["regrouping"] and s["form_failures"] == 2
+    assert "before the group's first collective: CTX rank 1 exited with code 1" in s["last_form_error"]
+    healer, waits = _healer(monkeypatch, failures=0, tp_reform_attempts=2)
+    with pytest.raises(RuntimeError, match="in 2 attempts"):
+        await healer._heal(_Node(broken_starts=5), "CTX rank 1 was killed")
     assert healer.statistics()["regrouping"]
 
 

@@ -87,6 +87,7 @@ class CtxGroup:
         self._freed = threading.Condition()
         self._watch = watch  # rank 0: times its collectives and names the cause when the group breaks
         self._heartbeat_s = tp_group.idle_period_s(node.args)  # rank 0, idle: a no-op collective this often
+        self.collectives = 0  # rank 0: collectives every rank took part in (the first: every rank serves)
         rank_, _, prefix = (node.args.inject_first_token or "").partition(":")
         self._skew_prefix = prefix if rank_ and int(rank_) == rank else None
 
@@ -118,6 +119,7 @@ class CtxGroup:
                 job = _Job(("noop",), None, lambda _: None)
             try:
                 result = self._lead_one(job)
+                self.collectives += 1
             except Exception as exc:  # a rank died or the group broke: no further collective
                 self._break(str(exc) if isinstance(exc, tp_group.GroupBroken) else f"{type(exc).__name__}: {exc}")
                 job.done(GroupBroken(self.broken))
@@ -300,6 +302,10 @@ class CtxRank0:
         for rid, handle in list(node.group_copies.items()):
             node.store.release(rid, handle=handle)
         node.group_copies.clear()
+
+    def serving(self) -> bool:
+        """Every rank took part in a collective: each listens for pulls (it does before it follows)."""
+        return self.node.group.collectives > 0
 
     async def start(self, group: tp_group.Group) -> None:
         from examples.two_node import gen_tp

@@ -336,6 +336,11 @@ class GenRank0:
         use_group(self.node.args, group)
         await self.node.start_generation()
 
+    def serving(self) -> bool:
+        """Every rank took part in an agreed step of this generation's engine."""
+        engine = self.node.engine
+        return engine is not None and engine.agreed_steps > 0
+
 
 class FailingPulls:
     """A transport whose pulls of some request ids fail on this rank only (the fault drill of

@@ -42,6 +42,7 @@ log = structlog.get_logger("examples.tp_group")
 
 JOIN_TIMEOUT_S = 120.0  # every rank joining the group (a rank's start imports torch: slow on a busy host)
 WATCH_PERIOD_S = 0.1
+JOIN_GRACE_S = 10.0  # beyond 3 step timeouts, for a healed group's ranks to reach their first collective
 
 
 def add_timeout_args(g: argparse._ArgumentGroup) -> None:
@@ -375,6 +376,10 @@ class GroupNode(Protocol):
     async def start(self, group: Group) -> None:
         """Serve on ``group`` (a new generation)."""
 
+    def serving(self) -> bool:
+        """Every rank of the current generation took part in a first collective: each one serves
+        (a CTX rank listens for pulls before it follows rank 0's operations)."""
+
 
 class Healer:
     """Rank 0: keep the node's group serving; re-form it each time it breaks (see the module docstring)."""
@@ -414,6 +419,22 @@ class Healer:
         finally:
             kill_ranks(self.group.children)
 
+    async def _first_collective(self, node: GroupNode) -> str | None:
+        """None once every rank of the new generation took part in a collective (the group serves:
+        only then is it healthy again); else why it broke first, or that none came in time."""
+        import anyio
+
+        limit_s = 3 * self.args.tp_step_timeout_s + JOIN_GRACE_S
+        deadline = time.monotonic() + limit_s
+        while not node.serving():
+            why = self.watch.poll() or node.broken()
+            if why is not None:
+                return self.watch.decided or why
+            if time.monotonic() > deadline:
+                return f"no first collective of every rank within {limit_s:g} s"
+            await anyio.sleep(WATCH_PERIOD_S)
+        return None
+
     async def _heal(self, node: GroupNode, cause: str) -> None:
         import anyio
 
@@ -432,22 +453,34 @@ class Healer:
                 group = await anyio.to_thread.run_sync(
                     lambda: form(self.args, self.args.argv, generation, extra_env=self._extra_env,
                                  extra_argv=self._extra_argv))
-                break
+                error = None
             except Exception as exc:  # e.g. a rank could not start: try again, still refusing work
-                failed += 1
-                self.form_failures += 1
-                self.last_form_error = f"{type(exc).__name__}: {exc}"
-                wait = reform_backoff_s(failed, self.args.tp_reform_backoff_max_s)
-                give_up = bool(limit) and failed >= limit
-                log.error("tp_group_form_failed", role=self.role, error=self.last_form_error, attempt=failed,
-                          retry_in_s=None if give_up else wait)
-                if give_up:
-                    raise RuntimeError(f"{self.role} could not form a tensor-parallel group in {failed} attempts; "
-                                       f"last error: {self.last_form_error}") from exc
-                await anyio.sleep(wait)
-        self.group = group
-        self.watch = RankWatch(self.role, group.children, self.args.tp_step_timeout_s)
-        await node.start(group)
+                error = f"{type(exc).__name__}: {exc}"
+            if error is None:
+                self.group = group
+                self.watch = RankWatch(self.role, group.children, self.args.tp_step_timeout_s)
+                await node.start(group)
+                why = await self._first_collective(node)
+                if why is None:
+                    break
+                # a rank that joined broke before the group's first collective (it died starting, e.g.
+                # its port was taken): a failed attempt too, not a heal (before: healed, "healthy" for a
+                # moment, broke again, for ever, with no backoff and no limit)
+                error = f"a rank broke before the group's first collective: {why}"
+                await anyio.to_thread.run_sync(kill_ranks, group.children)
+                await node.fail(why)
+                await node.stop()
+            failed += 1
+            self.form_failures += 1
+            self.last_form_error = error
+            wait = reform_backoff_s(failed, self.args.tp_reform_backoff_max_s)
+            give_up = bool(limit) and failed >= limit
+            log.error("tp_group_form_failed", role=self.role, error=self.last_form_error, attempt=failed,
+                      retry_in_s=None if give_up else wait)
+            if give_up:
+                raise RuntimeError(f"{self.role} could not form a tensor-parallel group in {failed} attempts; "
+                                   f"last error: {self.last_form_error}")
+            await anyio.sleep(wait)
         self.restarts += 1
         self.regrouping = False
         self.last_heal_s = round(time.monotonic() - t0, 3)
