@@ -360,6 +360,7 @@ M = [
   ("TP: an idle CTX group's heartbeat follows the step timeout", "examples/two_node/ctx_tp.py", "        self._heartbeat_s = tp_group.idle_period_s(node.args)", "        self._heartbeat_s = 1.0", "tests/test_tp_heal_units.py -k idle_group"),
   ("TP: the idle period is a quarter of the step timeout", "examples/two_node/tp_group.py", "    return min(1.0, getattr(args, \"tp_step_timeout_s\", 10.0) / 4)", "    return 1.0", "tests/test_tp_heal_units.py -k idle_group"),
   ("TP: healthy only after every rank's first collective", "examples/two_node/tp_group.py", "                why = await self._first_collective(node)", "                why = None", "tests/test_tp_heal_units.py -k before_the_first"),
+  ("TP: a rank that exits before the group formed fails the attempt", "examples/two_node/tp_group.py", "            if (code := child.poll()) is not None:\n                raise RuntimeError(f\"rank {rank} (pid {child.pid}) exited with code {code} before the group formed\")", "            if False:\n                pass", "tests/test_tp_heal_units.py -k before_the_group_formed"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

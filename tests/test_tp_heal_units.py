@@ -54,7 +54,7 @@ def test_with_no_sign_on_any_rank_the_cause_says_so_without_the_transport_text()
     watch = tp_group.RankWatch("GEN", [FakeChild(2**22 + 7)], 10.0)
     text = watch.cause(RuntimeError("[/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: Connection reset"),
                        settle_s=0.0)
-    assert text == "the GEN group lost a connection between its ranks (no rank exited or stopped)"
+    assert text == "the GEN group lost a connection between its ranks (no rank had exited or stopped yet)"
     assert "pair.cc" not in text
     timed_out = tp_group.RankWatch("CTX", [FakeChild(2**22 + 7)], 4.0)
     assert timed_out.cause(RuntimeError("Timed out waiting 4000ms"), settle_s=0.0) == \
@@ -518,3 +518,25 @@ def test_an_idle_group_s_collectives_come_well_within_a_short_step_timeout() -> 
     assert tp_group.idle_period_s(argparse.Namespace(tp_step_timeout_s=10.0)) == 1.0
     gen_loop = DecodeLoop(types.SimpleNamespace(), tp_idle_s=tp_group.idle_period_s(node.args))
     assert gen_loop._wait_s(types.SimpleNamespace(world_size=2, live_requests=0)) == 0.1
+
+
+def test_a_rank_that_exits_before_the_group_formed_fails_the_attempt_at_once() -> None:
+    """Rank 0 waited in the rendezvous for the join timeout (120 s) when a new rank was killed
+    before it joined (an outside review: a heal "regrouping" 122 s). Now the attempt fails as soon
+    as a rank exits; a rendezvous that completes returns its result."""
+    never = threading.Event()
+    children = [FakeChild(11), FakeChild(12)]
+    started = time.monotonic()
+
+    def rendezvous() -> object:
+        children[1].code = -signal.SIGKILL
+        never.wait(30)
+        return "formed"
+
+    with pytest.raises(RuntimeError, match=r"rank 2 \(pid 12\) exited with code -9 before the group formed"):
+        tp_group.join_watching(children, rendezvous, period_s=0.01)
+    assert time.monotonic() - started < 2
+    never.set()
+    assert tp_group.join_watching([FakeChild(11)], lambda: "formed", period_s=0.01) == "formed"
+    with pytest.raises(ValueError, match="bad"):
+        tp_group.join_watching([FakeChild(11)], lambda: (_ for _ in ()).throw(ValueError("bad")), period_s=0.01)

@@ -152,15 +152,46 @@ def form(args: argparse.Namespace, argv: list[str], generation: int = 0, *, extr
             children.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env))
         device = rank_device(0)
         use_device(device)
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=args.tp,
-                                timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
-        step, model = _make_groups(args, 0)
+
+        def rendezvous() -> tuple[Any, Any]:
+            dist.init_process_group("gloo", init_method=init, rank=0, world_size=args.tp,
+                                    timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+            return _make_groups(args, 0)
+
+        step, model = join_watching(children, rendezvous)
     except BaseException:
         kill_ranks(children)
         leave()
         raise
     log.info("tp_group_ready", world_size=args.tp, generation=generation, ranks=[os.getpid(), *(c.pid for c in children)])
     return Group(0, args.tp, step, model, device, generation, children)
+
+
+def join_watching(children: list[Any], rendezvous: Callable[[], Any], period_s: float = 0.2) -> Any:
+    """Run rank 0's ``rendezvous`` while watching ``children``: a rank that exits before the group
+    formed fails the attempt at once, not at the join timeout (120 s: a new rank killed before it
+    joined kept a heal "regrouping" that long). The rendezvous cannot be interrupted: its thread is
+    left to end at its own timeout, its outcome dropped (the next attempt uses another address)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = rendezvous()
+        except BaseException as exc:  # noqa: BLE001 (raised below, in the caller's thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="tp-rendezvous", daemon=True)
+    thread.start()
+    while True:
+        thread.join(period_s)
+        if not thread.is_alive():
+            break
+        for rank, child in enumerate(children, start=1):
+            if (code := child.poll()) is not None:
+                raise RuntimeError(f"rank {rank} (pid {child.pid}) exited with code {code} before the group formed")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def join(args: argparse.Namespace) -> Group:
@@ -298,7 +329,7 @@ class RankWatch:
         text = "" if exc is None else f"{type(exc).__name__} {exc}".lower()
         if exc is None or "timeout" in text or "timed out" in text:
             return f"a {self.role} rank stopped answering: no step exchange for {self.step_timeout_s:g} s"
-        return f"the {self.role} group lost a connection between its ranks (no rank exited or stopped)"
+        return f"the {self.role} group lost a connection between its ranks (no rank had exited or stopped yet)"
 
     def cause(self, exc: BaseException | None = None, settle_s: float = 1.0) -> str:
         """THE cause of this generation's end (decided once). With no sign on any rank yet, waits up to
