@@ -123,7 +123,7 @@ M = [
  ("8 CTX first-token disagreement fails that prefill only", "examples/two_node/ctx_tp.py", "        if not all(p[\"ok\"] for p in parts) or len(set(firsts)) != 1:", "        if not all(p[\"ok\"] for p in parts):", "tests/test_tp_heal.py -k disagreeing"),
  ("9 KV checksums off the event loop", "examples/two_node/gen_tp.py", "        self._pool.submit(work)\n", "        work()\n", "tests/test_tp_heal_units.py -k worker_thread"),
  ("16 a group that fails to form is retried ever later", "examples/two_node/tp_group.py", "    return min(most_s, 2.0 ** (failed - 1))", "    return 1.0", "tests/test_tp_heal_units.py -k growing_wait"),
- ("16 a group that cannot form gives up when told", "examples/two_node/tp_group.py", "                give_up = bool(limit) and failed >= limit\n", "                give_up = False\n", "tests/test_tp_heal_units.py -k gives_up"),
+ ("16 a group that cannot form gives up when told", "examples/two_node/tp_group.py", "            give_up = bool(limit) and failed >= limit\n", "            give_up = False\n", "tests/test_tp_heal_units.py -k gives_up"),
  ("16 a model collective's break keeps the group's cause", "orchestrator/_loop.py", "exc.cause if isinstance(exc, GroupBroken)", "str(exc) if False", "tests/test_hardening.py -k one_cause"),
  # issue 18: the replay in virtual time runs the library's own waits and admission
  ("18 budget waits through its clock", "orchestrator/_budget.py", "        event = self.clock.event()", "        event = threading.Event()", "tests/test_sim.py -k virtual_time"),
@@ -361,6 +361,7 @@ M = [
   ("TP: the idle period is a quarter of the step timeout", "examples/two_node/tp_group.py", "    return min(1.0, getattr(args, \"tp_step_timeout_s\", 10.0) / 4)", "    return 1.0", "tests/test_tp_heal_units.py -k idle_group"),
   ("TP: healthy only after every rank's first collective", "examples/two_node/tp_group.py", "                why = await self._first_collective(node)", "                why = None", "tests/test_tp_heal_units.py -k before_the_first"),
   ("TP: a rank that exits before the group formed fails the attempt", "examples/two_node/tp_group.py", "            if (code := child.poll()) is not None:\n                raise RuntimeError(f\"rank {rank} (pid {child.pid}) exited with code {code} before the group formed\")", "            if False:\n                pass", "tests/test_tp_heal_units.py -k before_the_group_formed"),
+  ("GEN: a node draining a while refuses new requests", "examples/two_node/gen.py", "        if self.registration is not None and self.registration.refuses_new_work():", "        if False:", "tests/test_gen_node.py -k draining"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

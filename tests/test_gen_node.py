@@ -137,3 +137,27 @@ async def test_a_malformed_generate_is_a_clear_error_not_a_crash(bad: dict) -> N
     with anyio.fail_after(5), pytest.raises(control.ControlError):
         await node._generate(msg, _Stream())
     assert node.engine.live_requests == 0
+
+
+async def test_a_node_draining_for_a_while_refuses_new_requests() -> None:
+    """A GEN registered in etcd took new requests for its whole drain (for fronts that had not seen
+    the flag yet), so a client that kept sending could keep the drain from ending. It takes them
+    for the first seconds only; then refuses (a front sends the request to another GEN)."""
+    import time
+
+    from examples.two_node import membership
+
+    node, _ = _node()
+    reg = membership.Registration.__new__(membership.Registration)
+    reg.draining_since = None
+    node.registration = reg  # type: ignore[assignment]
+    msg = {"op": "generate", "request_id": "d1", "prompt_len": 20, "first_token": 5, "max_tokens": 3}
+    reg.draining_since = time.monotonic()  # the drain just began: still served
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(node._generate, msg, _Stream())
+        await anyio.wait_all_tasks_blocked()
+        assert node.engine.live_requests == 1
+        tg.cancel_scope.cancel()
+    reg.draining_since -= membership.ACCEPT_WHILE_DRAINING_S + 0.1
+    with anyio.fail_after(5), pytest.raises(control.ControlError, match="draining"):  # (accepted: it would wait)
+        await node._generate(dict(msg, request_id="d2"), _Stream())

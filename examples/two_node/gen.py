@@ -221,6 +221,8 @@ class GenNode:
             raise control.ControlError("GEN engine unavailable: starting")
         if self.shutting_down:
             raise control.ControlError("this GEN node is shutting down (SIGTERM): send the request to another GEN")
+        if self.registration is not None and self.registration.refuses_new_work():
+            raise control.ControlError("this GEN node is draining: send the request to another GEN")
         limit = self.config.max_model_len
         rid = control.request_id(msg)  # before anything is allocated for it
         pulls = self.config.mode is not Mode.IDEAL

@@ -134,6 +134,9 @@ def node_key(prefix: str, role: str, ctrl: str) -> str:
 
 # -- the node side --------------------------------------------------------------------------------
 
+ACCEPT_WHILE_DRAINING_S = 2.0  # a draining node still takes new work this long (fronts see the flag at once)
+
+
 class Registration:
     """A node's entry in etcd, kept alive while the node serves; ``drain`` ends it gracefully.
 
@@ -151,12 +154,20 @@ class Registration:
         self.quiet_s = quiet_s
         self.lease: int | None = None
         self.draining = False
+        self.draining_since: float | None = None  # monotonic, once the drain began
         self._drain_requested = anyio.Event()
 
     async def register(self) -> None:
         self.lease = await self.etcd.grant(self.ttl_s)
         await self.etcd.put(self.key, json.dumps(self.value), lease=self.lease)
         log.info("node_registered", key=self.key, ttl_s=self.ttl_s, lease=self.lease)
+
+    def refuses_new_work(self) -> bool:
+        """Draining for longer than ``ACCEPT_WHILE_DRAINING_S``: every front has seen the flag by now,
+        so new work is refused (a front sends it to another node); before that a front that picked
+        this node just before the flag is still served."""
+        since = self.draining_since
+        return since is not None and time.monotonic() - since > ACCEPT_WHILE_DRAINING_S
 
     def request_drain(self) -> dict[str, Any]:
         """Start draining (idempotent); what the control op ``drain`` answers."""
@@ -182,6 +193,7 @@ class Registration:
     async def drain(self) -> None:
         """Take nothing new (fronts see ``draining``), finish what is live, then deregister."""
         self.draining = True
+        self.draining_since = time.monotonic()
         await self._put()
         log.info("node_draining", key=self.key, live=self.busy())
         quiet_since: float | None = None
