@@ -350,3 +350,28 @@ async def test_a_retried_request_is_counted_once() -> None:
         assert sample(front, "kvo_front_requests_finished_total", finish_reason="error") == 0
         assert sample(front, "kvo_front_time_to_first_token_seconds_count") == 1
         assert sample(front, "kvo_front_generation_tokens_total") == 4
+
+
+class OddGen(FakeGen):
+    """A node that answers ``stats`` without the fields routing reads (another program, or version)."""
+
+    async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
+        if msg.get("op") == "stats":
+            await stream.send({"ok": True, "healthy": True, "engine": {"waiting": 0}})
+            return
+        await super().handle(msg, stream)
+
+
+async def test_a_node_whose_stats_lack_what_routing_reads_is_not_routed_to() -> None:
+    """Routing read a GEN's load from its last stats answer by key: one without them raised
+    KeyError in every pick (an outside review). Such an answer now marks the node down, with why,
+    and the requests go to the other GEN."""
+    ctx = FakeCtx()
+    odd, good = OddGen(ctx=ctx), FakeGen(ctx=ctx)
+    async with front_on([ctx], [odd, good]) as (front, http):
+        await wait_until(lambda: front.cluster.find(odd.addr).down is not None)  # type: ignore[union-attr]
+        assert "stats answer lacks" in front.cluster.find(odd.addr).down  # type: ignore[union-attr, operator]
+        for _ in range(3):
+            r = await http.post("/v1/completions", json=completion(max_tokens=3))
+            assert r.status_code == 200, r.text
+        assert odd.generates == [] and len(good.generates) == 3

@@ -79,21 +79,20 @@ class Node:
         return self.stats.get("mode") if self.stats else None
 
     def load(self) -> int:
-        reported = 0
-        if self.stats is not None:
-            if self.role == "gen":
-                e = self.stats["engine"]
-                reported = e["waiting"] + e["receiving"] + e["ready"] + e["running"]
-            else:
-                reported = self.stats["store"]["held_requests"]
-        return self.inflight + reported
+        return self.inflight + (_load_fields(self.role, self.stats)[0] if self.stats is not None else 0)
 
     def live_blocks(self) -> int:
         """KV blocks in use on the node (the live bytes, in blocks), from its last stats."""
-        if self.stats is None:
-            return 0
-        pool = self.stats["engine"]["pool"] if self.role == "gen" else self.stats["pool"]
-        return int(pool["used_blocks"])
+        return _load_fields(self.role, self.stats)[1] if self.stats is not None else 0
+
+
+def _load_fields(role: str, stats: dict[str, Any]) -> tuple[int, int]:
+    """(requests live, KV blocks in use) from a node's ``stats`` answer; ``KeyError`` / ``TypeError``
+    / ``ValueError`` when it lacks them (the poll checks each answer before it keeps it)."""
+    if role == "gen":
+        e = stats["engine"]
+        return int(e["waiting"]) + int(e["receiving"]) + int(e["ready"]) + int(e["running"]), int(e["pool"]["used_blocks"])
+    return int(stats["store"]["held_requests"]), int(stats["pool"]["used_blocks"])
 
 
 class Router:
@@ -184,6 +183,12 @@ class Cluster:
             stats = await control.call(node.addr, {"op": "stats"}, secret=self.secret, timeout=self.timeout_s)
         except CONTROL_ERRORS as exc:
             self.mark_down(node, describe(exc)[:200])
+            return
+        try:  # what routing reads of it (a node that answers something else is not routed to)
+            _load_fields(node.role, stats)
+        except (KeyError, TypeError, ValueError) as exc:
+            node.stats = None
+            self.mark_down(node, f"its stats answer lacks {exc!s:.80} (another program, or another version?)")
             return
         node.stats, node.stats_at = stats, time.monotonic()
         why = None if stats.get("healthy", True) else f"unhealthy: {stats.get('health')}"
