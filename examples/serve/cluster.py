@@ -79,20 +79,29 @@ class Node:
         return self.stats.get("mode") if self.stats else None
 
     def load(self) -> int:
-        return self.inflight + (_load_fields(self.role, self.stats)[0] if self.stats is not None else 0)
+        return self.inflight + (_live_requests(self.role, self.stats) if self.stats is not None else 0)
 
     def live_blocks(self) -> int:
         """KV blocks in use on the node (the live bytes, in blocks), from its last stats."""
-        return _load_fields(self.role, self.stats)[1] if self.stats is not None else 0
+        return _used_blocks(self.role, self.stats) if self.stats is not None else 0
+
+
+# What routing reads of a node's ``stats`` answer; ``KeyError`` / ``TypeError`` / ``ValueError`` when it
+# lacks it (the poll checks each answer before it keeps it: ``_load_fields``).
+
+def _live_requests(role: str, stats: dict[str, Any]) -> int:
+    if role == "gen":
+        e = stats["engine"]
+        return int(e["waiting"]) + int(e["receiving"]) + int(e["ready"]) + int(e["running"])
+    return int(stats["store"]["held_requests"])
+
+
+def _used_blocks(role: str, stats: dict[str, Any]) -> int:
+    return int((stats["engine"]["pool"] if role == "gen" else stats["pool"])["used_blocks"])
 
 
 def _load_fields(role: str, stats: dict[str, Any]) -> tuple[int, int]:
-    """(requests live, KV blocks in use) from a node's ``stats`` answer; ``KeyError`` / ``TypeError``
-    / ``ValueError`` when it lacks them (the poll checks each answer before it keeps it)."""
-    if role == "gen":
-        e = stats["engine"]
-        return int(e["waiting"]) + int(e["receiving"]) + int(e["ready"]) + int(e["running"]), int(e["pool"]["used_blocks"])
-    return int(stats["store"]["held_requests"]), int(stats["pool"]["used_blocks"])
+    return _live_requests(role, stats), _used_blocks(role, stats)
 
 
 class Router:
