@@ -51,8 +51,36 @@ from ._store import Checkout, KVStore
 
 log = structlog.get_logger("transports.nixl")
 
-_MAX_EARLY = 65_536  # tokens remembered for a pin message still on its way (bounded memory)
+_MAX_EARLY = 65_536  # tokens remembered (a pin message still on its way, a served pin for "check"): bounded memory
 _NOTIF_BACKOFF_S = 0.05  # longest nap between notification polls while unpinned READs may come
+
+
+class _Recent:
+    """Tokens remembered a while, in the order they came: at most ``_MAX_EARLY`` (bounded memory),
+    each until ``purge`` passes it."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, tuple[Any, float]] = {}  # token -> (value, when); oldest first
+
+    def put(self, token: str, value: Any) -> None:
+        self._items.pop(token, None)  # re-added at the end: the dict stays in time order for purge()
+        self._items[token] = (value, time.monotonic())
+        while len(self._items) > _MAX_EARLY:
+            del self._items[next(iter(self._items))]
+
+    def pop(self, token: str) -> tuple[Any, float] | None:
+        return self._items.pop(token, None)
+
+    def purge(self, before: float) -> None:
+        """Forget every token remembered before ``before`` (monotonic)."""
+        while self._items and next(iter(self._items.values()))[1] <= before:
+            del self._items[next(iter(self._items))]
+
+    def __contains__(self, token: object) -> bool:
+        return token in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 @dataclasses.dataclass(eq=False)
@@ -130,8 +158,8 @@ class NIXLKVServer:
                            "mem": "VRAM" if pool.is_cuda else "DRAM", "dev": (pool.device.index or 0) if pool.is_cuda else 0}
         self._pins: dict[str, _Pin] = {}
         # notifications and unpins of tokens not pinned (yet): a pin message may follow (_pin_read)
-        self._early: dict[str, tuple[bool, float]] = {}  # token -> (a READ's notification?, when)
-        self._served_pins: dict[str, float] = {}  # token -> when its READ's notification ended it ("check")
+        self._early = _Recent()  # token -> a READ's notification (True) or an unpin (False)
+        self._served_pins = _Recent()  # tokens whose READ's notification ended their pin (for "check")
         self._wake = asyncio.Event()  # a pin or a GEN's lease began: poll notifications often from now
         self._server: asyncio.base_events.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -233,19 +261,14 @@ class NIXLKVServer:
         if pin is not None and pin.owner is not None:
             pin.owner.discard(token)
         if pin is None:  # perhaps a READ's pin still on its way (a pin message): remembered a while
-            self._early.pop(token, None)  # re-added at the end: the dict stays in time order for the purge
-            self._early[token] = (ok, time.monotonic())
-            while len(self._early) > _MAX_EARLY:
-                del self._early[next(iter(self._early))]
+            self._early.put(token, ok)
             return
         self._finish(token, pin, ok=ok)
 
     def _finish(self, token: str, pin: _Pin, *, ok: bool) -> None:
         pin.checkout.close()
         if ok:  # held until the READ ended: a GEN's "check" of a slow READ says so a while (pin_timeout_s)
-            self._served_pins[token] = time.monotonic()
-            while len(self._served_pins) > _MAX_EARLY:
-                del self._served_pins[next(iter(self._served_pins))]
+            self._served_pins.put(token, True)
             self._served += 1
             if pin.release:
                 self.store.release(pin.request_id, handle=pin.handle, reader=pin.reader)
@@ -274,10 +297,8 @@ class NIXLKVServer:
         while True:
             await asyncio.sleep(self._expire_interval_s)
             now = time.monotonic()
-            while self._early and next(iter(self._early.values()))[1] <= now - self.config.pin_timeout_s:
-                del self._early[next(iter(self._early))]
-            while self._served_pins and next(iter(self._served_pins.values())) <= now - self.config.pin_timeout_s:
-                del self._served_pins[next(iter(self._served_pins))]
+            self._early.purge(now - self.config.pin_timeout_s)
+            self._served_pins.purge(now - self.config.pin_timeout_s)
             for token in [t for t, p in self._pins.items() if p.deadline <= now]:
                 log.warning("nixl_pin_expired", request_id=self._pins[token].request_id)
                 self._expired += 1
@@ -535,7 +556,7 @@ class NIXLKVServer:
         ends forwards only), and they stay pinned until the READ's notification (which may even
         have come first) or an unpin. A refusal means the READ's bytes must not be used."""
         token = msg.get("token")
-        early = self._early.pop(token, None) if isinstance(token, str) else None
+        early = self._early.pop(token) if isinstance(token, str) else None
         if not isinstance(token, str) or not 16 <= len(token) <= 64 or token in self._pins:
             return self._refuse("BAD_REQUEST", "a pin needs a fresh token of 16-64 characters")
         checked = self._checked(msg)
