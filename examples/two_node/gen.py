@@ -256,7 +256,7 @@ class GenNode:
         try:
             if msg.get("sampling") is not None:
                 request = dataclasses.replace(request, sampling=SamplingParams.from_wire(msg["sampling"]))
-        except (ValueError, OverflowError) as exc:  # OverflowError: an infinite number where an int goes
+        except ValueError as exc:  # from_wire: anything malformed, an infinity where an int goes too
             raise control.ControlError(str(exc)) from None
         top = msg.get("logprobs")
         if top is not None and not (type(top) is int and 0 <= top <= 20):  # true is not 1, "3" is not 3
@@ -476,6 +476,12 @@ class GenNode:
                 with anyio.CancelScope(shield=True):
                     await transport.aclose()
 
+    def _new_loop(self) -> DecodeLoop:
+        """The execution thread's loop over this generation's engine (an idle TP rank 0 steps well
+        within the step timeout)."""
+        assert self.engine is not None
+        return DecodeLoop(self.engine, tp_idle_s=tp_group.idle_period_s(self.args))
+
     def _new_engine(self) -> GenEngine:
         args = self.args
         if args.tp == 1:
@@ -494,7 +500,7 @@ class GenNode:
             self.step_fn = self._step_fn()
         self.rank_loops.clear()
         self.engine = self._new_engine()
-        self.loop = DecodeLoop(self.engine, tp_idle_s=tp_group.idle_period_s(self.args))
+        self.loop = self._new_loop()
         await self.engine.start(self._tg)
         self._exec_stop = threading.Event()
         self._exec_thread = threading.Thread(target=self.loop.run, args=(self._exec_stop,), name="execution", daemon=True)
@@ -572,7 +578,7 @@ class GenNode:
             tg.start_soon(self.notes.run)
             tg.start_soon(gen_tp.report_loop, self.notes, self._loop_stats)
         self.engine = self._new_engine()
-        self.loop = DecodeLoop(self.engine, tp_idle_s=tp_group.idle_period_s(self.args))
+        self.loop = self._new_loop()
         await self.engine.start(tg)
         stop = threading.Event()
         exec_thread = threading.Thread(target=self.loop.run, args=(stop,), name="execution", daemon=True)

@@ -153,7 +153,6 @@ class Registration:
         self.ttl_s = ttl_s
         self.quiet_s = quiet_s
         self.lease: int | None = None
-        self.draining = False
         self.draining_since: float | None = None  # monotonic, once the drain began
         self._drain_requested = anyio.Event()
 
@@ -161,6 +160,10 @@ class Registration:
         self.lease = await self.etcd.grant(self.ttl_s)
         await self.etcd.put(self.key, json.dumps(self.value), lease=self.lease)
         log.info("node_registered", key=self.key, ttl_s=self.ttl_s, lease=self.lease)
+
+    @property
+    def draining(self) -> bool:
+        return self.draining_since is not None
 
     def refuses_new_work(self) -> bool:
         """Draining for longer than ``ACCEPT_WHILE_DRAINING_S``: every front has seen the flag by now,
@@ -192,7 +195,6 @@ class Registration:
 
     async def drain(self) -> None:
         """Take nothing new (fronts see ``draining``), finish what is live, then deregister."""
-        self.draining = True
         self.draining_since = time.monotonic()
         await self._put()
         log.info("node_draining", key=self.key, live=self.busy())

@@ -441,14 +441,19 @@ class Healer:
 
         try:
             while True:
-                while (cause := self.watch.poll()) is None:
-                    if (why := node.broken()) is not None:
-                        cause = self.watch.decided or why
-                        break
+                while (cause := self._broken(node)) is None:
                     await anyio.sleep(WATCH_PERIOD_S)
                 await self._heal(node, cause)
         finally:
             kill_ranks(self.group.children)
+
+    def _broken(self, node: GroupNode) -> str | None:
+        """Why the current generation cannot serve (the watch's cause, else the node's own
+        detectors', read as the watch decided it), None while it can."""
+        cause = self.watch.poll()
+        if cause is None and (why := node.broken()) is not None:
+            cause = self.watch.decided or why
+        return cause
 
     async def _first_collective(self, node: GroupNode) -> str | None:
         """None once every rank of the new generation took part in a collective (the group serves:
@@ -458,9 +463,8 @@ class Healer:
         limit_s = 3 * self.args.tp_step_timeout_s + JOIN_GRACE_S
         deadline = time.monotonic() + limit_s
         while not node.serving():
-            why = self.watch.poll() or node.broken()
-            if why is not None:
-                return self.watch.decided or why
+            if (why := self._broken(node)) is not None:
+                return why
             if time.monotonic() > deadline:
                 return f"no first collective of every rank within {limit_s:g} s"
             await anyio.sleep(WATCH_PERIOD_S)
