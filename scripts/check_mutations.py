@@ -363,6 +363,8 @@ M = [
   ("TP: a rank that exits before the group formed fails the attempt", "examples/two_node/tp_group.py", "            if (code := child.poll()) is not None:\n                raise RuntimeError(f\"rank {rank} (pid {child.pid}) exited with code {code} before the group formed\")", "            if False:\n                pass", "tests/test_tp_heal_units.py -k before_the_group_formed"),
   ("GEN: a node draining a while refuses new requests", "examples/two_node/gen.py", "        if self.registration is not None and self.registration.refuses_new_work():", "        if False:", "tests/test_gen_node.py -k draining"),
   ("front: a node whose stats lack what routing reads is marked down", "examples/serve/cluster.py", "        try:  # what routing reads of it (a node that answers something else is not routed to)\n            _load_fields(node.role, stats)\n        except (KeyError, TypeError, ValueError) as exc:", "        try:\n            pass\n        except (KeyError, TypeError, ValueError) as exc:", "tests/test_front_faults.py -k stats_lack"),
+  ("TP: a rank's SIGTERM waits for rank 0 to stop the group", "examples/two_node/gen_tp.py", "            tp_group.wait_for_rank0_on_sigterm(sigterm_wait_s)", "            pass", "tests/test_tp_two_node.py -k 'process_group_is_a_graceful'"),
+  ("TP: a rank's second SIGTERM exits at once", "examples/two_node/tp_group.py", "        if first:\n            sys.exit(128 + signum)", "        if False:\n            sys.exit(128 + signum)", "tests/test_tp_two_node.py -k 'second_one_exits'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

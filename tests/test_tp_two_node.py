@@ -169,3 +169,77 @@ def test_a_tp_size_the_model_cannot_split_is_refused_at_start(role: str, tp: str
                           capture_output=True, text=True, timeout=120, env=node_env())
     assert proc.returncode != 0
     assert why in proc.stderr, proc.stderr
+
+
+# -- a stop signal for the whole node -----------------------------------------------------------------
+
+def test_sigterm_to_a_tp_gen_s_process_group_is_a_graceful_stop_of_the_whole_group() -> None:
+    """A supervisor stops a node by signalling its process group (the launcher's ``killpg``, systemd's
+    cgroup kill): every GEN rank gets the SIGTERM. Before, ranks 1..N-1 exited at once, the group
+    broke and rank 0's graceful stop failed the live request; now they step on until rank 0 stops
+    the group: the live request finishes, a new one is refused, every rank exits 0."""
+    env = node_env()
+    with NodeProcess.start(["ctx", "--num-blocks", "256"], env=env) as ctx, \
+            NodeProcess.start(["gen", "--tp", "2", "--step", "device", "--device-step-ms", "20", "--num-blocks", "256",
+                               "--graceful-shutdown-timeout-s", "20"], env=env) as gen:
+
+        async def generate(rid: str, max_tokens: int) -> control.JsonStream:
+            r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
+                                                      "prompt_ids": list(range(40, 100)), "max_tokens": max_tokens},
+                                   secret=ctx.secret)
+            stream = await control.connect(gen.info["ctrl"], secret=gen.secret)
+            await stream.send({"op": "generate", "request_id": rid, "prompt_len": r["prompt_len"],
+                               "first_token": r["first_token"], "max_tokens": max_tokens, "kv_peer": r["kv_peer"],
+                               "kv_handle": r["kv_handle"]})
+            return stream
+
+        async def drive() -> tuple[list[int], dict, dict, list[int]]:
+            pids = (await _stats(gen))["tp"]["rank_pids"]
+            live = await generate("live", 80)
+            tokens = list((await live.receive())["tokens"])
+            os.killpg(gen.proc.pid, signal.SIGTERM)  # rank 0 and rank 1 alike
+            with anyio.fail_after(10):
+                while not (await control.call(gen.info["ctrl"], {"op": "ping"}, secret=gen.secret))["shutting_down"]:
+                    await anyio.sleep(0.02)
+            refused = await (await generate("late", 4)).receive()
+            with anyio.fail_after(30):
+                while not (msg := await live.receive()).get("done"):
+                    tokens += msg.get("tokens", [])
+            return tokens, msg, refused, pids
+
+        tokens, final, refused, pids = anyio.run(drive)
+        gen.proc.wait(30)
+        assert gen.proc.returncode == 0, gen.log_tail()
+    assert final["state"] == "finished", final
+    assert len(tokens) == 80 - 1  # the first token came from the CTX
+    assert "shutting down" in refused.get("error", ""), refused
+    for pid in pids:  # every rank is gone (reaped by rank 0), none was killed by its SIGTERM
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_rank_s_sigterm_waits_for_rank_0_at_most_its_bound_and_a_second_one_exits_at_once(signals: int) -> None:
+    import subprocess
+    import sys
+
+    code = f"""
+import os, signal, time
+from examples.two_node import tp_group
+tp_group.wait_for_rank0_on_sigterm(1.5)
+t = time.monotonic()
+try:
+    for _ in range({signals}):
+        os.kill(os.getpid(), signal.SIGTERM)
+    while True:
+        time.sleep(0.05)
+except SystemExit:
+    print(round(time.monotonic() - t, 2), flush=True)
+    raise
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=node_env())
+    assert proc.returncode == 143, proc.stderr
+    took = float(proc.stdout.split()[-1])
+    if signals == 1:
+        assert 1.4 <= took < 10, took  # waited its bound for rank 0 to stop the group, then left
+    else:
+        assert took < 1.0, took  # a second SIGTERM: at once

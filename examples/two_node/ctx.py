@@ -362,4 +362,5 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return gen_tp.run_in_group(args, lambda: CtxNode(args).run())
+    # a drain (--etcd) lasts until no KV is held: a lease, unless a GEN renews it
+    return gen_tp.run_in_group(args, lambda: CtxNode(args).run(), sigterm_wait_s=args.lease_s + 10)

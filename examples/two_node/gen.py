@@ -629,4 +629,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    return gen_tp.run_in_group(args, lambda: GenNode(args).run(), notes=True)
+    # rank 0's graceful stop: the grace, 2 s for the final outputs, 5 s to stop the group
+    return gen_tp.run_in_group(args, lambda: GenNode(args).run(), notes=True,
+                               sigterm_wait_s=args.graceful_shutdown_timeout_s + 10)

@@ -72,15 +72,20 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("error: --tp-reform-backoff-max-s must be >= 1 and --tp-reform-attempts >= 0")
 
 
-def run_in_group(args: argparse.Namespace, node_main: Any, *, notes: bool = False) -> int:
+def run_in_group(args: argparse.Namespace, node_main: Any, *, notes: bool = False,
+                 sigterm_wait_s: float = 10.0) -> int:
     """Run ``node_main()`` (a node's async main) as this process's rank: alone with ``--tp 1``; with
     ``--tp N`` rank 0 forms the first generation of the group (its Healer forms the next ones), the
-    ranks it started join it. ``notes``: rank 0 listens for its ranks' notes (a GEN)."""
+    ranks it started join it. ``notes``: rank 0 listens for its ranks' notes (a GEN).
+    ``sigterm_wait_s``: how long a rank other than 0 waits, after a SIGTERM, for rank 0 to stop
+    the group (``tp_group.wait_for_rank0_on_sigterm``)."""
     import anyio
 
     check_args(args)
     args.tp_state = None
     if args.tp > 1:
+        if args.tp_rank != 0:
+            tp_group.wait_for_rank0_on_sigterm(sigterm_wait_s)
         if args.tp_rank == 0:
             extra_env, extra_argv = {}, []
             if notes:

@@ -214,6 +214,27 @@ def leave() -> None:
             dist.destroy_process_group()
 
 
+def wait_for_rank0_on_sigterm(wait_s: float) -> None:
+    """Ranks 1..N-1 (their main thread, before they join): a SIGTERM does not end the rank at once.
+    The ranks share rank 0's process group, so a stop meant for the node (a supervisor's or the
+    launcher's ``killpg``, systemd's cgroup kill) reaches every rank: had they left at once, the group
+    would break and rank 0's graceful stop (or its drain) would fail every live request. The rank
+    goes on stepping until rank 0 stops the group (then it exits 0), for at most ``wait_s``, then
+    exits 143; a second SIGTERM exits at once. Rank 0 gone: the step timeout ends the rank."""
+    first: list[float] = []
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if first:
+            sys.exit(128 + signum)
+        first.append(time.monotonic())
+        log.info("sigterm_rank_waits_for_rank0", pid=os.getpid(), wait_s=wait_s)
+        timer = threading.Timer(wait_s, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def kill_ranks(children: list[subprocess.Popen[bytes]]) -> None:
     """SIGKILL every rank process still there (a stopped one too: SIGKILL needs no scheduling) and reap it."""
     for child in children:
