@@ -365,6 +365,9 @@ M = [
   ("front: a node whose stats lack what routing reads is marked down", "examples/serve/cluster.py", "        try:  # what routing reads of it (a node that answers something else is not routed to)\n            _load_fields(node.role, stats)\n        except (KeyError, TypeError, ValueError) as exc:", "        try:\n            pass\n        except (KeyError, TypeError, ValueError) as exc:", "tests/test_front_faults.py -k stats_lack"),
   ("TP: a rank's SIGTERM waits for rank 0 to stop the group", "examples/two_node/gen_tp.py", "            tp_group.wait_for_rank0_on_sigterm(sigterm_wait_s)", "            pass", "tests/test_tp_two_node.py -k 'process_group_is_a_graceful'"),
   ("TP: a rank's second SIGTERM exits at once", "examples/two_node/tp_group.py", "        if first:\n            sys.exit(128 + signum)", "        if False:\n            sys.exit(128 + signum)", "tests/test_tp_two_node.py -k 'second_one_exits'"),
+  ("17 ucx: a KV send not ended within send_timeout_s aborts its endpoint", "transports/_ucx_server.py", "        return asyncio.get_running_loop().call_later(self.config.send_timeout_s, overdue)", "        return asyncio.get_running_loop().call_later(1e9, overdue)", "tests/test_ucx_transport.py -k stopped_mid_pull"),
+  ("17 ucx: RELEASEs left unanswered are bounded per endpoint", "transports/ucx.py", "                conn.unanswered_release(answered)", "                pass", "tests/test_ucx_transport.py -k never_answers"),
+  ("17 ucx: an oversized control frame is dropped, not the endpoint", "transports/_ucx_server.py", "            except ucx_truncated() as exc:", "            except ZeroDivisionError as exc:", "tests/test_ucx_transport.py -k oversized"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -84,12 +84,18 @@ async def _main(args: argparse.Namespace) -> None:
     config = UCXConfig(secret=secret, allow_insecure=args.insecure, expire_interval_s=0.2,
                        max_pulls_per_endpoint=args.max_pulls, max_unauthenticated=args.max_unauthenticated,
                        max_gathers_per_request=args.max_gathers,
-                       handshake_timeout_s=args.handshake_timeout)
+                       handshake_timeout_s=args.handshake_timeout, send_timeout_s=args.send_timeout)
 
     class Slowed(UCXKVServer):  # only when asked: otherwise the server as it ships (zero-copy pulls in its read loop)
         async def _before_send(self, msg: object) -> None:
             if args.send_delay:
                 await anyio.sleep(args.send_delay)
+
+        async def _send_quietly(self, ep, msg, tag):  # type: ignore[no-untyped-def]
+            from transports import wire
+
+            if not (args.ignore_releases and isinstance(msg, wire.ReleaseOk)):  # (a CTX bug: no answer)
+                await super()._send_quietly(ep, msg, tag)
 
         async def _send_checked_out(self, ep, msg, staged):  # type: ignore[no-untyped-def]
             if not args.corrupt or msg.request_id != "req-1":
@@ -121,7 +127,7 @@ async def _main(args: argparse.Namespace) -> None:
             data = post_send(ep, buf, msg.tag)
             await asyncio.shield(data.future)
 
-    Server = Slowed if args.send_delay or args.corrupt else UCXKVServer
+    Server = Slowed if args.send_delay or args.corrupt or args.ignore_releases else UCXKVServer
 
     if args.backend == "nixl":  # the same store behind a NIXL server; both delays hold up the lookup
         from transports.nixl import NIXLConfig, NIXLKVServer
@@ -173,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-unauthenticated", type=int, default=64)
     p.add_argument("--max-gathers", type=int, default=4)
     p.add_argument("--handshake-timeout", type=float, default=5.0)
+    p.add_argument("--send-timeout", type=float, default=120.0, help="UCXConfig.send_timeout_s")
+    p.add_argument("--ignore-releases", action="store_true", help="never answer a RELEASE (it still frees)")
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--corrupt", choices=["short", "short1", "short7", "short-told", "whole-foreign", "long", "foreign"], default=None)
     p.add_argument("--runs", action="store_true", help="hold each request in one ascending run of blocks (zero-copy sends)")

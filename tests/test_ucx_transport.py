@@ -986,3 +986,81 @@ async def test_concurrent_pulls_of_one_request_make_a_bounded_number_of_copies()
             assert stats["max_gathers"] == 2 and "req-3" in stats["held"]
     finally:
         peer.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("runs", [True, False], ids=["zero-copy", "gathered"])
+async def test_a_gen_stopped_mid_pull_holds_the_ctx_s_blocks_no_longer_than_the_send_timeout(runs: bool) -> None:
+    """A GEN stopped, hung or cut off with its pull posted never ends the CTX's KV send (UCX does not
+    notice), and a pinned entry outlives its lease: its blocks were held for good (until the GEN
+    process died). The CTX aborts a send not ended within ``send_timeout_s``: the pin goes and the
+    lease frees the blocks. Here the PULL goes out without the KV receive a GEN posts with it."""
+    p = Peer("--send-timeout", "2.5", "--lease", "1", *(["--runs"] if runs else []))
+    try:
+        with anyio.fail_after(30):
+            async with UCXTransport(UCXConfig(secret=SECRET)) as t:
+                await t.connect(p.address)
+                assert p.proc.stdin is not None
+                p.proc.stdin.write("put stuck\n")  # held from now, for its 1 s lease
+                p.proc.stdin.flush()
+                assert p._reply() == {"ok": True}
+                txid = 9100
+                t._eps[p.address].post_send(wire.Pull(txid, "stuck", handle_for("stuck"), LAYOUT.full_slice(), "float16",
+                                                      LAYOUT.wire_shape(BLOCKS), LAYOUT.wire_bytes(BLOCKS), 2 * txid + 1))
+                while (s := await p.astats())["open_pins"] == 0:  # its send is posted, its blocks pinned
+                    await anyio.sleep(0.02)
+                posted = anyio.current_time()
+                await anyio.sleep(1.5)  # past its lease: the pin keeps it
+                s = await p.astats()
+                assert "stuck" in s["held"] and s["open_pins"] == 1 and s["sends_timed_out"] == 0, s
+                while "stuck" in (s := await p.astats())["held"]:
+                    await anyio.sleep(0.05)
+                assert anyio.current_time() - posted < 10
+                assert s["sends_timed_out"] == 1 and s["open_pins"] == 0 and s["expired"] >= 1, s
+    finally:
+        p.stop()
+
+
+@pytest.mark.anyio
+async def test_releases_a_ctx_never_answers_keep_a_bounded_number_of_receives_posted() -> None:
+    from transports._ucx_endpoint import MAX_UNANSWERED
+
+    p = Peer("--ignore-releases")
+    try:
+        with anyio.fail_after(30):
+            async with UCXTransport(UCXConfig(secret=SECRET, release_timeout_s=0.05, connect_timeout_s=0.5)) as t:
+                await t.connect(p.address)
+                conn = t._eps[p.address]
+                async with anyio.create_task_group() as tg:  # each gives up after its 0.55 s
+                    for i in range(MAX_UNANSWERED):
+                        tg.start_soon(t.release, p.address, f"req-{i}")
+                assert conn.error is None and conn.releases_unanswered == MAX_UNANSWERED
+                await t.release(p.address, f"req-{MAX_UNANSWERED}")  # one more: the endpoint goes
+                assert conn.error is not None and "RELEASEs unanswered" in str(conn.error)
+                while conn.releases_unanswered:  # closing the endpoint ends every reply receive still posted
+                    await anyio.sleep(0.02)
+                into = empty()
+                await t.pull(p.address, "req-30", LAYOUT.full_slice(), into)  # a new endpoint serves
+                assert torch.equal(into, expected(30)) and t._eps[p.address] is not conn
+            held = (await p.astats())["held"]
+            assert not [f"req-{i}" for i in range(MAX_UNANSWERED + 1) if f"req-{i}" in held]  # each RELEASE freed
+    finally:
+        p.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # UCX wire frames
+async def test_an_oversized_control_frame_is_counted_and_the_endpoint_serves_on(peer: Peer, transport: UCXTransport) -> None:
+    """A control frame longer than one overflows the CTX's receive (UCX: truncated): it names no
+    request, so it is counted as malformed and dropped; before, it ended the endpoint and failed
+    every pull in flight on it."""
+    with anyio.fail_after(20):
+        await transport.connect(peer.address)
+        conn = transport._eps[peer.address]
+        before = (await peer.astats())["malformed_frames"]
+        await conn.ep.send(bytearray(2 * wire.FRAME_BYTES), tag=0)
+        into = empty()
+        await transport.pull(peer.address, "req-37", LAYOUT.full_slice(), into)
+        assert torch.equal(into, expected(37))
+        assert conn.error is None and transport._eps[peer.address] is conn
+        assert (await peer.astats())["malformed_frames"] == before + 1

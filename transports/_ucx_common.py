@@ -94,11 +94,17 @@ class UCXConfig:
     max_unauthenticated: int = 64  # CTX: endpoints still in their handshake; more are closed at once
     max_gathers_per_request: int = 4  # CTX: gathered copies of one request being sent at once (more wait)
     summary_interval_s: float = 60.0  # CTX: period of the kv_pulls_summary log line
+    # CTX: a KV send not ended this long after it was posted (its GEN stopped, hung or cut off mid-pull,
+    # which UCX does not notice) aborts its endpoint: the send ends and its blocks are unpinned (a
+    # pinned entry outlives its lease). Keep it above the GEN's kv_transfer_timeout.
+    send_timeout_s: float = 120.0
     limits: wire.WireLimits = dataclasses.field(default_factory=wire.WireLimits)
     ucx_env: tuple[tuple[str, str], ...] = ()  # extra UCX defaults, e.g. (("UCX_TLS", "tcp"),)
 
     def __post_init__(self) -> None:
         _auth.check_config_secret("UCXConfig", self.secret, self.allow_insecure)
+        if not 0 < self.send_timeout_s < float("inf"):
+            raise ValueError(f"UCXConfig.send_timeout_s must be a positive number of seconds, not {self.send_timeout_s!r}")
 
     def _warn_if_insecure(self, role: str) -> None:
         if self.secret is None:
@@ -140,3 +146,10 @@ def post_recv(ep: Any, buf: Any, tag: int) -> Any:
     from ucxx.types import TagMaskFull
 
     return ep._ep.tag_recv(Array(buf), _tag(ep, tag, "msg_recv"), TagMaskFull)
+
+
+def ucx_truncated() -> type[BaseException]:
+    """ucxx's error for a message longer than the buffer posted for it (the endpoint stays usable)."""
+    from ucxx.exceptions import UCXMessageTruncatedError
+
+    return UCXMessageTruncatedError

@@ -61,6 +61,7 @@ class _Endpoint:
         self.slots: anyio.Semaphore | None = None  # pulls in flight, at most what the CTX serves
         self.served = 0  # pulls it completed (an endpoint that served before may have gone stale since)
         self.unanswered: set[_PullIO] = set()  # pulls failed short whose reply receive is still posted
+        self.releases_unanswered = 0  # RELEASEs given up on whose reply receive is still posted
 
     def watch_close(self) -> None:
         """Fail this endpoint when UCX reports the peer gone (the callback may run on any thread)."""
@@ -142,6 +143,19 @@ class _Endpoint:
         await asyncio.shield(fut)  # a cancelled caller leaves it posted: the peer answers every request
         return wire.decode_frame(frame, self.limits)
 
+    def unanswered_release(self, answered: asyncio.Future[Any]) -> None:
+        """A RELEASE given up on (its timeout, or its caller cancelled) whose reply receive is still
+        posted: it stays until the CTX answers or the endpoint closes, so an endpoint whose CTX
+        leaves more than ``MAX_UNANSWERED`` of them unanswered is failed (a reconnect starts afresh)."""
+        self.releases_unanswered += 1
+
+        def ended(_: asyncio.Future[Any]) -> None:
+            self.releases_unanswered -= 1
+
+        answered.add_done_callback(ended)
+        if self.releases_unanswered > MAX_UNANSWERED:
+            self.fail(PeerClosed(f"{self.peer} left {self.releases_unanswered} RELEASEs unanswered", peer=self.peer))
+
     def fail(self, err: TransportError) -> None:
         if self.error is None:
             self.error = err
@@ -160,7 +174,7 @@ class _Endpoint:
             self.error = PeerClosed(f"endpoint to {self.peer} closed", peer=self.peer)
 
 
-MAX_UNANSWERED = 16  # reply receives an endpoint keeps posted for short messages no PULL_ERR explained
+MAX_UNANSWERED = 16  # reply receives an endpoint keeps posted for short messages no PULL_ERR explained (and for RELEASEs)
 
 
 class _PullIO:

@@ -55,6 +55,7 @@ from ._ucx_common import (
     apply_ucx_defaults,
     ends_in,
     post_send,
+    ucx_truncated,
 )
 
 log = structlog.get_logger("transports.ucx")
@@ -70,6 +71,7 @@ class UCXKVServerStatistics:
     auth_failures: int
     malformed_frames: int
     pulls_ending_in_probe: int = 0  # served pulls whose KV ended in the GEN's probe byte (PULL_WHOLE sent)
+    sends_timed_out: int = 0  # KV sends still not ended after send_timeout_s (their endpoint aborted)
 
 
 def remote_address(ep: Any) -> str | None:
@@ -136,6 +138,7 @@ class UCXKVServer:
                            and type(self)._send_checked_out is UCXKVServer._send_checked_out)
         self._dtype = dtype_name(store.layout.dtype)
         self._served = self._refused = self._bytes = self._auth_failures = self._malformed = self._whole = 0
+        self._sends_timed_out = 0
         self._since = (0, 0, 0)  # served, refused, bytes at the last summary
         layout = store.layout
         limits = config.limits
@@ -157,7 +160,7 @@ class UCXKVServer:
 
     def statistics(self) -> UCXKVServerStatistics:
         return UCXKVServerStatistics(len(self._eps), self._served, self._refused, self._bytes, self._auth_failures,
-                                     self._malformed, self._whole)
+                                     self._malformed, self._whole, self._sends_timed_out)
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -308,7 +311,13 @@ class UCXKVServer:
 
     async def _read_loop(self, ep: Any, peer: str | None, tg: anyio.abc.TaskGroup, in_flight: set[int]) -> None:
         while True:
-            frame = await self._recv(ep)  # a ucxx error (peer gone) ends the endpoint
+            try:
+                frame = await self._recv(ep)  # any other ucxx error (peer gone) ends the endpoint
+            except ucx_truncated() as exc:  # a frame longer than one: it names no request it could fail
+                self._malformed += 1
+                log.warning("ucx_protocol_violation", peer=peer, reason=f"control frame over {wire.FRAME_BYTES} bytes "
+                            f"({type(exc).__name__})")
+                continue
             try:
                 msg = wire.decode_frame(frame, self._limits)
             except ProtocolViolation as exc:
@@ -397,8 +406,10 @@ class UCXKVServer:
             self._pull_failed(ep, peer, msg, exc)
             return True
         key = (id(ep), msg.txid)
+        deadline = self._send_deadline(ep, msg)
 
         def ended(fut: asyncio.Future[Any]) -> None:  # on the loop, when the send ends
+            deadline.cancel()
             exc = RuntimeError("send cancelled") if fut.cancelled() else fut.exception()  # retrieved in any case
             if self._sending.pop(key, None) is None:  # the server closed it
                 return
@@ -413,6 +424,20 @@ class UCXKVServer:
         self._sending[key] = (checkout, buf, data)
         data.future.add_done_callback(ended)
         return True
+
+    def _send_deadline(self, ep: Any, msg: wire.Pull) -> asyncio.TimerHandle:
+        """Abort ``ep`` if the KV send of ``msg`` has not ended ``send_timeout_s`` from now. A GEN
+        stopped, hung or cut off with its pull posted never ends the send (UCX does not notice: the
+        kernel still acknowledges), and a pinned entry outlives its lease: its blocks were held for
+        good. The abort ends the send, whose callbacks unpin the blocks; the lease then frees them."""
+        def overdue() -> None:
+            self._sends_timed_out += 1
+            log.warning("kv_send_timeout", peer=remote_address(ep), request_id=msg.request_id, bytes=msg.nbytes,
+                        timeout_s=self.config.send_timeout_s)
+            with contextlib.suppress(Exception):
+                ep.abort(period=10**8)
+
+        return asyncio.get_running_loop().call_later(self.config.send_timeout_s, overdue)
 
     async def _serve_pull(self, ep: Any, peer: str | None, msg: wire.Pull, in_flight: set[int]) -> None:
         """Serve one PULL. Pulls of the same request may run at once (tensor-parallel GEN ranks each
@@ -510,8 +535,10 @@ class UCXKVServer:
         buf = _ucx_buffer(staged)
         whole = ends_in(buf, msg.probe)
         data = post_send(ep, buf, msg.tag)
-        keep = (buf, staged, data)  # referenced until the send ended (ucxx keeps neither the buffer
-        data.future.add_done_callback(lambda _: keep)  # nor the request), also when this task is cancelled
+        deadline = self._send_deadline(ep, msg)
+        keep = (buf, staged, data)  # referenced until the send ended (ucxx keeps neither the buffer nor the
+        # request), also when this task is cancelled; its outcome is read then (no "never retrieved")
+        data.future.add_done_callback(lambda f: (keep, deadline.cancel(), f.cancelled() or f.exception()))
         if whole:
             self._whole += 1
             await self._send_quietly(ep, wire.PullWhole(msg.txid, len(buf)), 2 * msg.txid)

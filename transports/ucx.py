@@ -397,6 +397,7 @@ class UCXTransport:
         except (InvalidRequestId, ValueError) as exc:
             log.warning("ucx_release_failed", peer=peer, request_id=str(request_id)[:40], reason=str(exc))
             return
+        answered: asyncio.Future[Any] | None = None
         try:
             with anyio.fail_after(self.config.release_timeout_s + self.config.connect_timeout_s):
                 conn = await self._endpoint(peer)
@@ -411,6 +412,9 @@ class UCXTransport:
             log.debug("ucx_released", peer=peer, request_id=request_id, held=reply.released)
         except (TransportError, TimeoutError) as exc:
             log.warning("ucx_release_failed", peer=peer, request_id=request_id, reason=str(exc) or type(exc).__name__)
+        finally:
+            if answered is not None and not answered.done():  # its reply receive stays posted
+                conn.unanswered_release(answered)
 
     async def hold(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
         """Best effort: ask ``peer`` to renew these requests' leases (no reply is awaited)."""
