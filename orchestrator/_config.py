@@ -4,12 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 from transports import KVLayout, KVSlice
 
 
 KV_TRANSPORTS = ("ucx", "nixl")
 """The names ``OrchestratorConfig.kv_transport`` accepts."""
+
+MAX_MODEL_LEN = 1 << 31
+"""``max_model_len`` is below this: a request's lengths cross the tensor-parallel step exchange as u4."""
+
+
+def _int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """An int knob (not a bool, not a float that happens to be whole) in ``[low, high)``."""
+    if type(value) is not int or value < low or (high is not None and value >= high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+
+
+def _seconds(name: str, value: object, *, zero: bool = False) -> None:
+    """A duration knob: a finite real number, > 0 (>= 0 where ``zero``: no wait at all)."""
+    if (type(value) not in (int, float) or not math.isfinite(value)  # type: ignore[arg-type]
+            or value < 0 or (value == 0 and not zero)):
+        raise ValueError(f"{name} must be a finite number {'>= 0' if zero else '> 0'}, got {value!r}")
 
 
 class Mode(enum.Enum):
@@ -31,6 +49,8 @@ class OrchestratorConfig:
     transfer_budget_bytes: int
     """The transfer budget: bytes of receives in flight (``max_tokens_in_buffer`` expressed in bytes)."""
     mode: Mode = Mode.ORCHESTRATED
+    """How receives are set up. Its value as a str (``"orchestrated"``) is taken too: it becomes the
+    ``Mode`` here, so that every ``config.mode is Mode.X`` holds."""
     kv_transfer_timeout_ms: int = 60_000
     """A receive that has not completed within this time fails with reason TIMEOUT."""
     max_num_seqs: int = 256
@@ -63,18 +83,28 @@ class OrchestratorConfig:
     """Fill every freed KV block with NaN, so that a read of a freed block cannot go unnoticed."""
 
     def __post_init__(self) -> None:
-        if self.num_blocks <= 0 or self.transfer_budget_bytes <= 0 or self.max_num_seqs <= 0:
-            raise ValueError("num_blocks, transfer_budget_bytes and max_num_seqs must be positive")
-        if self.kv_transfer_timeout_ms <= 0:
-            raise ValueError("kv_transfer_timeout_ms must be positive")
-        if self.kv_head_offset < 0:
-            raise ValueError("kv_head_offset must be >= 0")
-        if self.kv_hold_interval_s <= 0:
-            raise ValueError("kv_hold_interval_s must be positive")
-        if self.max_prefetch_seqs is not None and self.max_prefetch_seqs < 1:
-            raise ValueError("max_prefetch_seqs must be >= 1")
-        if self.max_blocking_wait_s is not None and not 0 < self.inline_reserve_timeout_s <= self.max_blocking_wait_s:
-            raise ValueError("max_blocking_wait_s must be positive and at least inline_reserve_timeout_s")
+        # every knob is checked by type and range: NaN passes any `<=` check, and a float or a str
+        # where an int goes fails (or hangs) far from here
+        try:
+            mode = Mode(self.mode)  # a Mode, or its name as a str ("orchestrated"): `is Mode.X` holds
+        except ValueError:
+            names = ", ".join(m.value for m in Mode)
+            raise ValueError(f"mode must be a Mode or one of {names}, not {self.mode!r}") from None
+        object.__setattr__(self, "mode", mode)
+        _int("num_blocks", self.num_blocks, 1)
+        _int("transfer_budget_bytes", self.transfer_budget_bytes, 1)
+        _int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_prefetch_seqs is not None:
+            _int("max_prefetch_seqs", self.max_prefetch_seqs, 1)
+        _int("max_model_len", self.max_model_len, 2, MAX_MODEL_LEN)  # a prompt token and an output token
+        _int("kv_head_offset", self.kv_head_offset, 0)
+        _seconds("kv_transfer_timeout_ms", self.kv_transfer_timeout_ms)
+        _seconds("kv_hold_interval_s", self.kv_hold_interval_s)
+        _seconds("inline_reserve_timeout_s", self.inline_reserve_timeout_s, zero=True)
+        if self.max_blocking_wait_s is not None:
+            _seconds("max_blocking_wait_s", self.max_blocking_wait_s)
+            if self.inline_reserve_timeout_s > self.max_blocking_wait_s or self.inline_reserve_timeout_s == 0:
+                raise ValueError("max_blocking_wait_s must be positive and at least inline_reserve_timeout_s")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, not {self.kv_transport!r}")
 
