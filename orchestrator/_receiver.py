@@ -75,7 +75,27 @@ _REASONS: list[tuple[type[TransportError], FailureReason]] = [
 ]
 # after these the peer holds nothing we could free (or will not listen): no RELEASE
 _NO_RELEASE = (None, FailureReason.UNKNOWN_REQUEST, FailureReason.AUTH_ERROR)
-_BUSY_BACKOFF_S = (0.002, 0.1)  # first and largest wait before retrying a pull the peer refused as busy
+_BUSY_BACKOFF_S = (0.002, 0.1)
+
+
+class StrayCancellation(TransportError):
+    """A transport call ended with the backend's cancellation that no scope of its receive caused
+    (e.g. it awaited a future its connection layer cancelled): a failure of that receive alone."""
+
+
+def _stray_cancellation(exc: BaseException) -> bool:
+    """Is ``exc`` an asyncio cancellation nobody asked of the current task? (asyncio 3.11+: every
+    anyio scope, deadline and task-group cancel counts in ``Task.cancelling()``; trio raises
+    ``Cancelled`` only for a scope of its own.)"""
+    import asyncio
+
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no asyncio loop: trio
+        return False
+    return task is not None and task.cancelling() == 0  # first and largest wait before retrying a pull the peer refused as busy
 
 
 def failure_reason(exc: TransportError) -> FailureReason:
@@ -481,6 +501,12 @@ class ReceiveGroup:
                     result = ReceiveResult(rid, peer, moved, time.perf_counter() - started)
                 except TimeoutError:  # a transport's own timeout: told below, as the scope's deadline is
                     timed_out = True
+                except StrayCancellation as exc:
+                    if scope.cancel_called:  # our own cancel came at the same time: it decides
+                        timed_out = anyio.current_time() >= deadline
+                    else:
+                        moved = box[0]  # (_failed logs the one warning)
+                        result = self._failed(job, moved, started, FailureReason.PEER_ERROR, str(exc))
                 except TransportError as exc:
                     moved = box[0]
                     result = self._failed(job, moved + exc.bytes_moved, started, failure_reason(exc), str(exc))
@@ -508,9 +534,15 @@ class ReceiveGroup:
 
     async def _receive_part(self, job: ReceiveJob, part: ReceivePart, ids: torch.Tensor, landing: Landing,
                             keep: list[torch.Tensor], box: list[int]) -> None:
-        await self._transport.connect(part.peer)
-        for i, chunk in enumerate(part.chunks):
-            box[0] += await self._pull_chunk(job, part, ids, chunk, landing, keep, last=i == len(part.chunks) - 1)
+        try:
+            await self._transport.connect(part.peer)
+            for i, chunk in enumerate(part.chunks):
+                box[0] += await self._pull_chunk(job, part, ids, chunk, landing, keep, last=i == len(part.chunks) - 1)
+        except BaseException as exc:  # a cancellation no scope of ours caused would kill the whole group
+            if _stray_cancellation(exc):
+                raise StrayCancellation(f"the transport's call to {part.peer} was cancelled by something other "
+                                        f"than this receive ({type(exc).__name__}: {exc})") from exc
+            raise
 
     async def _receive_parts(self, job: ReceiveJob, parts: tuple[ReceivePart, ...], ids: torch.Tensor,
                              landing: Landing, keep: list[torch.Tensor], box: list[int]) -> None:
