@@ -98,14 +98,29 @@ def test_scan_stops_at_the_first_budget_denial_whatever_the_queue_length() -> No
 
 
 def test_kv_skips_per_step_are_bounded() -> None:
+    # DESIGN 4: a request that does not fit in KV neither takes nor blocks the budget. The scan used
+    # to give up after max_kv_skips misfits: 64 of them blocked a later, fitting request every step
+    # (with the budget empty). Now the fitting ones go, in FCFS order, and a step's work stays
+    # bounded however many misfits wait (nothing walks them: an index by KV need finds the first fit).
     sched, budget, pool = make(num_blocks=8, staging_blocks=8)
     for i in range(500):
         sched.add(seq(f"big{i}", 1, total_blocks=20))  # none fits the pool
-    sched.add(seq("small", 1))
+    sched.add(seq("small", 1, total_blocks=3))
+    sched.add(seq("small2", 1, total_blocks=3))
+    sched.add(seq("small3", 1, total_blocks=3))  # 9 blocks with the two before it: does not fit now
     result = sched.schedule(active=0)
-    assert result.scanned == Scheduler.max_kv_skips and ids(result) == []
-    sched.max_kv_skips = 1000
-    assert ids(sched.schedule(active=0)) == ["small"]  # a later request may go past KV misfits
+    assert ids(result) == ["small", "small2"]  # FCFS among the ones that fit
+    assert result.scanned <= 2 + Scheduler.max_kv_skips
+    assert result.deferred == {DeferReason.KV_EXHAUSTED: 501, DeferReason.BACKPRESSURE: 0}
+    assert budget.statistics().in_use == 2 * BLOCK  # the misfits took nothing
+    for i in range(20_000):
+        sched.add(seq(f"huge{i}", 1, total_blocks=20))
+    first = result
+    result = sched.schedule(active=2)  # 20,501 misfits waiting: the step looks at a bounded few
+    assert ids(result) == [] and result.scanned == Scheduler.max_kv_skips
+    pool.free(first.admitted[0].seq.block_ids)
+    result = sched.schedule(active=1)
+    assert ids(result) == ["small3"] and result.scanned <= 1 + Scheduler.max_kv_skips
 
 
 def test_oversized_request_is_admitted_alone_when_the_window_is_empty() -> None:
