@@ -7,7 +7,11 @@ from transports import InvalidRequestId, check_handle, check_request_id
 from ._config import Mode, OrchestratorConfig
 from ._errors import InvalidRequest
 from ._receiver import plan_chunks, shift_heads
-from ._requests import GenRequest, plan_sources
+from ._requests import GenRequest, kv_blocks_needed, plan_sources
+
+MAX_TOKEN_ID = 1 << 31
+"""Token ids are below this: a step word's bit 31 is its FINISH flag, and the tensor-parallel step
+exchange carries tokens as u4 (``_step``)."""
 
 
 def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1) -> None:
@@ -19,13 +23,19 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
             check_handle(r.kv_handle)
     except InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
-    if r.prompt_len < 1 or r.max_tokens < 1:
-        raise InvalidRequest(f"{r.request_id}: prompt_len and max_tokens must be >= 1")
+    for name in ("prompt_len", "max_tokens"):
+        value = getattr(r, name)
+        if type(value) is not int or value < 1:  # a float or bool breaks the step, not the submit
+            raise InvalidRequest(f"{r.request_id}: {name} must be an int >= 1, got {value!r}")
+    for name in ("first_token", "eos_token"):
+        value = getattr(r, name)
+        if (value is not None or name == "first_token") and (type(value) is not int or not 0 <= value < MAX_TOKEN_ID):
+            raise InvalidRequest(f"{r.request_id}: {name} must be an int in [0, 2**31), got {value!r}")
     if r.prompt_len + r.max_tokens > cfg.max_model_len:
         raise InvalidRequest(f"{r.request_id}: prompt_len + max_tokens exceeds max_model_len {cfg.max_model_len}")
     if world_size > 1 and (r.kv_slice is not None or r.local_kv is not None):
         raise InvalidRequest(f"{r.request_id}: a tensor-parallel rank pulls its own heads; give no kv_slice or local_kv")
-    need = layout.blocks_for(r.prompt_len + r.max_tokens)
+    need = kv_blocks_needed(layout.block_size, r.prompt_len, r.max_tokens)
     if need > cfg.num_blocks:
         raise InvalidRequest(f"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}")
     kv_slice = r.kv_slice or cfg.kv_slice

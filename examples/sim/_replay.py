@@ -30,6 +30,7 @@ import trio.testing
 
 from orchestrator import (DeferReason, GenEngine, GenRequest, LocalGroup, Mode, OrchestratorConfig, RequestState,
                           TPGenEngine, plan_chunks)
+from orchestrator._requests import kv_blocks_needed
 
 from ._model import CTX_PEER, ModelledTransport, SimParams, ctx_egress
 from ._virtual import ExecutionThread, VirtualClock, call_all, one_cpu, seed_scheduler
@@ -94,7 +95,7 @@ class ModeResult:
 def _config(p: SimParams, mode: Mode, rank: int) -> OrchestratorConfig:
     layout = p.rank_layout()
     longest = max(p.isl_choices or (p.isl,))
-    per_request = layout.blocks_for(longest + p.osl)
+    per_request = kv_blocks_needed(layout.block_size, longest, p.osl)  # what the engine holds per request
     pool_requests = p.kv_pool_requests or (p.max_num_seqs + (p.max_prefetch_seqs or p.max_num_seqs))
     return OrchestratorConfig(
         layout=layout,
