@@ -74,6 +74,7 @@ from ._requests import (
     RequestOutput,
     RequestState,
     Sequence,
+    kv_blocks_needed,
     plan_sources,
 )
 from ._scheduler import Scheduler, ScheduleResult
@@ -205,6 +206,7 @@ class GenEngine:
         self._inline_fallbacks = 0
         self._unhealthy: str | None = None
         self._stop_requested = False
+        self._graceful = False
         self.stopped = False
         """The engine broke (or the group was stopped): it steps only to bring its blocks back."""
         self._admitted = (0, 0)
@@ -248,6 +250,11 @@ class GenEngine:
         validate_request(self.config, request, self.world_size)
         with self._live_lock:
             if request.request_id in self._live:
+                held = self._by_id.get(request.request_id)  # (a read of the execution thread's dict: atomic)
+                if held is not None and held.state.terminal:  # ended for its client, blocks quarantined
+                    raise InvalidRequest(
+                        f"request id {request.request_id!r} still has a receive ending (it ended, but its KV "
+                        "blocks are quarantined until that receive's landing stops): retry later")
                 raise InvalidRequest(f"request id {request.request_id!r} is already live")
             self._live.add(request.request_id)
         self._inbox.put(request)
@@ -257,7 +264,9 @@ class GenEngine:
         """Abort a request in any state (unknown or finished ids are ignored). Never blocks."""
         if not self.leads_steps:
             raise InvalidRequest("aborts enter a tensor-parallel group at rank 0")
-        self._inbox.put(request_id)
+        if not isinstance(request_id, str):  # checked here: the step reads anything else as a submission
+            raise TypeError(f"abort takes a request id (str), not {type(request_id).__name__}")
+        self._inbox.put(str(request_id))
         self.wakeup.set()
 
     def broadcast(self, payload: Any) -> None:
@@ -272,6 +281,20 @@ class GenEngine:
         """Rank 0: the next step stops every rank of the group."""
         self._stop_requested = True
         self.wakeup.set()
+
+    def stop(self, reason: str = "the GEN node is stopping") -> None:
+        """Any thread: the engine stops serving, as its node is shutting down (not a failure).
+        ``submit`` refuses from now on; the next step ends every live request ABORTED with
+        ``reason`` and logs ``engine_stopped``. An engine already broken keeps its cause."""
+        if self.health() is None:
+            self._stop_requested = True
+            self.mark_unhealthy(reason)
+        self.wakeup.set()
+
+    @property
+    def stopped_gracefully(self) -> bool:
+        """The engine stopped because it was asked to (``stop``, ``request_stop``), not broken."""
+        return self._graceful
 
     def poll(self) -> list[RequestOutput]:
         """Every output emitted since the last poll (non-blocking)."""
@@ -357,11 +380,13 @@ class GenEngine:
                     seq_no = known.seq_no if known is not None else arriving.get(item)
                     if seq_no is not None:  # an abort of nothing known is stale: dropped, as at any size
                         msg.events.append(Abort(seq_no))
-                else:
+                elif isinstance(item, GenRequest):
                     seq_no = self._next_seq
                     self._next_seq += 1
                     arriving[item.request_id] = seq_no
                     msg.events.append(Submit(seq_no, item))
+                else:  # cannot come from submit/abort (they check): dropped alone, never the batch
+                    log.error("inbox_item_dropped", item_type=type(item).__name__)
             msg.commands = _drain(self._commands)
         for result in _drain(self._completions):
             seq = self._by_id.get(result.request_id)
@@ -456,8 +481,9 @@ class GenEngine:
             return
         self.stopped = True
         self.mark_unhealthy(cause)
+        self._graceful = cause == _GROUP_STOPPED  # live requests end ABORTED: the node is shutting down
         if cause == _GROUP_STOPPED or (self.receiver is not None and self.receiver.cancelled):  # a stop: no failure
-            log.info("engine_stopped", rank=self.rank, world_size=self.world_size, cause=cause)
+            log.info("engine_stopped", rank=self.rank, world_size=self.world_size, cause=self._unhealthy or cause)
         else:
             log.error("engine_broken", rank=self.rank, world_size=self.world_size, cause=cause)
 
@@ -493,7 +519,7 @@ class GenEngine:
         seq = Sequence(
             request=request,
             arrival=self._clock(),
-            num_blocks=layout.blocks_for(request.prompt_len + request.max_tokens),
+            num_blocks=kv_blocks_needed(layout.block_size, request.prompt_len, request.max_tokens),
             num_prompt_blocks=prompt_blocks,
             cost=layout.wire_bytes(prompt_blocks, request.kv_slice or self.config.kv_slice),
             seq_no=event.seq,
@@ -823,17 +849,20 @@ class GenEngine:
             self.receiver.hold_soon(peer, items)
 
     def _fail_live(self, why: str) -> None:
-        """The engine cannot serve: every live request fails now. Rank 0 tells every CTX to free
+        """The engine cannot serve: every live request fails now (is aborted, after a stop). Rank 0 tells every CTX to free
         what it holds (nothing waits for a lease); a receive still running is cancelled, and its
         blocks come back when it reports."""
-        failure = (FailureReason.INTERNAL, f"GEN engine unavailable: {why}")
+        if self._graceful:  # a stop (DESIGN: ABORTED is "client cancel or the node is shutting down")
+            state, failure = RequestState.ABORTED, (FailureReason.ABORTED, f"GEN node stopping: {why}")
+        else:
+            state, failure = RequestState.FAILED, (FailureReason.INTERNAL, f"GEN engine unavailable: {why}")
         for seq in self.scheduler.pop_all():
             self._tell_ctx(seq)
-            self._end(seq, RequestState.FAILED, *failure)
+            self._end(seq, state, *failure)
         for seq in list(self._receiving.values()):
-            self._end_receiving(seq, RequestState.FAILED, *failure)
+            self._end_receiving(seq, state, *failure)
         for seq in list(self._ready.values()) + list(self._running.values()):
-            self._end(seq, RequestState.FAILED, *failure)
+            self._end(seq, state, *failure)
 
     def _emit(self, output: RequestOutput) -> None:
         if (emit := self._emitter()) is not None:

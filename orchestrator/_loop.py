@@ -160,9 +160,9 @@ class EngineThreads:
         self.engine.close()
         if self.engine.receiver is not None:
             self._receiver_future.result(timeout=30)
-        # what is still live fails now (its clients hear), and results published during shutdown
+        # what is still live ends now, aborted (its clients hear), and results published during shutdown
         # free their blocks: step until at rest (bounded: a landing a transport never ends stays)
-        self.engine.mark_unhealthy("stopped: the engine's threads exited")
+        self.engine.stop("the engine's threads exited")  # a stop, not a failure: live requests end ABORTED
         deadline = time.monotonic() + _REST_WAIT_S
         self.engine.step()
         while self.engine.rest_problems() and time.monotonic() < deadline:

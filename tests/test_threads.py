@@ -51,10 +51,11 @@ def test_engine_threads_finish_a_load_and_come_to_rest() -> None:
     assert stats.blocked_ms.max == 0.0  # orchestrated: no explicit blocking wait on the execution thread
 
 
-def test_leaving_engine_threads_with_live_requests_fails_them_and_comes_to_rest() -> None:
+def test_leaving_engine_threads_with_live_requests_aborts_them_and_comes_to_rest() -> None:
     """Left while one request decodes, one still receives and one waits: each gets a
     final output (before: only the receiving one did; the last step even admitted the waiting one
-    into the stopped receive group) and the engine is at rest."""
+    into the stopped receive group) and the engine is at rest. Leaving is the node stopping, not a
+    failure: they end ABORTED (FailureReason.ABORTED: "client cancel or the node is shutting down")."""
     from orchestrator import GenRequest
 
     ctx = CtxPeer(num_blocks=64)
@@ -78,7 +79,8 @@ def test_leaving_engine_threads_with_live_requests_fails_them_and_comes_to_rest(
     outs += engine.poll()
     final = {o.request_id: o for o in outs if o.finished}
     assert set(final) == {"run", "stuck", "wait"}
-    assert final["run"].state is RequestState.FAILED and "threads exited" in final["run"].message  # not run on
+    assert final["run"].state is RequestState.ABORTED and "threads exited" in final["run"].message  # not run on
+    assert final["wait"].state is RequestState.ABORTED
     assert not engine.rest_problems()
 
 

@@ -564,12 +564,17 @@ class GenNode:
         engine.wakeup.set()
         await anyio.to_thread.run_sync(thread.join, timeout_s)
         engine.close()
-        why = engine.health() or "the GEN node is stopping"
+        why = engine.health()
         # the engine could not end them (its thread was stuck): say why here; also to ids whose client
-        # left (their final output frees the id for reuse, in order behind anything of theirs still queued)
+        # left (their final output frees the id for reuse, in order behind anything of theirs still queued).
+        # A node stopping aborts them (FailureReason.ABORTED); a broken engine fails them.
+        if why is None or engine.stopped_gracefully:
+            end = (RequestState.ABORTED, FailureReason.ABORTED,
+                   "the GEN node is stopping" if why is None else f"GEN node stopping: {why}")
+        else:
+            end = (RequestState.FAILED, FailureReason.INTERNAL, f"GEN engine unavailable: {why}")
         for rid in [*self._streams, *(r for r in self._unfinished if r not in self._streams)]:
-            self._on_output(RequestOutput(rid, (), RequestState.FAILED, FailureReason.INTERNAL,
-                                          f"GEN engine unavailable: {why}"))
+            self._on_output(RequestOutput(rid, (), *end))
 
     async def _follow(self, tg: Any) -> None:
         args = self.args
