@@ -414,6 +414,7 @@ M = [
   "                if held is not None and held.state.terminal:",
   "                if False:",
   "tests/test_admission_review.py -k still_ending"),
+  ("front: a client gone while queued or in its hand-off is seen at once", "examples/serve/_app.py", "                while (await request.receive())[\"type\"] != \"http.disconnect\":\n                    pass\n                gone = True\n                tg.cancel_scope.cancel()\n\n            tg.start_soon(watch)\n            try:", "                await anyio.sleep_forever()\n\n            tg.start_soon(watch)\n            try:", "tests/test_front_faults.py -k leaves"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -375,3 +375,69 @@ async def test_a_node_whose_stats_lack_what_routing_reads_is_not_routed_to() -> 
             r = await http.post("/v1/completions", json=completion(max_tokens=3))
             assert r.status_code == 200, r.text
         assert odd.generates == [] and len(good.generates) == 3
+
+
+# -- clients that leave before their answer starts -------------------------------------------------
+
+async def _leave_when(http: httpx.AsyncClient, cond: Callable[[], bool], *, stream: bool) -> None:
+    """A client (its own connection) that posts a request and goes away once ``cond()`` holds."""
+    async with httpx.AsyncClient(base_url=http.base_url, timeout=30) as own:
+        async with anyio.create_task_group() as tg:
+            async def post() -> None:
+                if stream:
+                    async with own.stream("POST", "/v1/completions", json=completion(stream=True)) as r:
+                        async for _ in r.aiter_bytes():
+                            pass
+                else:
+                    await own.post("/v1/completions", json=completion())
+
+            tg.start_soon(post)
+            await wait_until(cond)
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_that_leaves_while_queued_frees_its_place_and_reaches_no_node(stream: bool) -> None:
+    """One request holds the only slot; a second waits in the queue and its client goes away. Before,
+    it kept its place until a slot freed (new clients got 429 meanwhile), then ran on the nodes for
+    nobody (a prefill, and streamed a generate too)."""
+    gate = anyio.Event()
+
+    async def gated(msg: dict[str, Any], stream_: control.JsonStream, gen: FakeGen) -> None:
+        await gate.wait()
+        await finish(msg, stream_, gen)
+
+    ctx, gen = FakeCtx(), FakeGen(gated)
+    async with front_on([ctx], [gen], limits={"max_concurrent_requests": 1}, queue={"size": 4, "timeout_s": 20}) \
+            as (front, http):
+        await wait_until(front.cluster.ready)
+        async with anyio.create_task_group() as tg:
+            holder: dict[str, int] = {}
+
+            async def hold() -> None:
+                holder["status"] = (await http.post("/v1/completions", json=completion())).status_code
+
+            tg.start_soon(hold)
+            await wait_until(lambda: len(gen.generates) == 1)
+            await _leave_when(http, lambda: front.admission.statistics().waiting == 1, stream=stream)
+            await wait_until(lambda: front.admission.statistics().waiting == 0, timeout_s=2)  # freed at once
+            assert sample(front, "kvo_front_requests_total", endpoint="/v1/completions", status="499") == 1
+            gate.set()
+        assert holder["status"] == 200
+        await anyio.sleep(0.3)  # anything still on its way to a node
+        assert len(ctx.prefills) == 1 and len(gen.generates) == 1  # the holder's only
+        assert front.admission.active == 0
+
+
+async def test_a_streamed_client_that_leaves_during_its_prefill_is_not_handed_to_a_gen() -> None:
+    """Before, a streamed request's prefill and hand-off ran to their end with its client gone: the
+    GEN admitted it and pulled its KV, and only the first chunk's send saw the client gone."""
+    ctx, gen = FakeCtx(delay_s=1.0), FakeGen()
+    async with front_on([ctx], [gen]) as (front, http):
+        await wait_until(front.cluster.ready)
+        await _leave_when(http, lambda: len(ctx.prefills) == 1, stream=True)
+        await wait_until(lambda: ctx.released == ctx.prefills, timeout_s=5)  # released once the prefill came
+        await anyio.sleep(0.2)
+        assert gen.generates == [] and ctx.held == {}
+        assert front.admission.active == 0
+        assert sample(front, "kvo_front_requests_total", endpoint="/v1/completions", status="499") == 1

@@ -71,7 +71,7 @@ class FrontMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvo_front_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
-        self.running = Gauge("kvo_front_requests_running", "requests in flight through the front", registry=r)
+        self.running = Gauge("kvo_front_requests_running", "choices in flight through the front (admission slots held: n per request)", registry=r)
         self.finished = Counter("kvo_front_requests_finished", "generations that ended, by finish_reason "
                                 "(stop, length, abort: client gone, error)", ["finish_reason"], registry=r)
         self.ttft = Histogram("kvo_front_time_to_first_token_seconds", "request arrival to its first token "
@@ -282,27 +282,46 @@ class Front:
         body = await self._read_json(request)
         limits = self.cfg.limits
         g: Generation = parse(body, model=self.cfg.model, limits=limits, max_model_len=self.max_model_len)
-        if g.stream and g.n == 1:
-            await self.admission.enter()
-            flight = Flight(self, g, endpoint, t0)  # request_timeout_s from here
-            try:
-                await flight.start()
-            except BaseException:
-                await flight.aclose()
-                raise
-            return _FlightResponse(flight)
-        await self.admission.enter(g.n)  # every choice's slot at once (one by one, two requests could deadlock)
-        deadline = time.monotonic() + self.cfg.routing.request_timeout_s  # one for the request: every choice, every retry
-        flights = [Flight(self, g.choice(i), endpoint, t0, deadline=deadline) for i in range(g.n)]  # each gives its slot back
-        if g.stream:  # n choices in one stream, each chunk naming its choice's index
-            try:
-                for f in flights:
+        # while it waits for admission and (streamed) its prefill and hand-off, a client that goes
+        # away is seen at once: its place in the queue is freed, nothing more reaches a node
+        flights: list[Flight] = []
+        if g.stream:
+            async def admit_and_start() -> None:
+                await self.admission.enter(g.n)  # every choice's slot at once (one by one, two requests could deadlock)
+                if g.n == 1:
+                    flights.append(Flight(self, g, endpoint, t0))  # request_timeout_s from here
+                else:  # one deadline for the request: every choice, every retry
+                    deadline = time.monotonic() + self.cfg.routing.request_timeout_s
+                    flights.extend(Flight(self, g.choice(i), endpoint, t0, deadline=deadline) for i in range(g.n))
+                for f in flights:  # each gives its slot back
                     await f.start()
+
+            try:
+                here = await self._unless_gone(request, endpoint, g, admit_and_start)
             except BaseException:
                 for f in flights:
                     await f.aclose()
                 raise
-            return _ChoicesResponse(self, g, flights, endpoint)
+            if not here:
+                for f in flights:  # an unfinished prefill's KV is released once it comes; a handed-off
+                    await f.aclose()  # request is aborted on its GEN
+                return Response(status_code=499)
+            if g.n == 1:
+                return _FlightResponse(flights[0])
+            return _ChoicesResponse(self, g, flights, endpoint)  # n choices in one stream, chunks name their index
+        entered = False
+
+        async def admit() -> None:
+            nonlocal entered
+            await self.admission.enter(g.n)
+            entered = True
+
+        if not await self._unless_gone(request, endpoint, g, admit):
+            if entered:
+                self.admission.leave(g.n)
+            return Response(status_code=499)
+        deadline = time.monotonic() + self.cfg.routing.request_timeout_s  # one for the request: every choice, every retry
+        flights = [Flight(self, g.choice(i), endpoint, t0, deadline=deadline) for i in range(g.n)]  # each gives its slot back
         try:  # n choices: n flights, each its own request on the nodes
             # not streamed: a client that goes away is seen at once (its ``http.disconnect``), not when
             # the answer is written: the flights are cancelled, so GEN and CTX abort within ms
@@ -332,6 +351,35 @@ class Front:
                 raise f.error
         self.metrics.requests.labels(endpoint, "200").inc()
         return JSONResponse(_api.response(g, [f.text for f in flights], [f.logprobs for f in flights]))
+
+    async def _unless_gone(self, request: Request, endpoint: str, g: Generation, step: Any) -> bool:
+        """Run ``step()`` unless the client goes away first (its ``http.disconnect``): then ``step`` is
+        cancelled, the request is counted as 499 and False returned; the caller undoes what ``step``
+        took. An error ``step`` raises is raised as it is (not in an exception group), unless the
+        client went away."""
+        gone = False
+        error: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                nonlocal gone
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                gone = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await step()
+            except Exception as exc:  # an ApiError (a 429, a 503): raised below, unwrapped
+                error = exc
+            tg.cancel_scope.cancel()
+        if gone:
+            log.info("client_gone", request_id=g.request_id, before="admission or hand-off")
+            self.metrics.requests.labels(endpoint, "499").inc()
+            return False
+        if error is not None:
+            raise error
+        return True
 
     async def _run_to_end(self, flights: list[Flight], i: int) -> None:
         """A non-streamed flight, start to last token; a failure is kept in ``flight.error`` (raised in a
