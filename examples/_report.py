@@ -13,16 +13,18 @@ from typing import Any
 import numpy as np
 
 
-def dist(values: Iterable[float], *, scale: float = 1.0, pcts: Sequence[int] = (50, 95, 99)) -> dict[str, float]:
+def dist(values: Iterable[float], *, scale: float = 1.0,
+         pcts: Sequence[int] = (50, 95, 99)) -> dict[str, float | None]:
     """``{"mean", "p50", "p95", "p99", "max", "n"}`` of ``values * scale`` (linear-interpolated
-    percentiles, numpy's default); zeros and ``n = 0`` for an empty input."""
+    percentiles, numpy's default). An empty input has no figures: None each (printed "-", JSON
+    null), ``n = 0``; a 0.00 would read as a measurement."""
     arr = np.asarray(list(values), dtype=np.float64) * scale
-    out: dict[str, float] = {}
+    out: dict[str, float | None] = {}
     if arr.size == 0:
-        out["mean"] = 0.0
+        out["mean"] = None
         for p in pcts:
-            out[f"p{p}"] = 0.0
-        out["max"] = 0.0
+            out[f"p{p}"] = None
+        out["max"] = None
         out["n"] = 0
         return out
     out["mean"] = float(arr.mean())
@@ -33,9 +35,11 @@ def dist(values: Iterable[float], *, scale: float = 1.0, pcts: Sequence[int] = (
     return out
 
 
-def ratio(a: float, b: float) -> float:
-    """``a / b``, NaN when ``b`` is 0 (JSON writes it as null)."""
-    return a / b if b else math.nan
+def ratio(a: float | None, b: float | None) -> float:
+    """``a / b``; NaN (printed "-", JSON null) when either side has no figure or ``b`` is 0."""
+    if a is None or b is None or not b or not (math.isfinite(a) and math.isfinite(b)):
+        return math.nan
+    return a / b
 
 
 def _clean(obj: Any) -> Any:
@@ -81,4 +85,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     for row in rows:
         table.add_row(*(fmt(v, digits) for v in row))
     console = Console()
-    (console if console.is_terminal else Console(width=160)).print(table)
+    if not console.is_terminal:  # a file or a pipe: as wide as the table, no cell cut
+        wide = console.options.update_width(1 << 16)
+        console = Console(width=max(160, table.__rich_measure__(console, wide).maximum))
+    console.print(table)
