@@ -56,9 +56,40 @@ def test_summarize_math() -> None:
     assert s["kv_checksum_compared"] == 2 and s["kv_checksum_mismatches"] == 1
 
 
-def test_summarize_empty() -> None:
+def test_summarize_empty_has_no_figures_rather_than_zeros() -> None:
     s = summarize(LoadResult([], duration_s=0.0, concurrency=1))
-    assert s["requests"] == 0 and s["output_tok_s"] == 0.0 and s["tpot_ms"]["mean"] == 0.0
+    assert s["requests"] == 0 and s["output_tok_s"] is None and s["tpot_ms"]["mean"] is None
+    assert s["tpot_ms"]["n"] == 0 and s["itl_ms"]["p99"] is None
+    # every request failed: nothing was measured either (not 0 tok/s, not a 0.00 ms TPOT)
+    failed = summarize(LoadResult([_rec(0, [1.0, 1.1], state="error", failure="timeout")], 2.0, 1))
+    assert failed["output_tok_s"] is None and failed["ttft_ms"]["mean"] is None
+
+
+def test_itl_counts_one_gap_per_message_not_per_token() -> None:
+    """GEN coalesces the tokens of one decode pass into one message: its tokens share one arrival
+    time, and ITL (gaps between messages) must not count the 0-ms gaps between them."""
+    # first token (CTX) at 1.0; messages at 1.1 (3 tokens), 1.3 (2 tokens), 1.6 (1 token)
+    r = _rec(0, [1.0, 1.1, 1.1, 1.1, 1.3, 1.3, 1.6])
+    s = summarize(LoadResult([r], duration_s=1.0, concurrency=1))
+    assert s["itl_ms"]["n"] == 2 and s["itl_ms"]["mean"] == pytest.approx(250.0)
+    assert s["itl_ms"]["p50"] == pytest.approx(250.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx(100.0)  # TPOT stays per token: 0.6 s / 6
+
+
+def test_summary_names_the_first_message_of_each_failure_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.two_node.client import print_summary
+
+    recs = [_rec(0, [1.0, 1.1]), _rec(1, [2.0], state="error", failure="prefill_rejected"),
+            _rec(2, [2.0], state="error", failure="prefill_rejected"), _rec(3, [2.0], state="failed", failure="timeout")]
+    recs[1].message = "authentication failed: wrong shared secret"
+    recs[2].message = "something else"
+    recs[3].message = "x" * 500
+    s = summarize(LoadResult(recs, duration_s=1.0, concurrency=1))
+    assert s["failure_messages"] == {"prefill_rejected": "authentication failed: wrong shared secret", "timeout": "x" * 500}
+    print_summary(s, "t")
+    out = capsys.readouterr().out
+    assert "prefill_rejected x2" in out and "authentication failed: wrong shared secret" in out
+    assert "x" * 157 + "..." in out and "x" * 158 not in out  # a long message is cut, the table is not
 
 
 def test_make_prompts_deterministic() -> None:
@@ -140,6 +171,40 @@ async def test_run_load_unreachable_gen_and_timeout(anyio_backend: str) -> None:
         assert not r.ok
         assert r.failure == ("timeout" if p[1] % 2 else "generate_error"), (r.failure, r.message)
     assert summarize(res)["failures"] == len(prompts)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_request_that_fails_after_its_prefill_releases_the_ctx_kv(anyio_backend: str) -> None:
+    """Without --release too: a GEN that failed (or could not be reached) after the prefill leaves
+    the CTX holding the KV until its lease, unless the client releases it with the handle."""
+    released: list[tuple[str, str]] = []
+
+    async def ctx(msg: dict, stream: control.JsonStream) -> None:
+        if msg["op"] == "release":
+            released.append((msg["request_id"], msg["kv_handle"]))
+            await stream.send({"ok": True})
+            return
+        await stream.send({"ok": True, "first_token": 65, "prompt_len": len(msg["prompt_ids"]), "kv_peer": "127.0.0.1:9",
+                           "kv_handle": "h-" + msg["request_id"]})
+
+    async def gen(msg: dict, stream: control.JsonStream) -> None:
+        if msg["request_id"].endswith("-0"):  # one request fails at GEN, the other finishes
+            await stream.send({"done": True, "state": "failed", "failure": "peer_error", "message": "no KV"})
+        else:
+            await stream.send({"done": True, "state": "finished", "tokens": [66]})
+
+    async with anyio.create_task_group() as tg:
+        ctx_port = await tg.start(serve, "127.0.0.1", 0, ctx)
+        gen_port = await tg.start(serve, "127.0.0.1", 0, gen)
+        res = await run_load(ctx=[f"127.0.0.1:{ctx_port}"], gen=f"127.0.0.1:{gen_port}", secret=SECRET,
+                             prompts=make_prompts(2, 6), max_tokens=2, concurrency=2, progress=False, timeout_s=5,
+                             id_prefix="rel")
+        unreachable = await run_load(ctx=[f"127.0.0.1:{ctx_port}"], gen="127.0.0.1:1", secret=SECRET,
+                                     prompts=make_prompts(1, 6), max_tokens=2, concurrency=1, progress=False,
+                                     timeout_s=5, id_prefix="gone")
+        tg.cancel_scope.cancel()
+    assert [r.ok for r in res.records] == [False, True] and not unreachable.records[0].ok
+    assert sorted(released) == [("gone-0", "h-gone-0"), ("rel-0", "h-rel-0")]  # the failed ones only
 
 
 # -- integration: a real CTX + GEN pair (tiny model, UCX), tokens against the reference -----------

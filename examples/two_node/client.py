@@ -26,7 +26,9 @@ Definitions used by ``summarize``:
   token: the usual "time per output token excluding the first". It includes the KV transfer and
   any wait for admission at GEN. TPOT statistics are over requests (each request counts once);
 - **ITL** = gaps between consecutive streamed token messages of a request, after the first streamed
-  one (pure decode cadence, no transfer): statistics over all gaps of all succeeded requests;
+  one (pure decode cadence, no transfer): statistics over all gaps of all succeeded requests. A
+  message that carries several tokens (GEN coalesces what one decode loop pass produced) is one
+  arrival: its tokens share one timestamp, and no 0-ms gap is counted between them;
 - **KV checksums**: GEN reports the checksums of the KV blocks it received (per block, and per block
   and KV head, assembled from every tensor-parallel rank's heads), CTX those of the blocks
   it computed; a request whose GEN list is empty (no transfer, e.g. the ``ideal`` mode) is not
@@ -50,7 +52,7 @@ import anyio
 import numpy as np
 
 from examples import _report
-from examples.two_node import control
+from examples.two_node import cli, control
 from examples.two_node.common import add_security_args, node_secret
 from examples.two_node.control import ControlError
 
@@ -149,10 +151,14 @@ def prompts_from_text(texts: Sequence[str], *, bos: bool = True) -> list[list[in
 
 
 class _Progress:
-    """A rich progress bar (requests done / failures / tok/s), or nothing when not wanted."""
+    """A rich progress bar (requests done / failures / tok/s) on a terminal; elsewhere (a log, a
+    pipe) a plain line every ``every_s``; nothing when not wanted."""
 
-    def __init__(self, total: int, enabled: bool, label: str) -> None:
+    def __init__(self, total: int, enabled: bool, label: str, every_s: float = 5.0) -> None:
         self.enabled = enabled and _report.interactive()
+        self.plain = enabled and not self.enabled
+        self.label, self.every_s = label, every_s
+        self._next_line = time.perf_counter() + every_s
         self.total = total
         self.done = self.failures = self.tokens = 0
         self.t0 = time.perf_counter()
@@ -180,10 +186,15 @@ class _Progress:
             self.tokens += len(rec.tokens)
         else:
             self.failures += 1
+        now = time.perf_counter()
+        rate = self.tokens / max(1e-9, now - self.t0)
         if self.enabled:
-            rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
             self._bar.update(self._task, completed=self.done,
                              stats=f"failures {self.failures}  {rate:,.0f} tok/s")
+        elif self.plain and (now >= self._next_line or self.done == self.total):
+            self._next_line = now + self.every_s
+            print(f"{self.label}: {self.done:,}/{self.total:,} requests done, failures {self.failures:,}, "
+                  f"{rate:,.0f} tok/s, {now - self.t0:.0f} s", file=sys.stderr, flush=True)
 
 
 async def run_load(
@@ -281,12 +292,15 @@ async def run_load(
             rec.state, rec.failure, rec.message = "error", f"{phase}_closed", "the node closed the connection"
         except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError, KeyError, ValueError, TypeError) as exc:
             rec.state, rec.failure, rec.message = "error", f"{phase}_error", f"{type(exc).__name__}: {exc}"
-        if release and handle is not None:
-            try:
-                await control.call(ctx_addr, {"op": "release", "request_id": rec.request_id, "kv_handle": handle},
-                                   secret=secret, timeout=10)
-            except (TimeoutError, ControlError, OSError, anyio.EndOfStream, anyio.BrokenResourceError):
-                pass
+        if handle is not None and (release or not rec.ok):
+            # asked for, or the request failed after its prefill: the CTX need not hold the KV
+            # until its lease ends (best effort, bounded; a GEN that pulled has freed it already)
+            with anyio.move_on_after(5, shield=True):
+                try:
+                    await control.call(ctx_addr, {"op": "release", "request_id": rec.request_id, "kv_handle": handle},
+                                       secret=secret, timeout=5)
+                except Exception:  # noqa: BLE001 - unknown request, node gone: nothing more to free
+                    pass
         rec.t_end = time.perf_counter() - t_run
         return rec
 
@@ -392,20 +406,26 @@ def summarize(result: LoadResult) -> dict[str, Any]:
     tpots = [t for r in ok if (t := r.tpot_s()) is not None]
     itl: list[float] = []
     for r in ok:
-        tt = np.frombuffer(r.token_times, dtype=np.float64)
-        if tt.size >= 3:
-            itl.extend(np.diff(tt[1:]).tolist())
+        arrivals = message_times(r)
+        if arrivals.size >= 2:
+            itl.extend(np.diff(arrivals).tolist())
     compared = [r for r in recs if r.checksum_ok is not None]
     duration = result.duration_s
+    messages: dict[str, str] = {}  # the first message of each failure reason: what to tell a person
+    for r in recs:
+        if not r.ok:
+            messages.setdefault(r.failure or r.state, r.message)
+    measured = bool(ok) and duration > 0  # no succeeded request: no throughput figure, not a 0
     return {
         "requests": len(recs),
         "succeeded": len(ok),
         "failures": len(recs) - len(ok),
         "failure_reasons": dict(Counter(r.failure or r.state for r in recs if not r.ok)),
+        "failure_messages": messages,
         "output_tokens": out_tokens,
         "duration_s": duration,
-        "output_tok_s": out_tokens / duration if duration > 0 else 0.0,
-        "request_s": len(ok) / duration if duration > 0 else 0.0,
+        "output_tok_s": out_tokens / duration if measured else None,
+        "request_s": len(ok) / duration if measured else None,
         "concurrency": result.concurrency,
         "ttft_ms": _report.dist((r.ttft_s for r in ok if r.ttft_s is not None), scale=1e3),
         "tpot_ms": _report.dist(tpots, scale=1e3),
@@ -414,6 +434,18 @@ def summarize(result: LoadResult) -> dict[str, Any]:
         "kv_checksum_compared": len(compared),
         "kv_checksum_mismatches": sum(1 for r in compared if not r.checksum_ok),
     }
+
+
+def message_times(rec: RequestRecord) -> np.ndarray:
+    """Arrival time of each streamed token message of ``rec`` (after the CTX's first token): its
+    tokens share their message's timestamp, so one entry per distinct consecutive time."""
+    tt = np.frombuffer(rec.token_times, dtype=np.float64)[1:]
+    return tt[np.r_[True, np.diff(tt) != 0]] if tt.size else tt
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def print_summary(summary: dict[str, Any], title: str = "load") -> None:
@@ -428,52 +460,53 @@ def print_summary(summary: dict[str, Any], title: str = "load") -> None:
         rows.append([f"{name[:-3].upper()} ms mean / p50 / p95 / p99",
                      " / ".join(_report.fmt(d[k]) for k in ("mean", "p50", "p95", "p99"))])
     rows.append(["KV checksums compared / mismatched", f"{s['kv_checksum_compared']:,} / {s['kv_checksum_mismatches']:,}"])
-    if s["failure_reasons"]:
-        rows.append(["failure reasons", json.dumps(s["failure_reasons"])])
+    for reason, count in s["failure_reasons"].items():  # the first message of each: why, not only how many
+        message = s.get("failure_messages", {}).get(reason) or "(no message)"
+        rows.append([f"failed: {reason} x{count:,}", _short(message)])
     _report.print_table(title, ["metric", "value"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.two_node client",
                                 description="Send a synthetic workload through CTX and GEN nodes and report.")
-    p.add_argument("--ctx", action="append", default=[], metavar="HOST:PORT", help="a CTX node's control address (repeatable)")
-    p.add_argument("--gen", metavar="HOST:PORT", help="the GEN node's control address")
+    p.add_argument("--ctx", action="append", default=[], metavar="HOST:PORT", type=cli.address,
+                   help="a CTX node's control address (repeatable)")
+    p.add_argument("--gen", metavar="HOST:PORT", type=cli.address, help="the GEN node's control address")
     p.add_argument("--endpoint", metavar="URL",
                    help="drive an OpenAI-compatible front instead (python -m examples.serve), e.g. http://127.0.0.1:8000")
-    p.add_argument("--isl", type=int, default=256, help="input (prompt) length, tokens")
-    p.add_argument("--osl", type=int, default=32, help="output length (max_tokens), tokens")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--isl", type=cli.positive_int, default=256, help="input (prompt) length, tokens")
+    p.add_argument("--osl", type=cli.positive_int, default=32, help="output length (max_tokens), tokens")
+    p.add_argument("--concurrency", type=cli.positive_int, default=16)
+    p.add_argument("--requests", type=cli.positive_int, default=64)
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--prompt", action="append", help="use this text as a prompt instead (repeatable; --requests cycles over them)")
-    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    p.add_argument("--timeout", type=cli.positive_float, default=300.0, help="per-request timeout, seconds")
     p.add_argument("--release", action="store_true", help="tell CTX to release each request's KV at the end")
-    p.add_argument("--json", metavar="PATH", help="write the summary and per-request records here")
-    p.add_argument("--show", type=int, default=0, metavar="N", help="print the text of the first N answers")
+    p.add_argument("--json", metavar="PATH", type=cli.writable_file, help="write the summary and per-request records here")
+    p.add_argument("--show", type=cli.non_negative_int, default=0, metavar="N", help="print the text of the first N answers")
     p.add_argument("--no-progress", action="store_true")
     add_security_args(p)
     a = p.parse_args(argv)
     if not a.endpoint and (not a.ctx or not a.gen):
         p.error("give --ctx and --gen (the nodes' control addresses), or --endpoint (a front's URL)")
-    for addr in [*a.ctx, *([a.gen] if a.gen else [])]:
-        control.parse_addr(addr)
     secret = None if a.endpoint else node_secret(a)  # like the nodes: KVO_SHARED_SECRET or --secret-file
     if a.prompt:
         base = prompts_from_text(a.prompt)
         prompts = [base[i % len(base)] for i in range(a.requests)]
     else:
         prompts = make_prompts(a.requests, a.isl, a.seed)
-    if a.endpoint:
-        result = anyio.run(lambda: run_load_http(endpoint=a.endpoint, prompts=prompts, max_tokens=a.osl,
-                                                 concurrency=a.concurrency, progress=not a.no_progress,
-                                                 timeout_s=a.timeout), backend="asyncio")
-    else:
-        result = anyio.run(
-            lambda: run_load(ctx=a.ctx, gen=a.gen, secret=secret, prompts=prompts, max_tokens=a.osl,
-                             concurrency=a.concurrency, progress=not a.no_progress, timeout_s=a.timeout,
-                             release=a.release),
-            backend="asyncio",
-        )
+    with cli.unwinding():
+        if a.endpoint:
+            result = anyio.run(lambda: run_load_http(endpoint=a.endpoint, prompts=prompts, max_tokens=a.osl,
+                                                     concurrency=a.concurrency, progress=not a.no_progress,
+                                                     timeout_s=a.timeout), backend="asyncio")
+        else:
+            result = anyio.run(
+                lambda: run_load(ctx=a.ctx, gen=a.gen, secret=secret, prompts=prompts, max_tokens=a.osl,
+                                 concurrency=a.concurrency, progress=not a.no_progress, timeout_s=a.timeout,
+                                 release=a.release),
+                backend="asyncio",
+            )
     summary = summarize(result)
     print_summary(summary, f"{len(prompts)} requests, concurrency {a.concurrency}")
     for rec in result.records[: a.show]:
@@ -485,7 +518,12 @@ def main(argv: list[str] | None = None) -> int:
             "config": {k: v for k, v in vars(a).items() if k != "json"},
             "records": [r.to_json(with_tokens=True) for r in result.records],
         })
-    return 0 if summary["failures"] == 0 else 1
+    why = [m for m, bad in [(f"{summary['failures']:,} of {summary['requests']:,} requests failed", summary["failures"]),
+                            (f"{summary['kv_checksum_mismatches']:,} KV checksum mismatches",
+                             summary["kv_checksum_mismatches"])] if bad]
+    if why:
+        print("FAILED: " + ", ".join(why), file=sys.stderr)
+    return 1 if why else 0
 
 
 if __name__ == "__main__":
