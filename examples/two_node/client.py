@@ -150,7 +150,7 @@ def prompts_from_text(texts: Sequence[str], *, bos: bool = True) -> list[list[in
     return [([BOS_ID] if bos else []) + list(t.encode("utf-8")) for t in texts]
 
 
-class _Progress:
+class Progress:
     """A rich progress bar (requests done / failures / tok/s) on a terminal; elsewhere (a log, a
     pipe) a plain line every ``every_s``; nothing when not wanted."""
 
@@ -163,15 +163,15 @@ class _Progress:
         self.done = self.failures = self.tokens = 0
         self.t0 = time.perf_counter()
         if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich import progress as rp
 
-            self._bar = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), transient=True,
+            self._bar = rp.Progress(
+                rp.TextColumn("[bold]{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
+                rp.TextColumn("{task.fields[stats]}"), rp.TimeElapsedColumn(), transient=True,
             )
             self._task = self._bar.add_task(label, total=total, stats="")
 
-    def __enter__(self) -> _Progress:
+    def __enter__(self) -> Progress:
         if self.enabled:
             self._bar.start()
         return self
@@ -180,9 +180,12 @@ class _Progress:
         if self.enabled:
             self._bar.stop()
 
-    def update(self, rec: RequestRecord) -> None:
+    def update(self, rec: RequestRecord | None = None) -> None:
+        """One more done: ``rec`` (its tokens, or a failure), or an item that is not a request."""
         self.done += 1
-        if rec.ok:
+        if rec is None:
+            pass
+        elif rec.ok:
             self.tokens += len(rec.tokens)
         else:
             self.failures += 1
@@ -190,11 +193,12 @@ class _Progress:
         rate = self.tokens / max(1e-9, now - self.t0)
         if self.enabled:
             self._bar.update(self._task, completed=self.done,
-                             stats=f"failures {self.failures}  {rate:,.0f} tok/s")
+                             stats=f"failures {self.failures}  {rate:,.0f} tok/s" if rec is not None else "")
         elif self.plain and (now >= self._next_line or self.done == self.total):
             self._next_line = now + self.every_s
-            print(f"{self.label}: {self.done:,}/{self.total:,} requests done, failures {self.failures:,}, "
-                  f"{rate:,.0f} tok/s, {now - self.t0:.0f} s", file=sys.stderr, flush=True)
+            figures = f", failures {self.failures:,}, {rate:,.0f} tok/s" if rec is not None else ""
+            print(f"{self.label}: {self.done:,}/{self.total:,} done{figures}, {now - self.t0:.0f} s",
+                  file=sys.stderr, flush=True)
 
 
 async def run_load(
@@ -304,7 +308,7 @@ async def run_load(
         rec.t_end = time.perf_counter() - t_run
         return rec
 
-    with _Progress(n, progress, label) as bar:
+    with Progress(n, progress, label) as bar:
 
         async def worker() -> None:
             for i in indices:  # shared iterator: each worker takes the next prompt when free
@@ -379,7 +383,7 @@ async def run_load_http(
         rec.t_end = time.perf_counter() - t_run
         return rec
 
-    with _Progress(n, progress, label) as bar:
+    with Progress(n, progress, label) as bar:
         async with httpx.AsyncClient(base_url=endpoint.rstrip("/"), timeout=timeout_s, limits=limits) as http:
 
             async def worker() -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,25 +23,27 @@ from typing import Any
 
 import anyio
 
+from examples import _report
 from examples.tiny_model import ModelConfig, TinyModel
-from examples.two_node import client, control
+from examples.two_node import cli, client, control
 from examples.two_node.launch import Netns, NodeProcess, env_secret, node_env
 from transports.ucx import UCX_DEFAULTS
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.two_node demo", description=__doc__.split("\n\n")[1])
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--isl", type=int, default=256, help="input (prompt) tokens per request")
-    p.add_argument("--osl", type=int, default=32, help="output tokens per request")
+    p.add_argument("--requests", type=cli.positive_int, default=256)
+    p.add_argument("--concurrency", type=cli.positive_int, default=64)
+    p.add_argument("--isl", type=cli.positive_int, default=256, help="input (prompt) tokens per request")
+    p.add_argument("--osl", type=cli.positive_int, default=32, help="output tokens per request")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--mode", default="orchestrated", choices=["orchestrated", "inline"])
-    p.add_argument("--max-tokens-in-buffer", type=int, default=2048,
+    p.add_argument("--max-tokens-in-buffer", type=cli.positive_int, default=2048,
                    help="GEN transfer budget in tokens of KV (small enough that backpressure happens)")
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per node")
-    p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
-    p.add_argument("--ctx-nodes", type=int, default=1, help="CTX processes; the client spreads requests over them")
+    p.add_argument("--num-blocks", type=cli.positive_int, default=4096, help="KV blocks per node")
+    p.add_argument("--kv-transfer-timeout-ms", type=cli.positive_int, default=60_000)
+    p.add_argument("--ctx-nodes", type=cli.positive_int, default=1,
+                   help="CTX processes; the client spreads requests over them")
     p.add_argument("--gen-tp", type=int, default=1, choices=[1, 2, 4, 8],
                    help="GEN tensor-parallel ranks (each pulls its KV heads; one process per rank)")
     p.add_argument("--ctx-tp", type=int, default=1, choices=[1, 2, 4, 8],
@@ -50,15 +51,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--netns", action="store_true", help="run CTX and GEN in two network namespaces (root)")
     p.add_argument("--kv-transport", default="ucx", choices=["ucx", "nixl"],
                    help="the KV data plane both nodes use (docs/transport.md: ucx is the default, fastest over TCP)")
-    p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--json", type=cli.writable_file, help="write the report here (checked before anything starts)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
 
-def reference_tokens(prompts: list[list[int]], osl: int) -> list[list[int]]:
-    """The single-process run: prefill + decode with an unpaged cache, one prompt at a time."""
+def reference_tokens(prompts: list[list[int]], osl: int, *, progress: bool = False) -> list[list[int]]:
+    """The single-process run: prefill + decode with an unpaged cache, one prompt at a time (up
+    to a minute for the default load: a progress bar, or a plain line every few seconds)."""
     model = TinyModel(ModelConfig())
-    return [model.generate_reference(prompt, osl) for prompt in prompts]
+    out = []
+    with client.Progress(len(prompts), progress, "single-process reference") as bar:
+        for prompt in prompts:
+            out.append(model.generate_reference(prompt, osl))
+            bar.update()
+    return out
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -102,22 +109,18 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         ctx_stats = [anyio.run(_ctx_at_rest, a, secret, backend="asyncio") for a in ctx_addrs]
         load_s = time.perf_counter() - t0
     summary = client.summarize(result)
-    reference = reference_tokens(prompts, args.osl)
-    mismatched = [r.request_id for r in result.records if r.ok and r.tokens != reference[r.index]]
-    compared = [r for r in result.records if r.ok]
-    checksums_ok = all(r.checksum_ok for r in compared) and all(r.ctx_checksums or r.ctx_head_checksums for r in compared)
-    parity = bool(compared) and not mismatched and len(compared) == len(result.records) and checksums_ok
+    if not args.no_progress:
+        print(f"checking {len(prompts):,} answers against a single-process run of the model ...", file=sys.stderr)
+    reference = reference_tokens(prompts, args.osl, progress=not args.no_progress)
+    detail = parity_detail(result.records, reference)
     return summary, {
         "requests": summary["requests"],
         "failures": summary["failures"],
         "failure_reasons": summary["failure_reasons"],
-        "parity": parity,
-        "parity_detail": {
-            "compared": len(compared),
-            "token_mismatches": mismatched[:20],
-            "kv_checksum_mismatches": summary["kv_checksum_mismatches"],
-            "kv_blocks_compared": sum(len(r.gen_head_checksums or r.gen_checksums or []) for r in compared),
-        },
+        "failure_messages": summary["failure_messages"],
+        # every request compared, its tokens and its KV CRCs equal (parity_detail says which part not)
+        "parity": detail["tokens"] == detail["kv"] == "ok" and detail["not_checked"] == 0,
+        "parity_detail": detail,
         "output_tok_s": summary["output_tok_s"],
         "tpot_ms": summary["tpot_ms"],
         "ttft_ms": summary["ttft_ms"],
@@ -126,9 +129,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         "transport": {
             "backend": args.kv_transport,
             "backend_connected": connected,
-            "authenticated": True,
+            # every control call above proved the node holds the shared secret (mutual MAC); a
+            # node without one would have been refused (control._authenticate)
+            "control_authenticated": secret is not None,
             "netns": bool(args.netns),
-            "ucx_defaults": dict(UCX_DEFAULTS),
+            **({"ucx_defaults": dict(UCX_DEFAULTS)} if args.kv_transport == "ucx" else {}),
         },
         "gen": {
             "mode": gen_stats["mode"],
@@ -156,6 +161,62 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     }
 
 
+def parity_detail(records: list[client.RequestRecord], reference: list[list[int]]) -> dict[str, Any]:
+    """The two exactness checks, apart: ``tokens`` and ``kv`` are ``"ok"``, ``"mismatch"`` or
+    ``"not checked"`` (no succeeded request to compare); ``not_checked`` counts the requests that
+    failed (their tokens and KV are not compared: a failure, not a mismatch)."""
+    compared = [r for r in records if r.ok]
+    tokens = [r.request_id for r in compared if r.tokens != reference[r.index]]
+    first_off = None
+    if tokens:
+        r = next(r for r in compared if r.request_id == tokens[0])
+        ref = reference[r.index]
+        at = next((i for i, (a, b) in enumerate(zip(r.tokens, ref)) if a != b), min(len(r.tokens), len(ref)))
+        first_off = {"request_id": r.request_id, "index": r.index, "token": at,
+                     "got": r.tokens[at:at + 4], "expected": ref[at:at + 4]}
+    kv_bad = [r.request_id for r in compared if r.checksum_ok is False]
+    kv_missing = [r.request_id for r in compared
+                  if r.checksum_ok is None or not (r.ctx_checksums or r.ctx_head_checksums)]
+
+    def status(bad: list[str]) -> str:
+        return "not checked" if not compared else "mismatch" if bad else "ok"
+
+    return {
+        "compared": len(compared),
+        "not_checked": len(records) - len(compared),
+        "tokens": status(tokens),
+        "token_mismatches": tokens[:20],
+        "first_token_mismatch": first_off,
+        "kv": "not checked" if not compared else "mismatch" if kv_bad else "missing" if kv_missing else "ok",
+        "kv_checksum_mismatches": len(kv_bad),
+        "kv_mismatched_requests": kv_bad[:20],
+        "kv_unchecked_requests": kv_missing[:20],
+        "kv_blocks_compared": sum(len(r.gen_head_checksums or r.gen_checksums or []) for r in compared),
+    }
+
+
+def parity_lines(detail: dict[str, Any]) -> list[str]:
+    """The console's account of the checks: tokens, KV CRCs, and what was not checked."""
+    n = detail["compared"]
+    off = detail["first_token_mismatch"]
+    tokens = {"ok": f"OK ({n:,} requests equal the single-process run)",
+              "mismatch": f"MISMATCH in {len(detail['token_mismatches']):,}{'+' if len(detail['token_mismatches']) == 20 else ''}"
+                          f" of {n:,} requests" + (f"; first: {off['request_id']} (prompt {off['index']}) at output token "
+                                                   f"{off['token']}: got {off['got']}, expected {off['expected']}"
+                                                   if off else ""),
+              "not checked": "not checked (no request succeeded)"}[detail["tokens"]]
+    kv = {"ok": f"OK ({detail['kv_blocks_compared']:,} KV blocks of {n:,} requests equal on CTX and GEN)",
+          "mismatch": f"MISMATCH in {detail['kv_checksum_mismatches']:,} of {n:,} requests; first: "
+                      + (detail["kv_mismatched_requests"] or ["?"])[0],
+          "missing": f"MISSING for {len(detail['kv_unchecked_requests']):,} requests (a node sent no CRCs); first: "
+                     + (detail["kv_unchecked_requests"] or ["?"])[0],
+          "not checked": "not checked (no request succeeded)"}[detail["kv"]]
+    lines = [f"parity: tokens {tokens}", f"parity: KV CRCs {kv}"]
+    if detail["not_checked"]:
+        lines.append(f"parity: not checked: {detail['not_checked']:,} requests failed")
+    return lines
+
+
 async def _ctx_at_rest(addr: str, secret: bytes | None, wait_s: float = 2.0) -> dict[str, Any]:
     """A CTX node's statistics once it holds nothing and no send pins a block (a pull ends on the GEN
     when its KV lands, a moment before the CTX sees its send end), or as they are after ``wait_s``."""
@@ -173,26 +234,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.netns and (why := Netns.unavailable()):
         print(f"--netns: {why}", file=sys.stderr)
         return 2
-    summary, report = run(args)
+    with cli.unwinding():  # SIGTERM, SIGHUP, Ctrl-C: the nodes, their folders, the namespaces go first
+        summary, report = run(args)
     client.print_summary(summary, title=f"two-node demo ({report['gen']['mode']}, {'netns' if args.netns else 'loopback'}, "
                                         f"KV over {report['transport']['backend']})")
     g = report["gen"]
-    print(f"parity: {'OK' if report['parity'] else 'MISMATCH'}  "
-          f"({report['parity_detail']['compared']} requests, {report['parity_detail']['kv_blocks_compared']} KV blocks "
-          f"checksummed)")
+    detail = report["parity_detail"]
+    for line in parity_lines(detail):
+        print(line)
     print(f"GEN: deferrals {g['deferrals']}, transfer budget peak {g['peak_in_flight_bytes']:,} of "
           f"{g['transfer_budget_bytes']:,} bytes in flight, staging buffers peak {g['peak_staging_bytes']:,} bytes, "
           f"execution thread blocked p99 {g['exec_blocked_ms']['p99']:.3f} ms, at rest: {not g['rest_problems']}")
+    wrote = True
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        try:
+            _report.write_json(args.json, report)
+        except OSError as exc:
+            print(f"error: cannot write --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            wrote = False
     c = report["ctx"]
-    ok = (report["failures"] == 0 and report["parity"] and not g["rest_problems"] and c["held_requests_after"] == 0
-          and c["open_pins_after"] == 0)
-    if not ok:
-        print("FAILED: " + ", ".join(
-            m for m, bad in [("failures", report["failures"]), ("parity", not report["parity"]),
-                             ("GEN not at rest", g["rest_problems"]), ("CTX still holds KV", c["held_requests_after"]),
-                             ("CTX blocks still pinned", c["open_pins_after"])]
-            if bad), file=sys.stderr)
-    return 0 if ok else 1
+    why = [m for m, bad in [
+        (f"{report['failures']:,} of {report['requests']:,} requests failed", report["failures"]),
+        (f"token mismatch (first: {(detail['token_mismatches'] or ['-'])[0]})", detail["tokens"] == "mismatch"),
+        (f"KV CRC mismatch (first: {(detail['kv_mismatched_requests'] or ['-'])[0]})", detail["kv"] == "mismatch"),
+        ("KV CRCs missing", detail["kv"] == "missing"),
+        ("GEN not at rest: " + "; ".join(map(str, g["rest_problems"]))[:200], g["rest_problems"]),
+        ("CTX still holds KV", c["held_requests_after"]), ("CTX blocks still pinned", c["open_pins_after"]),
+        ("the report was not written", not wrote)] if bad]
+    if why:
+        print("FAILED: " + ", ".join(why), file=sys.stderr)
+    return 1 if why else 0
