@@ -644,6 +644,60 @@ def test_a_port_in_use_is_one_line_and_exit_status_1() -> None:
         taken.close()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["ctx", "--num-blocks", "0"], "argument --num-blocks: expected an integer >= 1, got '0'"),
+    (["ctx", "--num-blocks", "-5"], "argument --num-blocks"),
+    (["gen", "--num-blocks", "-1"], "argument --num-blocks"),
+    (["gen", "--max-num-seqs", "0"], "argument --max-num-seqs"),
+    (["ctx", "--block-size", "0"], "argument --block-size"),
+    (["gen", "--kv-transfer-timeout-ms", "-5"], "argument --kv-transfer-timeout-ms"),
+    (["gen", "--port", "70000"], "argument --port: expected a port 0-65535, got '70000'"),
+    (["ctx", "--port", "-1"], "argument --port"),
+    (["ctx", "--ucx-port", "65536"], "argument --ucx-port"),
+    # accepted once, then broken: a READY GEN whose first decode step crashed; every pull refused
+    (["gen", "--step", "device", "--device-step-ms", "-1"], "argument --device-step-ms: expected a finite number >= 0"),
+    (["gen", "--step", "device", "--device-step-us-per-seq", "nan"], "argument --device-step-us-per-seq"),
+    (["ctx", "--lease-s", "-1"], "argument --lease-s: expected a finite number > 0, got '-1'"),
+    (["ctx", "--lease-s", "0"], "argument --lease-s"),
+    (["ctx", "--alloc-wait-s", "-1"], "argument --alloc-wait-s"),
+    (["gen", "--max-tokens-in-buffer", "0"], "argument --max-tokens-in-buffer"),
+    (["gen", "--transfer-budget-bytes", "-1"], "argument --transfer-budget-bytes"),
+    (["gen", "--max-prefetch-seqs", "0"], "argument --max-prefetch-seqs"),
+    (["gen", "--graceful-shutdown-timeout-s", "-1"], "argument --graceful-shutdown-timeout-s"),
+    (["gen", "--kv-hold-interval-s", "0"], "argument --kv-hold-interval-s"),
+    (["gen", "--switch-interval-ms", "inf"], "argument --switch-interval-ms"),
+    (["gen", "--ctx", "127.0.0.1:notaport"], "argument --ctx: expected HOST:PORT"),
+    (["ctx", "--layers", "0"], "argument --layers"),
+    (["ctx", "--max-connections", "0"], "argument --max-connections"),
+    (["gen", "--handshake-timeout-s", "-1"], "argument --handshake-timeout-s"),
+    (["ctx", "--metrics-port", "99999"], "argument --metrics-port"),
+    (["ctx", "--etcd-ttl-s", "0"], "argument --etcd-ttl-s"),
+])
+def test_a_node_refuses_a_value_that_cannot_work_before_it_starts(argv: list[str], message: str,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from examples.two_node import __main__ as node_main
+
+    monkeypatch.setattr(node_main, "run_role", lambda *a: pytest.fail("the node started"))
+    with pytest.raises(SystemExit) as exc:
+        node_main.main([*argv, "--insecure"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.integration
+def test_an_address_this_host_does_not_have_is_one_line_and_exit_status_1() -> None:
+    # errno 99 (and a name that does not resolve) came out as the task groups' traceback: only
+    # EADDRINUSE was turned into a line
+    for host in ("10.9.9.9", "no-such-host.invalid"):
+        r = subprocess.run([sys.executable, "-m", "examples.two_node", "ctx", "--host", host, "--num-blocks", "16"],
+                           cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=120)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1 and "Traceback" not in r.stderr, (host, r.stderr[-2000:])
+        assert last.startswith("ctx: cannot start: ") and f"cannot listen for control connections on {host}" in last, last
+
+
 @pytest.mark.integration
 def test_a_ctx_on_the_other_data_plane_is_refused_by_name() -> None:
     # A nixl GEN pulling from a ucx CTX waited out a 5 s handshake timeout per attempt, a ucx GEN

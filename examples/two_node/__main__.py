@@ -97,12 +97,12 @@ def run_role(role_main: Any, args: argparse.Namespace) -> int:
     try:
         return int(role_main(args) or 0)
     except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
+        if not _bind_error(exc):
             raise
         return _in_use(args, exc)
     except BaseExceptionGroup as group:
-        in_use = group.subgroup(lambda e: isinstance(e, OSError) and e.errno == errno.EADDRINUSE)
-        if in_use is not None:  # a port taken: one line, not the task groups' traceback
+        in_use = group.subgroup(_bind_error)
+        if in_use is not None:  # a port taken, an address not here: one line, not the task groups' traceback
             return _in_use(args, next(iter(_leaves(in_use))))
         exits = group.subgroup(SystemExit)
         if exits is None:
@@ -114,6 +114,13 @@ def run_role(role_main: Any, args: argparse.Namespace) -> int:
             print(f"exiting ({first.code}); also raised on the way out: "
                   + ", ".join(f"{type(e).__name__}: {e}" for e in _leaves(others)), file=sys.stderr)
         return int(first.code) if isinstance(first.code, int) else 1
+
+
+def _bind_error(exc: BaseException) -> bool:
+    """A listener that could not bind: a port taken, an address this host does not have (errno
+    99), a name that does not resolve (the listeners say "cannot listen ..." with the address)."""
+    return isinstance(exc, OSError) and (exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
+                                         or "cannot listen" in str(exc))
 
 
 def _in_use(args: Any, exc: OSError) -> int:

@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from examples.tiny_model import ModelConfig, TinyModel
-from examples.two_node import control
+from examples.two_node import cli, control
 from examples.two_node.control import ControlLimits
 from orchestrator._config import KV_TRANSPORTS
 from transports import KVLayout, KVStore
@@ -25,13 +25,13 @@ log = structlog.get_logger("examples.two_node")
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (both nodes must agree)")
-    g.add_argument("--layers", type=int, default=ModelConfig.num_layers)
-    g.add_argument("--heads", type=int, default=ModelConfig.num_heads)
-    g.add_argument("--kv-heads", type=int, default=ModelConfig.num_kv_heads)
-    g.add_argument("--head-dim", type=int, default=ModelConfig.head_dim)
-    g.add_argument("--max-seq-len", type=int, default=ModelConfig.max_seq_len)
+    g.add_argument("--layers", type=cli.positive_int, default=ModelConfig.num_layers)
+    g.add_argument("--heads", type=cli.positive_int, default=ModelConfig.num_heads)
+    g.add_argument("--kv-heads", type=cli.positive_int, default=ModelConfig.num_kv_heads)
+    g.add_argument("--head-dim", type=cli.positive_int, default=ModelConfig.head_dim)
+    g.add_argument("--max-seq-len", type=cli.positive_int, default=ModelConfig.max_seq_len)
     g.add_argument("--seed", type=int, default=ModelConfig.seed)
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--block-size", type=cli.positive_int, default=16, help="tokens per KV block")
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
@@ -42,9 +42,9 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
 
 def add_control_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("control plane")
-    g.add_argument("--max-connections", type=int, default=ControlLimits.max_connections,
+    g.add_argument("--max-connections", type=cli.positive_int, default=ControlLimits.max_connections,
                    help="control connections open at once; more are closed when accepted")
-    g.add_argument("--handshake-timeout-s", type=float, default=ControlLimits.handshake_timeout_s,
+    g.add_argument("--handshake-timeout-s", type=cli.positive_float, default=ControlLimits.handshake_timeout_s,
                    help="a control connection must authenticate and send its request within this")
 
 

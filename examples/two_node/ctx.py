@@ -27,7 +27,7 @@ import structlog
 import torch
 
 from examples.metrics import ctx_node_stats, serve_node_metrics
-from examples.two_node import control, ctx_tp, gen_tp, membership, tp_group
+from examples.two_node import cli, control, ctx_tp, gen_tp, membership, tp_group
 from examples.two_node.common import announce_ready, backend, block_checksums, build_model, control_server, kv_server
 from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
@@ -349,13 +349,15 @@ class CtxNode:
 def add_args(p: argparse.ArgumentParser) -> None:
     membership.add_args(p)
     p.add_argument("--host", default="127.0.0.1", help="control-plane bind address")
-    p.add_argument("--port", type=int, default=0, help="control-plane port (0: pick one)")
-    p.add_argument("--ucx-port", type=int, default=0, help="UCX listener port (0: pick one)")
+    p.add_argument("--port", type=cli.port, default=0, help="control-plane port (0: pick one)")
+    p.add_argument("--ucx-port", type=cli.port, default=0, help="UCX listener port (0: pick one)")
     p.add_argument("--advertise", help="host GEN should use to reach the UCX listener (default: --host)")
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the CTX pool")
-    p.add_argument("--lease-s", type=float, default=30.0, help="free a request's KV if GEN has not pulled it by then")
-    p.add_argument("--alloc-wait-s", type=float, default=30.0, help="how long a prefill waits for free KV blocks")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
+    p.add_argument("--num-blocks", type=cli.positive_int, default=4096, help="KV blocks in the CTX pool")
+    p.add_argument("--lease-s", type=cli.positive_float, default=30.0,
+                   help="free a request's KV if GEN has not pulled it by then")
+    p.add_argument("--alloc-wait-s", type=cli.non_negative_float, default=30.0,
+                   help="how long a prefill waits for free KV blocks")
+    p.add_argument("--metrics-port", type=cli.port, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
     p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
                    help="CRC32 of each prefilled KV block in the prefill reply (a parity check; costs CPU per request)")
     ctx_tp.add_args(p)

@@ -26,7 +26,7 @@ import structlog
 import torch
 
 from examples.metrics import serve_node_metrics
-from examples.two_node import control, gen_tp, membership, tp_group
+from examples.two_node import cli, control, gen_tp, membership, tp_group
 from examples.two_node.common import announce_ready, backend, build_model, control_server, kv_transport
 from orchestrator import (
     DecodeBatch,
@@ -600,33 +600,37 @@ class GenNode:
 def add_args(p: argparse.ArgumentParser) -> None:
     membership.add_args(p)
     p.add_argument("--host", default="127.0.0.1", help="control-plane bind address")
-    p.add_argument("--port", type=int, default=0, help="control-plane port (0: pick one)")
-    p.add_argument("--ctx", action="append", default=[], help="a CTX node's control address HOST:PORT (repeatable; informational: each request names its KV peer)")
+    p.add_argument("--port", type=cli.port, default=0, help="control-plane port (0: pick one)")
+    p.add_argument("--ctx", action="append", default=[], type=cli.address, help="a CTX node's control address HOST:PORT (repeatable; informational: each request names its KV peer)")
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.ORCHESTRATED.value)
     p.add_argument("--step", choices=["model", "device"], default="model")
-    p.add_argument("--device-step-ms", type=float, default=4.0, help="--step device: fixed cost of one decode iteration")
-    p.add_argument("--device-step-us-per-seq", type=float, default=5.0, help="--step device: added cost per sequence")
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the GEN pool")
-    p.add_argument("--transfer-budget-bytes", type=int, default=0, help="transfer budget in bytes (overrides --max-tokens-in-buffer)")
-    p.add_argument("--max-tokens-in-buffer", type=int, default=8192, help="transfer budget in tokens of KV")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="the decode batch: most requests decoding at once")
-    p.add_argument("--max-prefetch-seqs", type=int, default=None,
+    p.add_argument("--device-step-ms", type=cli.non_negative_float, default=4.0,
+                   help="--step device: fixed cost of one decode iteration")
+    p.add_argument("--device-step-us-per-seq", type=cli.non_negative_float, default=5.0,
+                   help="--step device: added cost per sequence")
+    p.add_argument("--num-blocks", type=cli.positive_int, default=4096, help="KV blocks in the GEN pool")
+    p.add_argument("--transfer-budget-bytes", type=cli.non_negative_int, default=0,
+                   help="transfer budget in bytes (overrides --max-tokens-in-buffer; 0: use that)")
+    p.add_argument("--max-tokens-in-buffer", type=cli.positive_int, default=8192, help="transfer budget in tokens of KV")
+    p.add_argument("--max-num-seqs", type=cli.positive_int, default=256,
+                   help="the decode batch: most requests decoding at once")
+    p.add_argument("--max-prefetch-seqs", type=cli.positive_int, default=None,
                    help="most requests receiving or received ahead of the batch (default: --max-num-seqs)")
-    p.add_argument("--switch-interval-ms", type=float, default=None,
+    p.add_argument("--switch-interval-ms", type=cli.positive_float, default=None,
                    help="sys.setswitchinterval for this process: how long a thread may hold the GIL "
                         "while another waits (Python's default: 5 ms)")
-    p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
-    p.add_argument("--graceful-shutdown-timeout-s", type=float, default=5.0,
+    p.add_argument("--kv-transfer-timeout-ms", type=cli.positive_int, default=60_000)
+    p.add_argument("--graceful-shutdown-timeout-s", type=cli.non_negative_float, default=5.0,
                    help="without --etcd: on SIGTERM, how long live requests may finish (no new one is taken) "
                         "before the rest are aborted (their streams get a final message, their CTX frees the "
                         "KV); a second SIGTERM exits at once. With --etcd, SIGTERM drains instead")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
+    p.add_argument("--metrics-port", type=cli.port, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
     p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=False,
                    help="CRC32 of each received KV block (per KV head; each rank its own, sent to rank 0 off the "
                         "step exchange), reported at the end of a generate stream: a parity check (the demo "
                         "turns it on; it costs a gather and CPU per request)")
     gen_tp.add_args(p)
-    p.add_argument("--kv-hold-interval-s", type=float, default=OrchestratorConfig.kv_hold_interval_s,
+    p.add_argument("--kv-hold-interval-s", type=cli.positive_float, default=OrchestratorConfig.kv_hold_interval_s,
                    help="how often CTX nodes are asked to renew the leases of requests still waiting here "
                         "(keep it well below the CTX's --lease-s)")
 

@@ -266,7 +266,9 @@ def add_args(p: Any) -> None:
     g.add_argument("--etcd", help="register this node in etcd at this URL (http://host:2379), under a lease kept "
                    "alive; SIGTERM then drains it (takes nothing new, finishes, deregisters)")
     g.add_argument("--etcd-prefix", default=DEFAULT_PREFIX, help="key prefix: {prefix}{role}/{control address}")
-    g.add_argument("--etcd-ttl-s", type=int, default=DEFAULT_TTL_S, help="lease TTL: a node that dies leaves after it")
+    from examples.two_node.cli import positive_int
+
+    g.add_argument("--etcd-ttl-s", type=positive_int, default=DEFAULT_TTL_S, help="lease TTL: a node that dies leaves after it")
 
 
 # -- the front side -------------------------------------------------------------------------------
