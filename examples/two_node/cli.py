@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import math
 import os
@@ -97,9 +98,18 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def _unwind(signum: int, frame: FrameType | None) -> None:
     for sig in _SIGNALS:  # the first signal only: the cleanup it starts runs to its end
         signal.signal(sig, signal.SIG_IGN)
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise Interrupted(128 + signum)
+    exc: BaseException = KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(128 + signum)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise exc from None
+    # an event loop runs: raised from a callback of its own, it leaves the loop (whose shutdown
+    # cancels the tasks) instead of ending whatever task was running, unhandled, with it
+    loop.call_soon_threadsafe(_raise, exc)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def _stop_of(exc: BaseException) -> BaseException | None:
