@@ -52,7 +52,7 @@ import anyio
 import numpy as np
 
 from examples import _report
-from examples.two_node import control
+from examples.two_node import cli, control
 from examples.two_node.launch import wait_ready
 from examples.two_node.client import LoadResult, make_prompts, run_load, summarize
 from examples.tiny_model import ModelConfig
@@ -325,6 +325,7 @@ def _aggregate(rounds: list[tuple[Any, dict[str, Any], dict[str, float]]], cfg: 
         "gen_failed": {k: v for k, v in total("failed").items() if v},
         "failures": s["failures"],
         "failure_reasons": s["failure_reasons"],
+        "failure_messages": s["failure_messages"],
         "requests": s["requests"],
         "output_tokens": s["output_tokens"],
         "duration_s": s["duration_s"],
@@ -378,8 +379,26 @@ def run_bench(cfg: dict[str, Any], step: str, *, modes: tuple[str, ...] = MODES,
     same prompts, so that a drift of the machine's background load spreads over all modes instead
     of landing on one. GEN's loop statistics are cleared before each segment.
     """
+    made = not cfg.get("log_dir")  # a temporary folder: removed unless something failed
     log_dir = Path(cfg.get("log_dir") or tempfile.mkdtemp(prefix="kvo-bench-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        results = _run_modes(cfg, step, modes, progress, pids, log_dir)
+    except (KeyboardInterrupt, cli.Interrupted):
+        if made:  # stopped on purpose: nothing to look at
+            shutil.rmtree(log_dir, ignore_errors=True)
+        raise
+    except BaseException:
+        print(f"bench: node logs kept in {log_dir}", file=sys.stderr)
+        raise
+    if made and not any(r["failures"] for r in results.values()):
+        shutil.rmtree(log_dir, ignore_errors=True)
+        log_dir = None
+    return {"modes": results, "ratios": _ratios(results), "config": {**cfg, "step": step, "log_dir": log_dir and str(log_dir)}}
+
+
+def _run_modes(cfg: dict[str, Any], step: str, modes: tuple[str, ...], progress: bool, pids: list[int] | None,
+               log_dir: Path) -> dict[str, dict[str, Any]]:
     n_rounds = max(1, int(cfg.get("rounds", 1)))
     prompts = make_prompts(cfg["requests"], cfg["isl"], seed=cfg["seed"])
     per_mode: dict[str, list[Any]] = {m: [] for m in modes}
@@ -411,7 +430,8 @@ def run_bench(cfg: dict[str, Any], step: str, *, modes: tuple[str, ...] = MODES,
                 loads[mode].append(os.getloadavg()[0])
                 if progress:
                     s = summarize(out[0])
-                    print(f"{tag:>18} [{step}]: {s['output_tok_s']:,.0f} tok/s, TPOT mean {s['tpot_ms']['mean']:.2f} ms, "
+                    print(f"{tag:>18} [{step}]: {_report.fmt(s['output_tok_s'], 0)} tok/s, "
+                          f"TPOT mean {_report.fmt(s['tpot_ms']['mean'])} ms, "
                           f"failures {s['failures']}, {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}",
                           file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
@@ -419,10 +439,7 @@ def run_bench(cfg: dict[str, Any], step: str, *, modes: tuple[str, ...] = MODES,
         results[mode] = _aggregate(per_mode[mode], cfg)
         results[mode]["wall_s"] = walls[mode]
         results[mode]["loadavg_1m"] = loads[mode]
-    if not cfg.get("log_dir") and not any(r["failures"] for r in results.values()):
-        shutil.rmtree(log_dir, ignore_errors=True)  # a temporary folder: kept only when something failed
-        log_dir = None
-    return {"modes": results, "ratios": _ratios(results), "config": {**cfg, "step": step, "log_dir": log_dir and str(log_dir)}}
+    return results
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -430,15 +447,18 @@ def run_bench(cfg: dict[str, Any], step: str, *, modes: tuple[str, ...] = MODES,
 def print_report(res: dict[str, Any], title: str) -> None:
     modes = res["modes"]
     cols = ["mode", "tok/s", "TPOT mean", "p50", "p95", "p99", "TTFT mean", "TTFT p99", "blocked p50/p99/max",
-            "stalled p99", "batch", "defer bp/kv", "peak staging KiB", "fallbacks", "fail"]
+            "stalled p99", "batch", "defer bp/kv", "peak staging KiB", "fallbacks", "fail",
+            "KV checksums compared/mismatched"]
     rows = []
     for m, r in modes.items():
         b, st, d = r["exec_blocked_ms"], r["exec_stalled_ms"], r["deferrals"]
+        compared = r.get("kv_checksum_compared", 0)
         rows.append([m, r["output_tok_s"], r["tpot_ms"]["mean"], r["tpot_ms"]["p50"], r["tpot_ms"]["p95"],
                      r["tpot_ms"]["p99"], r["ttft_ms"]["mean"], r["ttft_ms"]["p99"],
                      f"{b['p50']:.2f}/{b['p99']:.2f}/{b['max']:.1f}", st["p99"], r["mean_batch"],
                      f"{d['backpressure']}/{d['kv_exhausted']}", r["peak_staging_bytes"] / 1024,
-                     r["inline_fallbacks"], f"{r['failures']}/{r['requests']}"])
+                     r["inline_fallbacks"], f"{r['failures']}/{r['requests']}",
+                     f"{compared:,}/{r.get('kv_checksum_mismatches', 0):,}" if compared else "-"])
     _report.print_table(title + " (times in ms)", cols, rows)
     per_rank = [[m, rank, v["exec_blocked_ms"]["p50"], v["exec_blocked_ms"]["p99"], v["exec_blocked_ms"]["max"],
                  v["exec_stalled_ms"]["p99"], v["exec_orchestration_ms"]["p99"], v["exec_model_ms"]["p50"], v["decode_iterations"]]
@@ -452,17 +472,39 @@ def print_report(res: dict[str, Any], title: str) -> None:
                             [[m, v["throughput"], v["tpot_mean"], v["tpot_p99"]] for m, v in rat.items()], digits=4)
 
 
+def verdict(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Why the run failed (empty when it did not): failed requests (with the first message of
+    each reason), KV checksum mismatches, a GEN not at rest after a segment; per step and mode."""
+    why = []
+    for step, res in results.items():
+        for m, r in res["modes"].items():
+            where = f"{m} [{step}]" if step else m
+            if r["failures"]:
+                first = "; ".join(f"{k} x{n}: {(r.get('failure_messages') or {}).get(k, '')}"[:160]
+                                  for k, n in r["failure_reasons"].items())
+                why.append(f"{where}: {r['failures']:,} of {r['requests']:,} requests failed ({first})")
+            if r.get("kv_checksum_mismatches"):
+                why.append(f"{where}: {r['kv_checksum_mismatches']:,} of {r['kv_checksum_compared']:,} requests' "
+                           "KV checksums differ between CTX and GEN")
+            if r.get("gen_rest_problems"):
+                why.append(f"{where}: GEN not at rest after a segment: " + "; ".join(map(str, r["gen_rest_problems"]))[:200])
+        if why and res["config"].get("log_dir"):
+            why.append(f"logs kept in {res['config']['log_dir']}")
+    return why
+
+
 def to_markdown(res: dict[str, Any]) -> str:
     """The per-mode table and the ratios as GitHub markdown (for docs/bench.md)."""
     lines = ["| mode | output tok/s | TPOT mean / p50 / p95 / p99 ms | ITL mean / p99 ms | TTFT mean / p99 ms | "
              "exec blocked p50 / p99 / max ms | exec stalled p99 / max ms | mean batch | deferrals bp / kv | "
              "peak staging KiB | inline fallbacks | failures |",
              "|---|" + "---:|" * 11]
+    f = _report.fmt  # None (no data): "-"
     for m, r in res["modes"].items():
         t, b, st, d = r["tpot_ms"], r["exec_blocked_ms"], r["exec_stalled_ms"], r["deferrals"]
         lines.append(
-            f"| {m} | {r['output_tok_s']:,.0f} | {t['mean']:.2f} / {t['p50']:.2f} / {t['p95']:.2f} / {t['p99']:.2f} | "
-            f"{r['itl_ms']['mean']:.2f} / {r['itl_ms']['p99']:.2f} | {r['ttft_ms']['mean']:.0f} / {r['ttft_ms']['p99']:.0f} | "
+            f"| {m} | {f(r['output_tok_s'], 0)} | {f(t['mean'])} / {f(t['p50'])} / {f(t['p95'])} / {f(t['p99'])} | "
+            f"{f(r['itl_ms']['mean'])} / {f(r['itl_ms']['p99'])} | {f(r['ttft_ms']['mean'], 0)} / {f(r['ttft_ms']['p99'], 0)} | "
             f"{b['p50']:.2f} / {b['p99']:.2f} / {b['max']:.1f} | {st['p99']:.2f} / {st['max']:.1f} | {r['mean_batch']:.2f} | "
             f"{d['backpressure']} / {d['kv_exhausted']} | {r['peak_staging_bytes'] / 1024:.0f} | {r['inline_fallbacks']} | "
             f"{r['failures']} / {r['requests']} |")
@@ -478,8 +520,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         lines += ["", "| vs ideal | throughput | TPOT mean | TPOT p99 | throughput per round (median) |", "|---|---:|---:|---:|---|"]
         for m, v in res["ratios"].items():
             per = v.get("throughput_per_round")
-            per_s = (", ".join(f"{x:.3f}" for x in per) + f" ({v['throughput_median_of_rounds']:.3f})") if per else "-"
-            lines.append(f"| {m} | {v['throughput']:.4f} | {v['tpot_mean']:.4f} | {v['tpot_p99']:.4f} | {per_s} |")
+            per_s = (", ".join(f(x, 3) for x in per) + f" ({f(v['throughput_median_of_rounds'], 3)})") if per else "-"
+            lines.append(f"| {m} | {f(v['throughput'], 4)} | {f(v['tpot_mean'], 4)} | {f(v['tpot_p99'], 4)} | {per_s} |")
     return "\n".join(lines) + "\n"
 
 
@@ -503,12 +545,13 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
             patch.set_alpha(0.6)
         for i, m in enumerate(modes, 1):
             mean = res["modes"][m]["tpot_ms"]["mean"]
-            ax_t.scatter([i], [mean], marker="D", color="black", zorder=3, s=18)
+            if mean is not None:  # no succeeded request: no mean to mark
+                ax_t.scatter([i], [mean], marker="D", color="black", zorder=3, s=18)
         ax_t.set_ylabel("TPOT per request, ms (whiskers p1-p99, ◆ mean)")
         ax_t.set_title(f"TPOT distribution [{step} step]")
         if max(max(d) for d in data) > 8 * max(min(d) for d in data):
             ax_t.set_yscale("log")
-        tput = [res["modes"][m]["output_tok_s"] for m in modes]
+        tput = [res["modes"][m]["output_tok_s"] or 0.0 for m in modes]
         bars = ax_b.bar(modes, tput, color=[colors.get(m, "grey") for m in modes], alpha=0.8)
         ideal = res["modes"].get("ideal", {}).get("output_tok_s")
         for bar_, m, v in zip(bars, modes, tput):
@@ -583,38 +626,51 @@ def build_config(a: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
+def _modes(text: str) -> tuple[str, ...]:
+    """``--modes``: a non-empty comma-separated subset of MODES, each at most once."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not modes:
+        raise argparse.ArgumentTypeError(f"expected one or more of {','.join(MODES)}, got {text!r}")
+    if unknown := [m for m in modes if m not in MODES]:
+        raise argparse.ArgumentTypeError(f"unknown mode {unknown[0]!r}: choose from {','.join(MODES)}")
+    if twice := [m for m in MODES if modes.count(m) > 1]:
+        raise argparse.ArgumentTypeError(f"{twice[0]!r} given twice")
+    return modes
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smaller load (about 2 minutes for all three modes)")
     p.add_argument("--step", choices=["device", "model", "both"], default="device",
                    help="GEN decode step: simulated device time (default), the tiny model on the CPU, or both")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--png", metavar="PATH")
+    p.add_argument("--modes", default=MODES, type=_modes, help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument("--json", metavar="PATH", type=cli.writable_file)
+    p.add_argument("--png", metavar="PATH", type=cli.writable_file)
     p.add_argument("--gen-tp", type=int, default=1, choices=(1, 2, 4, 8), help="GEN tensor-parallel ranks")
     p.add_argument("--ctx-tp", type=int, default=1, choices=(1, 2, 4, 8), help="CTX tensor-parallel ranks")
-    p.add_argument("--kv-heads", type=int, default=KV_HEADS,
+    p.add_argument("--kv-heads", type=cli.positive_int, default=KV_HEADS,
                    help="the model's KV heads on both nodes (TP4 with 4 heads: every GEN rank pulls its own head)")
-    p.add_argument("--isl", type=int)
-    p.add_argument("--osl", type=int)
-    p.add_argument("--concurrency", type=int)
-    p.add_argument("--requests", type=int)
-    p.add_argument("--warmup", type=int, help="warm-up requests per mode and round (not measured)")
-    p.add_argument("--rounds", type=int, help="split the measured requests into this many rounds of all modes (rotating order)")
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-tokens-in-buffer", type=int, help="GEN transfer budget in tokens of KV (default: ISL, one request); "
+    p.add_argument("--isl", type=cli.positive_int)
+    p.add_argument("--osl", type=cli.positive_int)
+    p.add_argument("--concurrency", type=cli.positive_int)
+    p.add_argument("--requests", type=cli.positive_int)
+    p.add_argument("--warmup", type=cli.non_negative_int, help="warm-up requests per mode and round (not measured)")
+    p.add_argument("--rounds", type=cli.positive_int,
+                   help="split the measured requests into this many rounds of all modes (rotating order)")
+    p.add_argument("--max-num-seqs", type=cli.positive_int)
+    p.add_argument("--max-tokens-in-buffer", type=cli.positive_int, help="GEN transfer budget in tokens of KV (default: ISL, one request); "
                    "with --gen-tp each rank's budget holds its share of that many tokens")
-    p.add_argument("--transfer-budget-bytes", type=int, help="GEN transfer budget in bytes of whole blocks, scaled to each "
+    p.add_argument("--transfer-budget-bytes", type=cli.positive_int, help="GEN transfer budget in bytes of whole blocks, scaled to each "
                    "rank's share with --gen-tp (overrides --max-tokens-in-buffer)")
-    p.add_argument("--max-prefetch-seqs", type=int, help="GEN: requests receiving/received ahead of the batch (GEN's default if unset)")
-    p.add_argument("--switch-interval-ms", type=float, help="GEN: sys.setswitchinterval (Python's default 5 ms if unset)")
-    p.add_argument("--num-blocks", type=int, help="GEN KV blocks (default: max_num_seqs + prefetch + 8 requests' worth)")
-    p.add_argument("--ctx-num-blocks", type=int, help="CTX KV blocks (default: concurrency + 8 prompts' worth)")
-    p.add_argument("--ctx-lease-s", type=float, default=120.0)
-    p.add_argument("--device-step-ms", type=float)
-    p.add_argument("--device-step-us-per-seq", type=float)
-    p.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000)
-    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--max-prefetch-seqs", type=cli.positive_int, help="GEN: requests receiving/received ahead of the batch (GEN's default if unset)")
+    p.add_argument("--switch-interval-ms", type=cli.positive_float, help="GEN: sys.setswitchinterval (Python's default 5 ms if unset)")
+    p.add_argument("--num-blocks", type=cli.positive_int, help="GEN KV blocks (default: max_num_seqs + prefetch + 8 requests' worth)")
+    p.add_argument("--ctx-num-blocks", type=cli.positive_int, help="CTX KV blocks (default: concurrency + 8 prompts' worth)")
+    p.add_argument("--ctx-lease-s", type=cli.positive_float, default=120.0)
+    p.add_argument("--device-step-ms", type=cli.non_negative_float)
+    p.add_argument("--device-step-us-per-seq", type=cli.non_negative_float)
+    p.add_argument("--kv-transfer-timeout-ms", type=cli.positive_int, default=60_000)
+    p.add_argument("--request-timeout", type=cli.positive_float, default=300.0)
     p.add_argument("--kv-transport", choices=("ucx", "nixl"), default="ucx", help="the KV data plane of both nodes")
     p.add_argument("--kv-checksums", action="store_true", help="GEN checksums received KV (costs event-loop CPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -622,7 +678,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--netns", action="store_true", help="CTX and GEN in two network namespaces joined by a veth pair "
                    "(root; UCX over TCP on it); the client lives with GEN")
-    p.add_argument("--link-mbit", type=float, help="cap the veth link at this many Mbit/s each way (tc tbf; implies --netns)")
+    p.add_argument("--link-mbit", type=cli.positive_float, help="cap the veth link at this many Mbit/s each way (tc tbf; implies --netns)")
     return p
 
 
@@ -643,23 +699,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = make_parser()
     a = p.parse_args(argv)
-    modes = tuple(m for m in a.modes.split(",") if m)
-    if any(m not in MODES for m in modes):
-        p.error(f"--modes: choose from {','.join(MODES)}")
     cfg = build_config(a)
     steps = ["device", "model"] if a.step == "both" else [a.step]
     results = {}
-    for step in steps:
-        res = run_bench(cfg, step, modes=modes, progress=not a.no_progress)
-        results[step] = res
-        print_report(res, f"{step} step, {cfg['kv_transport']}, CTX TP{cfg['ctx_tp']} -> GEN TP{cfg['gen_tp']}: ISL {cfg['isl']} / OSL {cfg['osl']} / concurrency {cfg['concurrency']} / "
-                          f"{cfg['requests']} requests")
-    if a.json:
-        _report.write_json(a.json, results if a.step == "both" else results[steps[0]])
-    if a.png:
-        plot(results, a.png)
-    failures = sum(r["failures"] for res in results.values() for r in res["modes"].values())
-    return 0 if failures == 0 else 1
+    with cli.unwinding():  # SIGTERM, SIGHUP, Ctrl-C: every node stopped, a temporary log folder removed
+        for step in steps:
+            res = run_bench(cfg, step, modes=a.modes, progress=not a.no_progress)
+            results[step] = res
+            print_report(res, f"{step} step, {cfg['kv_transport']}, CTX TP{cfg['ctx_tp']} -> GEN TP{cfg['gen_tp']}: "
+                              f"ISL {cfg['isl']} / OSL {cfg['osl']} / concurrency {cfg['concurrency']} / "
+                              f"{cfg['requests']} requests")
+    why = verdict(results if a.step == "both" else {"": results[steps[0]]})
+    try:
+        if a.json:
+            _report.write_json(a.json, results if a.step == "both" else results[steps[0]])
+        if a.png:
+            plot(results, str(a.png))
+    except OSError as exc:
+        why.append(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}")
+    if why:
+        print("FAILED: " + "; ".join(why), file=sys.stderr)
+    return 1 if why else 0
 
 
 if __name__ == "__main__":

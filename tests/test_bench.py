@@ -4,6 +4,7 @@ three modes whose processes must all be gone afterwards."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -110,3 +111,144 @@ def test_step_benchmark_times_a_tensor_parallel_step_of_this_tree() -> None:
     assert set(out) == {"4", "8"} and all(0 < us < 1e6 for us in out.values())
     with pytest.raises(SystemExit, match="cannot read"):
         bench_step._tree("no-such-revision", "/nonexistent")
+
+
+# -- the command line: arguments, the verdict, the temporary folder, signals -----------------------
+
+def _no_run(*args, **kwargs):
+    raise AssertionError("the benchmark started")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--requests", "-1"], "argument --requests: expected an integer >= 1"),
+    (["--requests", "0"], "argument --requests"),
+    (["--concurrency", "0"], "argument --concurrency"),  # was a ZeroDivisionError
+    (["--modes", ""], "argument --modes: expected one or more of"),
+    (["--modes", "orchestrated,orchestrated"], "'orchestrated' given twice"),
+    (["--modes", "fast"], "unknown mode 'fast'"),
+    (["--ctx-lease-s", "-1"], "argument --ctx-lease-s"),
+    (["--device-step-ms", "nan"], "argument --device-step-ms"),
+    (["--json", "{file}/out.json"], "is not a writable folder"),
+    (["--png", "{dir}"], "is a folder, not a file"),
+])
+def test_bench_refuses_bad_arguments_before_starting(argv, message, tmp_path, capsys, monkeypatch) -> None:
+    (tmp_path / "file").write_text("")
+    argv = [a.format(file=tmp_path / "file", dir=tmp_path) for a in argv]
+    monkeypatch.setattr(bench, "run_bench", _no_run)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def _fake_results(**orchestrated) -> dict:
+    modes = {"ideal": {**_fake_mode(1000.0, 4.0), "kv_checksum_compared": 0, "kv_checksum_mismatches": 0,
+                       "gen_rest_problems": [], "failure_reasons": {}},
+             "orchestrated": {**_fake_mode(990.0, 4.4), "kv_checksum_compared": 10, "kv_checksum_mismatches": 0,
+                              "gen_rest_problems": [], "failure_reasons": {}, **orchestrated}}
+    return {"modes": modes, "ratios": bench._ratios(modes), "config": {"log_dir": None}}
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({}, None),
+    ({"kv_checksum_mismatches": 2}, "orchestrated: 2 of 10 requests' KV checksums differ between CTX and GEN"),
+    ({"gen_rest_problems": ["2 KV blocks not free"]}, "orchestrated: GEN not at rest after a segment: 2 KV blocks not free"),
+    ({"failures": 3, "failure_reasons": {"prefill_rejected": 3},
+      "failure_messages": {"prefill_rejected": "authentication failed: wrong shared secret"}},
+     "orchestrated: 3 of 10 requests failed (prefill_rejected x3: authentication failed: wrong shared secret)"),
+])
+def test_bench_fails_loudly_on_kv_mismatches_rest_problems_and_failures(bad, why, capsys, monkeypatch) -> None:
+    res = _fake_results(**bad)
+    if bad.get("failures"):
+        res["config"]["log_dir"] = "/tmp/kvo-bench-xyz"
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: res)
+    rc = bench.main(["--modes", "ideal,orchestrated", "--kv-checksums", "--requests", "10"])
+    out, err = capsys.readouterr()
+    assert "10/2" in out if bad.get("kv_checksum_mismatches") else "10/0" in out  # compared/mismatched, printed
+    if why is None:
+        assert rc == 0 and "FAILED" not in err
+    else:
+        assert rc == 1 and err.strip().splitlines()[-1].startswith("FAILED: ") and why in err, err
+    if bad.get("failures"):
+        assert "logs kept in /tmp/kvo-bench-xyz" in err
+
+
+def test_a_mode_without_a_succeeded_request_prints_no_figures(capsys) -> None:
+    from examples.two_node.client import LoadResult, summarize
+
+    empty = summarize(LoadResult([], duration_s=1.0, concurrency=1))
+    modes = {"ideal": _fake_mode(1000.0, 4.0),
+             "inline": {**_fake_mode(1.0, 1.0), "output_tok_s": empty["output_tok_s"],
+                        "tpot_ms": bench._pct(empty["tpot_ms"], ("mean", "p50", "p95", "p99", "max")),
+                        "ttft_ms": bench._pct(empty["ttft_ms"], ("mean", "p50", "p99")), "tpot_samples_ms": []}}
+    ratios = bench._ratios(modes)
+    assert all(math.isnan(v) for v in ratios["inline"].values())  # not 0.0000
+    bench.print_report({"modes": modes, "ratios": ratios, "config": {}}, "t")
+    out = capsys.readouterr().out
+    inline = [line for line in out.splitlines() if "inline" in line]
+    cells = [c.strip() for c in inline[0].split("│")[2:9]]  # tok/s, TPOT mean..p99, TTFT mean, p99: the client's
+    assert cells == ["-"] * 7 and "0.0000" not in inline[1], out
+    md = bench.to_markdown({"modes": {m: {**v, "itl_ms": {"mean": None, "p99": None}} for m, v in modes.items()},
+                            "ratios": ratios})
+    assert "| inline | - | - / - / - / - | - / - | - / - |" in md and "| inline | - | - | - |" in md, md
+
+
+@pytest.mark.parametrize("raised, kept", [(KeyboardInterrupt, False), (RuntimeError, True)])
+def test_the_temporary_log_folder_goes_on_ctrl_c_and_is_named_when_kept(raised, kept, tmp_path, capsys,
+                                                                       monkeypatch) -> None:
+    import contextlib
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    @contextlib.contextmanager
+    def failing_pair(mode, cfg, step, log_dir, *args):
+        (log_dir / "ctx-1.log").write_text("a node's log")
+        raise raised("stop")
+        yield
+
+    monkeypatch.setattr(bench, "node_pair", failing_pair)
+    cfg = {"requests": 2, "isl": 8, "seed": 0, "log_dir": None}
+    with pytest.raises(raised):
+        bench.run_bench(cfg, "device", modes=("orchestrated",), progress=False)
+    left = list(tmp_path.glob("kvo-bench-*"))
+    assert len(left) == int(kept)
+    assert (f"node logs kept in {left[0]}" in capsys.readouterr().err) if kept else True
+
+
+@pytest.mark.integration
+def test_sigterm_to_the_bench_stops_its_nodes_and_removes_its_folder(tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.test_two_node import ROOT, _children, _gone
+
+    pytest.importorskip("ucxx")
+    proc = subprocess.Popen([sys.executable, "-m", "examples.bench", "--modes", "orchestrated", "--requests", "100000",
+                             "--warmup", "0", "--rounds", "1", "--isl", "16", "--osl", "4", "--concurrency", "2",
+                             "--max-num-seqs", "2", "--no-progress"], cwd=ROOT,
+                            env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    nodes: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(nodes) < 2:
+            nodes = sorted(set(nodes) | set(_children(proc.pid)))
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        assert len(nodes) == 2 and len(list(tmp_path.glob("kvo-bench-*"))) == 1
+        time.sleep(4.0)  # the GEN ready, the load running
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 143 and "Traceback" not in err, err
+        assert err.strip().splitlines()[-1].startswith("interrupted"), err
+        assert all(_gone(pid) for pid in nodes) and not list(Path(tmp_path).glob("kvo-bench-*"))
+    finally:
+        for pid in [proc.pid, *nodes]:
+            if not _gone(pid):
+                os.killpg(pid, signal.SIGKILL)
+        proc.wait(10)
