@@ -244,3 +244,48 @@ def test_two_nodes_match_reference(tmp_path, staging_blocks: int) -> None:
         assert r.tokens == model.generate_reference(p, 6), r.request_id
     assert stats["rest_problems"] == [] and stats["engine"]["finished"] == 16
     assert ctx.proc.poll() is not None and gen.proc.poll() is not None
+
+
+# -- the command line's plumbing (examples/two_node/cli.py) and the report's output ---------------
+
+def test_ctrl_c_or_a_signal_is_one_line_and_its_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+
+    from examples.two_node import cli
+
+    before = signal.getsignal(signal.SIGTERM)
+    for raised, code, line in [(KeyboardInterrupt(), 130, "interrupted (Ctrl-C)"),
+                               (BaseExceptionGroup("a task group", [KeyboardInterrupt()]), 130, "interrupted (Ctrl-C)"),
+                               (cli.Interrupted(143), 143, "interrupted (SIGTERM)")]:
+        with pytest.raises(SystemExit) as exc, cli.unwinding():
+            assert signal.getsignal(signal.SIGTERM) is not before  # SIGTERM unwinds inside
+            raise raised
+        assert exc.value.code == code and capsys.readouterr().err.strip() == line
+    assert signal.getsignal(signal.SIGTERM) is before  # and is what it was afterwards
+    with pytest.raises(ValueError), cli.unwinding():  # anything else passes through
+        raise ValueError("x")
+
+
+def test_progress_off_a_terminal_is_a_plain_line_every_few_seconds(capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from examples.two_node import client
+
+    monkeypatch.setattr(client._report, "interactive", lambda: False)
+    with client.Progress(3, True, "demo", every_s=0.0) as bar:
+        bar.update(_rec(0, [1.0, 1.1]))
+        bar.update(_rec(1, [1.0], state="error", failure="timeout"))
+        bar.update()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["demo: 1/3 done", "demo: 2/3 done", "demo: 3/3 done"]
+    assert "failures 1" in lines[1]
+    with client.Progress(3, False, "quiet", every_s=0.0) as bar:  # --no-progress: nothing
+        bar.update()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_table_written_to_a_file_is_not_cut(capsys: pytest.CaptureFixture[str]) -> None:
+    from examples import _report
+
+    _report.print_table("t", ["metric", "value"], [["failed: prefill_rejected x4", "authentication " * 12 + "END"]])
+    out = capsys.readouterr().out
+    assert "authentication " * 11 + "authenticationEND" in out.replace(" END", "END"), out
