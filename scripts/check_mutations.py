@@ -149,7 +149,7 @@ M = [
  # issue 19: the serving front (routing, admission, disconnects, failures, sampling, etcd membership)
  ("19 ties round-robin within each role", "examples/serve/cluster.py", 'self.routers = {role: Router(policies.get(role, "least_loaded")) for role in ("ctx", "gen")}', '_r = Router(policies.get("ctx", "least_loaded")); self.routers = {"ctx": _r, "gen": _r}', "tests/test_front_routing.py -k round_robin_within"),
  ("19 admission queue is bounded", "examples/serve/_admission.py", "        if len(self._waiters) >= self.queue_size:\n", "        if False:\n", "tests/test_front_routing.py -k fifo_then_429"),
- ("19 non-streamed client gone aborts", "examples/serve/_app.py", "                    gone = True\n                    tg.cancel_scope.cancel()\n", "                    gone = True\n", "tests/test_serve.py -k not_streamed"),
+ ("19 non-streamed client gone aborts", "examples/serve/_app.py", "                gone = True\n                tg.cancel_scope.cancel()\n", "                gone = True\n", "tests/test_serve.py -k not_streamed"),
  ("19 a stream's failure marks the GEN down", "examples/serve/_flight.py", '                self.front.cluster.mark_down(self.gen, f"generate stream: {describe(exc)}")\n', "", "tests/test_front_cluster.py -k 'alternate or mid_stream'"),
  ("19 a down node's series dropped", "examples/serve/_app.py", "n.stats if n.up else None)", "n.stats)", "tests/test_front_cluster.py -k 'alternate or mid_stream'"),
  ("19 retries before the first token", "examples/serve/_flight.py", "        retries = front.cfg.max_retries\n", "        retries = 0\n", "tests/test_front_cluster.py"),

@@ -322,29 +322,18 @@ class Front:
             return Response(status_code=499)
         deadline = time.monotonic() + self.cfg.routing.request_timeout_s  # one for the request: every choice, every retry
         flights = [Flight(self, g.choice(i), endpoint, t0, deadline=deadline) for i in range(g.n)]  # each gives its slot back
-        try:  # n choices: n flights, each its own request on the nodes
-            # not streamed: a client that goes away is seen at once (its ``http.disconnect``), not when
-            # the answer is written: the flights are cancelled, so GEN and CTX abort within ms
-            gone = False
-            async with anyio.create_task_group() as tg:
-                async def watch() -> None:
-                    nonlocal gone
-                    while (await request.receive())["type"] != "http.disconnect":
-                        pass
-                    gone = True
-                    tg.cancel_scope.cancel()
+        async def run_all() -> None:  # n choices: n flights, each its own request on the nodes
+            async with anyio.create_task_group() as runs:
+                for i in range(len(flights)):
+                    runs.start_soon(self._run_to_end, flights, i)
 
-                tg.start_soon(watch)
-                async with anyio.create_task_group() as runs:
-                    for i in range(len(flights)):
-                        runs.start_soon(self._run_to_end, flights, i)
-                tg.cancel_scope.cancel()
+        try:  # not streamed: a client that goes away is seen at once, not when the answer is written:
+            # the flights are cancelled, so GEN and CTX abort within ms
+            here = await self._unless_gone(request, endpoint, g, run_all, during="its answer")
         finally:
             for f in flights:
                 await f.aclose()
-        if gone:
-            log.info("client_gone", request_id=g.request_id, tokens=sum(len(f.text.token_ids) for f in flights))
-            self.metrics.requests.labels(endpoint, "499").inc()
+        if not here:
             return Response(status_code=499)
         for f in flights:
             if f.error is not None:
@@ -352,7 +341,8 @@ class Front:
         self.metrics.requests.labels(endpoint, "200").inc()
         return JSONResponse(_api.response(g, [f.text for f in flights], [f.logprobs for f in flights]))
 
-    async def _unless_gone(self, request: Request, endpoint: str, g: Generation, step: Any) -> bool:
+    async def _unless_gone(self, request: Request, endpoint: str, g: Generation, step: Any, *,
+                           during: str = "admission or hand-off") -> bool:
         """Run ``step()`` unless the client goes away first (its ``http.disconnect``): then ``step`` is
         cancelled, the request is counted as 499 and False returned; the caller undoes what ``step``
         took. An error ``step`` raises is raised as it is (not in an exception group), unless the
@@ -374,7 +364,7 @@ class Front:
                 error = exc
             tg.cancel_scope.cancel()
         if gone:
-            log.info("client_gone", request_id=g.request_id, before="admission or hand-off")
+            log.info("client_gone", request_id=g.request_id, during=during)
             self.metrics.requests.labels(endpoint, "499").inc()
             return False
         if error is not None:
