@@ -54,12 +54,24 @@ class SamplingParams:
         """From a control message (a JSON object); ``ValueError`` on anything malformed."""
         if not isinstance(raw, dict) or set(raw) - {f.name for f in dataclasses.fields(cls)}:
             raise ValueError("sampling: an object with temperature, top_p, top_k, seed, min_tokens, suppress")
-        try:
-            return cls(temperature=float(raw.get("temperature", 1.0)), top_p=float(raw.get("top_p", 1.0)),
-                       top_k=int(raw.get("top_k", 0)), seed=int(raw.get("seed", 0)) & _MASK63,
-                       min_tokens=int(raw.get("min_tokens", 0)), suppress=tuple(int(t) for t in raw.get("suppress", ())))
-        except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity (1e400)
-            raise ValueError(f"sampling: {exc}") from None
+
+        def number(name: str, default: float) -> float:  # an int or a float: not a bool, not "0.7"
+            v = raw.get(name, default)
+            if type(v) not in (int, float):
+                raise ValueError(f"sampling: {name} must be a number, not {str(v)[:20]!r}")
+            return float(v)
+
+        def integer(name: str) -> int:  # not a bool, not 2.9 (taken as 2), not "5"
+            v = raw.get(name, 0)
+            if type(v) is not int:
+                raise ValueError(f"sampling: {name} must be an integer, not {str(v)[:20]!r}")
+            return v
+
+        suppress = raw.get("suppress", [])
+        if not isinstance(suppress, list) or any(type(t) is not int for t in suppress):  # "257" is not (2, 5, 7)
+            raise ValueError("sampling: suppress must be a list of token ids")
+        return cls(temperature=number("temperature", 1.0), top_p=number("top_p", 1.0), top_k=integer("top_k"),
+                   seed=integer("seed") & _MASK63, min_tokens=integer("min_tokens"), suppress=tuple(suppress))
 
 
 def _mix(seed: int, position: int) -> int:

@@ -487,6 +487,11 @@ M = [
   "tests/test_client.py -k not_cut"),
  ("bench: --modes with a mode twice refused", "examples/bench.py",
   "    if twice := [m for m in MODES if modes.count(m) > 1]:", "    if twice := []:", "tests/test_bench.py -k refuses_bad"),
+  ("GEN: a prompt_len the CTX's handle disagrees with is refused", "examples/two_node/gen.py", "        if named is not None and named != request.prompt_len:", "        if False:", "tests/test_gen_node.py -k prompt_len_other"),
+  ("CTX: its handles name the request and the prompt length", "examples/two_node/ctx.py", "        self.store.name_handles(handle_key(node_secret(args)))", "        pass", "tests/test_faults.py -k 'prompt_len_disagrees and ucx'"),
+  ("GEN: logprobs without a sampling object are refused", "examples/two_node/gen.py", "        if top is not None and request.sampling is None:", "        if False:", "tests/test_gen_node.py -k malformed_generate"),
+  ("sampling: suppress is a list of ints", "orchestrator/_sampling.py", "        if not isinstance(suppress, list) or any(type(t) is not int for t in suppress):", "        if False:", "tests/test_gen_node.py -k malformed_generate"),
+  ("sampling: integer fields are ints", "orchestrator/_sampling.py", "            if type(v) is not int:\n                raise ValueError(f\"sampling: {name} must be an integer", "            if False:\n                raise ValueError(f\"sampling: {name} must be an integer", "tests/test_gen_node.py -k malformed_generate"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -439,3 +439,39 @@ def test_gen_sigterm_without_etcd_ends_every_stream_and_frees_the_ctx_s_kv(backe
         assert ctx_stats["store"]["held_requests"] == 1  # only "late"
         gen_node.proc.wait(15)
         assert gen_node.proc.returncode == 0, gen_node.log_tail()
+
+
+def test_a_generate_whose_prompt_len_disagrees_with_the_prefill_is_refused(backend: str) -> None:
+    """A CTX node's handle names its prompt's length; the GEN refuses a generate that says otherwise.
+    Before, 17 or 32 for a 20-token prefill (two 16-token blocks either way) pulled the same KV and
+    decoded from the wrong position, finished, with matching KV checksums; 20 still serves."""
+    env = node_env()
+    kv = ["--kv-transport", backend]
+    with NodeProcess.start(["ctx", "--num-blocks", "64", *kv], env=env) as ctx, \
+            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "64", "--step", "device", *kv],
+                              env=env) as gen_node:
+
+        async def generate(rid: str, prompt_len: int | None) -> dict:
+            r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
+                                                      "prompt_ids": list(range(40, 60)), "max_tokens": 3},
+                                   secret=ctx.secret)
+            stream = await control.connect(gen_node.info["ctrl"], secret=gen_node.secret)
+            await stream.send({"op": "generate", "request_id": rid, "prompt_len": prompt_len or r["prompt_len"],
+                               "first_token": r["first_token"], "max_tokens": 3, "kv_peer": r["kv_peer"],
+                               "kv_handle": r["kv_handle"], **({"kv_sources": r["kv_sources"]} if "kv_sources" in r else {})})
+            with anyio.fail_after(20):
+                while not ((msg := await stream.receive()).get("done") or "error" in msg):
+                    pass
+            await stream.aclose()
+            if "error" in msg:  # refused before anything was pulled: the client frees the CTX's copy
+                await control.call(ctx.info["ctrl"], {"op": "release", "request_id": rid, "kv_handle": r["kv_handle"]},
+                                   secret=ctx.secret)
+            return msg
+
+        async def scenario() -> list[dict]:
+            return [await generate("short", 17), await generate("long", 32), await generate("right", None)]
+
+        short, long, right = anyio.run(scenario, backend="asyncio")
+    assert "disagrees with the CTX's prefill" in short.get("error", "") and "20 tokens" in short["error"], short
+    assert "disagrees with the CTX's prefill" in long.get("error", ""), long
+    assert right.get("state") == "finished", right

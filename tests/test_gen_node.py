@@ -122,7 +122,12 @@ def test_control_lines_that_python_would_misread_are_refused_as_invalid_json(lin
                                  {"sampling": {"seed": float("inf")}},
                                  {"sampling": {"temperature": 1.0}, "logprobs": True},
                                  {"sampling": {"temperature": 1.0}, "logprobs": 21},
-                                 {"sampling": {"temperature": 1.0}, "logprobs": "3"}])
+                                 {"sampling": {"temperature": 1.0}, "logprobs": "3"},
+                                 {"logprobs": 3},  # ignored without a word before (no sampling object)
+                                 {"sampling": {"suppress": "257"}},  # was taken as the ids (2, 5, 7)
+                                 {"sampling": {"seed": 2.9}}, {"sampling": {"min_tokens": True}},
+                                 {"sampling": {"temperature": "0.7"}}, {"sampling": {"top_k": "5"}},
+                                 {"sampling": {"suppress": [257.9]}}])
 async def test_a_malformed_generate_is_a_clear_error_not_a_crash(bad: dict) -> None:
     """Before, these raised TypeError or OverflowError out of the handler: the client got no answer
     and the node logged a traceback."""
@@ -161,3 +166,24 @@ async def test_a_node_draining_for_a_while_refuses_new_requests() -> None:
     reg.draining_since -= membership.ACCEPT_WHILE_DRAINING_S + 0.1
     with anyio.fail_after(5), pytest.raises(control.ControlError, match="draining"):  # (accepted: it would wait)
         await node._generate(dict(msg, request_id="d2"), _Stream())
+
+
+@pytest.mark.parametrize("prompt_len", [17, 32])
+async def test_a_prompt_len_other_than_the_ctx_s_prefill_is_refused(prompt_len: int) -> None:
+    """A CTX's handle names the prompt's length (``transports._ids.handle_tokens``). Before, a generate
+    whose prompt_len disagreed with the prefill but needed as many blocks (20 vs 17 or 32 tokens in
+    blocks of 16) pulled the same KV and decoded from the wrong position: a wrong answer, finished
+    and with matching KV checksums."""
+    import dataclasses
+
+    from orchestrator import Mode
+    from transports._ids import handle_key, new_handle
+
+    node, _ = _node()
+    node.config = dataclasses.replace(node.config, mode=Mode.ORCHESTRATED)
+    handle = new_handle("p1", handle_key(None), num_tokens=20)  # (--insecure: the fixed key)
+    msg = {"op": "generate", "request_id": "p1", "prompt_len": prompt_len, "first_token": 5, "max_tokens": 3,
+           "kv_peer": "127.0.0.1:1", "kv_handle": handle}
+    with anyio.fail_after(5), pytest.raises(control.ControlError, match="disagrees with the CTX's prefill"):
+        await node._generate(msg, _Stream())
+    assert node.engine.live_requests == 0

@@ -152,3 +152,17 @@ def test_a_store_that_names_its_handles_ties_each_to_its_request_id() -> None:
     assert not handle_names(h[:-1] + ("0" if h[-1] != "0" else "1"), "q", handle_key(b"s" * 32))
     assert not handle_names("not hex", "q", handle_key(b"s" * 32))
     assert handle_names(store.new_handle("x"), "x", handle_key(b"s" * 32))
+
+
+def test_a_named_handle_names_its_request_and_prompt_length() -> None:
+    from transports._ids import handle_key, handle_names, handle_tokens
+
+    key = handle_key(b"k" * 32)
+    store = KVStore(LAYOUT, torch.zeros(8, *LAYOUT.block_shape, dtype=LAYOUT.dtype))
+    store.name_handles(key)
+    h = store.put("r1", torch.tensor([0, 1]), num_tokens=20, lease_s=60)
+    assert handle_names(h, "r1", key) and handle_tokens(h, "r1", key) == 20
+    assert handle_tokens(h, "r2", key) is None  # given with another request's id
+    assert handle_tokens(h, "r1", handle_key(b"x" * 32)) is None  # another cluster's key
+    plain = KVStore(LAYOUT, torch.zeros(8, *LAYOUT.block_shape, dtype=LAYOUT.dtype))
+    assert handle_tokens(plain.put("r1", torch.tensor([0]), num_tokens=20, lease_s=60), "r1", key) is None

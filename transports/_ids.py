@@ -7,10 +7,13 @@ decoder, so an id that a peer could not carry is refused before anything is allo
 A KV handle is an unguessable token (128 bits, 32 lowercase hex characters) that a CTX node
 issues with each prefill; a GEN node must present it to pull or release that request's KV, so
 knowing a request id is not enough to read or free someone else's KV. A store that names its
-handles (``KVStore.name_handles``: a NIXL CTX, whose GENs READ without asking) makes them 64
-random bits and a 64-bit HMAC of those and the request id under a key from the nodes' shared
-secret (``handle_key``): a GEN holding that secret tells, without asking the CTX, whether a handle
-is the one issued for that request id (``handle_names``), before it READs with no pin.
+handles (``KVStore.name_handles``: every CTX node) makes them 32 random bits, the prompt's length
+in tokens (32 bits, in the clear) and a 64-bit HMAC of those and the request id under a key from
+the nodes' shared secret (``handle_key``): a GEN holding that secret tells, without asking the
+CTX, whether a handle is the one issued for that request id (``handle_names``: a NIXL GEN, before
+it READs with no pin) and for how long a prompt (``handle_tokens``: a GEN node refuses a generate
+whose ``prompt_len`` disagrees, which would otherwise decode from the wrong position silently
+when the block count still matches).
 """
 
 from __future__ import annotations
@@ -43,12 +46,17 @@ def check_request_id(request_id: object) -> str:
     return request_id
 
 
-def new_handle(request_id: str | None = None, key: bytes | None = None, *, nonce: bytes | None = None) -> str:
-    """A fresh handle; with ``request_id`` and ``key``, one that names that request (``handle_names``).
-    ``nonce``: its 8 random bytes given (a benchmark whose processes agree on a handle)."""
+def new_handle(request_id: str | None = None, key: bytes | None = None, *, num_tokens: int = 0,
+               nonce: bytes | None = None) -> str:
+    """A fresh handle; with ``request_id`` and ``key``, one that names that request and its prompt's
+    ``num_tokens`` (``handle_names``, ``handle_tokens``). ``nonce``: its first 8 bytes given (a
+    benchmark whose processes agree on a handle; its token count is then not meaningful)."""
     if request_id is None or key is None:
         return secrets.token_hex(HANDLE_LEN // 2)
-    nonce = secrets.token_bytes(HANDLE_LEN // 4) if nonce is None else nonce
+    if nonce is None:
+        if not 0 <= num_tokens < 1 << 32:
+            raise ValueError(f"a handle names 0..2**32-1 tokens, not {num_tokens}")
+        nonce = secrets.token_bytes(HANDLE_LEN // 8) + num_tokens.to_bytes(HANDLE_LEN // 8, "big")
     if len(nonce) != HANDLE_LEN // 4:
         raise ValueError(f"a handle's nonce is {HANDLE_LEN // 4} bytes")
     return (nonce + _tag(key, nonce, request_id)).hex()
@@ -69,6 +77,14 @@ def handle_names(handle: str, request_id: str, key: bytes) -> bool:
         return False
     half = HANDLE_LEN // 4
     return hmac.compare_digest(raw[half:], _tag(key, raw[:half], request_id))
+
+
+def handle_tokens(handle: str, request_id: str, key: bytes) -> int | None:
+    """The prompt length (tokens) a handle issued under ``key`` for ``request_id`` names; None for
+    a handle that is not one (a plain random handle, or one given with another request's id)."""
+    if not handle_names(handle, request_id, key):
+        return None
+    return int(handle[HANDLE_LEN // 4:HANDLE_LEN // 2], 16)
 
 
 def _tag(key: bytes, nonce: bytes, request_id: str) -> bytes:

@@ -126,10 +126,10 @@ class KVStore:
         from here on (``None``: plain random handles)."""
         self._handle_key = key
 
-    def new_handle(self, request_id: str) -> str:
-        """A handle for ``request_id`` as ``put`` would issue it (a TP CTX's rank 0 issues one for
-        the whole group)."""
-        return _new_handle(check_request_id(request_id), self._handle_key)
+    def new_handle(self, request_id: str, num_tokens: int = 0) -> str:
+        """A handle for ``request_id`` (a prompt of ``num_tokens``) as ``put`` would issue it (a TP
+        CTX's rank 0 issues one for the whole group)."""
+        return _new_handle(check_request_id(request_id), self._handle_key, num_tokens=num_tokens)
 
     def guard_frees(self, revoker: Revoker | None) -> None:
         """Route every free through ``revoker(request_id, done, reader)`` (called after the entry is
@@ -176,7 +176,7 @@ class KVStore:
         its handle (``handle`` if given). Raises ``ValueError`` (``InvalidRequestId`` for a bad id) for
         an id that breaks the rule or is already held."""
         check_request_id(request_id)
-        handle = self.new_handle(request_id) if handle is None else check_handle(handle)
+        handle = self.new_handle(request_id, num_tokens) if handle is None else check_handle(handle)
         with self._lock:
             if request_id in self._held:
                 raise ValueError(f"duplicate request id {request_id!r}")

@@ -28,12 +28,21 @@ import torch
 
 from examples.metrics import ctx_node_stats, serve_node_metrics
 from examples.two_node import cli, control, ctx_tp, gen_tp, membership, tp_group
-from examples.two_node.common import announce_ready, backend, block_checksums, build_model, control_server, kv_server
+from examples.two_node.common import (
+    announce_ready,
+    backend,
+    block_checksums,
+    build_model,
+    control_server,
+    kv_server,
+    node_secret,
+)
 from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
 from orchestrator._sampling import SamplingParams, sample
 from orchestrator._sampling import logprobs as token_logprobs
 from transports import KVStore
+from transports._ids import handle_key
 
 log = structlog.get_logger("examples.ctx")
 
@@ -45,6 +54,9 @@ class CtxNode:
         self.layout = self.model.kv_layout(args.block_size)
         self.pool = KVBlockPool(self.layout, args.num_blocks)
         self.store = KVStore(self.layout, self.pool.kv)
+        # its handles name their request and prompt length: a GEN refuses a generate whose prompt_len
+        # disagrees with the prefill (a NIXL GEN also READs without asking, from such a handle only)
+        self.store.name_handles(handle_key(node_secret(args)))
         self.ucx_addr = ""
         self.kv_server: Any = None
         self.rank = getattr(args, "tp_rank", 0)
@@ -270,7 +282,7 @@ class CtxNode:
 
     async def _prefill_in_group(self, rid: str, prompt: list[int], block_ids: torch.Tensor) -> dict[str, Any]:
         """Every rank prefills its shard and holds its heads under one handle; the reply names them all."""
-        handle = self.store.new_handle(rid)  # as a single-rank put would issue it (it may name its request)
+        handle = self.store.new_handle(rid, len(prompt))  # as a single-rank put would issue it
         t0 = time.perf_counter()
         held = [block_ids]  # the group's prefill takes them (and frees or stores them); else freed here
         try:

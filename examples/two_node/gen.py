@@ -27,7 +27,7 @@ import torch
 
 from examples.metrics import serve_node_metrics
 from examples.two_node import cli, control, gen_tp, membership, tp_group
-from examples.two_node.common import announce_ready, backend, build_model, control_server, kv_transport
+from examples.two_node.common import announce_ready, backend, build_model, control_server, kv_transport, node_secret
 from orchestrator import (
     DecodeBatch,
     DecodeLoop,
@@ -45,6 +45,7 @@ from orchestrator import (
     loop_caller,
 )
 from orchestrator._sampling import SamplingParams, sample_rows
+from transports._ids import handle_key, handle_tokens
 from orchestrator._sampling import logprobs as token_logprobs
 
 log = structlog.get_logger("examples.gen")
@@ -101,6 +102,7 @@ class GenNode:
             **gen_tp.blocking_wait_bound(args),
         )
         self.step_fn: Any = self._step_fn()
+        self._handle_key = handle_key(node_secret(args))  # what a CTX's handle names (its prompt's length)
         self.checksums: dict[str, list[int]] = {}
         self.logprob_top: dict[str, int] = {}  # rank 0: requests that asked for logprobs, with how many alternatives
         self.logprobs: dict[str, collections.deque[Any]] = {}  # per token drawn, until the pump sends it
@@ -253,6 +255,10 @@ class GenNode:
             kv_sources=tuple(KVSource(peer, h0, h1, None, blocks, epoch) for peer, h0, h1, blocks, epoch
                              in control.kv_sources(msg, self.config.layout.blocks_for(limit))) if pulls else (),
         )
+        named = handle_tokens(request.kv_handle, rid, self._handle_key) if request.kv_handle is not None else None
+        if named is not None and named != request.prompt_len:  # the same blocks, another position: a wrong answer
+            raise control.ControlError(f"prompt_len {request.prompt_len} disagrees with the CTX's prefill of {rid!r}: "
+                                       f"{named} tokens (as its KV handle names)")
         try:
             if msg.get("sampling") is not None:
                 request = dataclasses.replace(request, sampling=SamplingParams.from_wire(msg["sampling"]))
@@ -261,10 +267,11 @@ class GenNode:
         top = msg.get("logprobs")
         if top is not None and not (type(top) is int and 0 <= top <= 20):  # true is not 1, "3" is not 3
             raise control.ControlError(f"logprobs must be an integer 0-20 (alternatives per token), not {str(top)[:20]!r}")
+        if top is not None and request.sampling is None:  # (they come from the sampling path)
+            raise control.ControlError("logprobs needs a sampling object ({\"temperature\": 0} for greedy)")
         # submit first (it refuses a live id), then own the stream: no await in between, so no
         # output of this request can reach the pump before its stream is there, and a refused
         # duplicate never touches the live request's stream
-        top = top if request.sampling is not None else None
         mine = top is not None and rid not in self.logprob_top  # before submit
         if mine:
             self.logprob_top[rid] = top
