@@ -634,3 +634,25 @@ def test_a_replay_that_fails_on_a_worker_fails_the_lot_at_once() -> None:
     while multiprocessing.active_children() and time.monotonic() < deadline:  # (joins the ended ones)
         time.sleep(0.1)
     assert multiprocessing.active_children() == []  # not left running until this process exits
+
+
+def test_a_replay_whose_engine_loses_a_request_says_so_instead_of_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request the engine holds live but in no queue (a scheduler bug) kept the replay's loop
+    spinning for ever in virtual time: the run hung. It stops with the cause now."""
+    from orchestrator._scheduler import Scheduler
+
+    real = Scheduler.schedule
+    lost: list[str] = []
+
+    def losing(self: Scheduler, *args: object, **kw: object) -> object:
+        if not lost and self.num_waiting:
+            rid = next(iter(self._waiting))
+            lost.append(rid)
+            self.remove(rid)  # gone from the queue, never admitted: still live in the engine
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(Scheduler, "schedule", losing)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="replay stuck: 1 live requests"):
+        replay(tiny(), "orchestrated")
+    assert lost and time.monotonic() - t0 < 60

@@ -201,6 +201,8 @@ class _Replay:
         threads = [ExecutionThread(self.clock) for _ in self.engines] if self.mode is Mode.INLINE else []
         p = self.p
         idle = p.idle_poll_ms / 1e3
+        stall_s = 2 * p.kv_transfer_timeout_ms / 1e3 + 10  # longer than any receive, or landing, can last
+        stalled_since: float | None = None
         try:
             while not (self.clients_done and not self.lead.live_requests):
                 if not self.lead.num_running and not self.lead.num_ready and not self.lead.wakeup.is_set():
@@ -228,12 +230,27 @@ class _Replay:
                     if admitted > self.max_admitted:
                         self.max_admitted = admitted
                 self._settle()  # the clients hear of what this step emitted now, not after its model time
+                if self._nowhere():  # live requests in no queue: a bug would spin here for ever in virtual time
+                    now = self.clock.now()
+                    stalled_since = now if stalled_since is None else stalled_since
+                    if now - stalled_since > stall_s:
+                        raise ReplayStuck(f"replay stuck: {self.lead.live_requests} live requests neither waiting, "
+                                           f"receiving, ready nor running for {stall_s:g} s of virtual time")
+                else:
+                    stalled_since = None
                 host = self._host_debt()
                 if batch:
                     await trio.sleep(p.step_s(batch) * p.iterations_per_step + host)
         finally:
             for thread in threads:
                 thread.close()
+
+    def _nowhere(self) -> bool:
+        """Live requests, and none waiting, receiving, ready or running (a landing still busy after
+        its receive ended is the one legitimate cause, and it ends with its transfer)."""
+        lead = self.lead
+        return bool(lead.live_requests and not (lead.num_running or lead.num_ready or lead.scheduler.num_waiting)
+                    and not lead.statistics().receiving)
 
     def _host_debt(self) -> float:
         """Host time the pulls that ended took from the ranks' execution threads since the last step
@@ -334,6 +351,10 @@ def check_requests(p: SimParams) -> None:
                              f"refuse every {isl}-token prompt ({exc}); raise the budget") from None
 
 
+class ReplayStuck(RuntimeError):
+    """The engine holds live requests in no queue (a bug): the replay stops instead of spinning."""
+
+
 def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False,
            progress: Callable[[int, int], None] | None = None) -> ModeResult:
     """Run one mode of ``p`` in virtual time; returns what a benchmark would report.
@@ -353,7 +374,15 @@ def replay(p: SimParams, mode: Mode | str, *, keep_requests: bool = False,
 
     wall = time.perf_counter()
     with one_cpu():
-        trio.run(main, clock=mock)
+        try:
+            trio.run(main, clock=mock)
+        except BaseExceptionGroup as group:  # the replay's own verdict, not its nurseries' wrapping
+            stuck = group.subgroup(ReplayStuck)
+            if stuck is None:
+                raise
+            while isinstance(stuck, BaseExceptionGroup):
+                stuck = stuck.exceptions[0]
+            raise stuck from None
     wall = time.perf_counter() - wall
     r = holder["r"]
     return _result(r, mock.current_time(), wall)
