@@ -492,6 +492,8 @@ M = [
   ("GEN: logprobs without a sampling object are refused", "examples/two_node/gen.py", "        if top is not None and request.sampling is None:", "        if False:", "tests/test_gen_node.py -k malformed_generate"),
   ("sampling: suppress is a list of ints", "orchestrator/_sampling.py", "        if not isinstance(suppress, list) or any(type(t) is not int for t in suppress):", "        if False:", "tests/test_gen_node.py -k malformed_generate"),
   ("sampling: integer fields are ints", "orchestrator/_sampling.py", "            if type(v) is not int:\n                raise ValueError(f\"sampling: {name} must be an integer", "            if False:\n                raise ValueError(f\"sampling: {name} must be an integer", "tests/test_gen_node.py -k malformed_generate"),
+  ("control: a stray line after a request is not the client leaving", "examples/two_node/control.py", "        except ControlError:\n            continue\n", "        except ControlError:\n            return\n", "tests/test_control.py -k stray"),
+  ("CTX: a duplicate prefill is refused before it takes blocks", "examples/two_node/ctx.py", "        if rid in self._prefilling or rid in self.group_copies or self.store.holds(rid):", "        if False:", "tests/test_control.py -k duplicate_prefill"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -790,3 +790,69 @@ class _BenchNode:
 
     def log_tail(self) -> str:
         return ""
+
+
+@pytest.mark.integration
+def test_a_stray_line_after_a_request_is_ignored_not_taken_for_the_client_leaving(nodes: Any) -> None:
+    """A blank line (or any line that is not JSON) after a prefill or a generate made the node drop
+    the request without an answer (its watch for the client leaving took the malformed line for
+    EOF): the prefill was cancelled, the generate aborted, the client, still connected, got nothing."""
+    ctx, gen_node = nodes
+
+    async def send_with_stray(node: NodeProcess, msg: dict[str, Any]) -> list[dict[str, Any]]:
+        stream = await control.connect(node.info["ctrl"], secret=node.secret)
+        await stream._stream.send(json.dumps(msg).encode() + b"\n\n \nping\n")
+        got: list[dict[str, Any]] = []
+        with anyio.fail_after(20):
+            while not (got and (got[-1].get("done") or "request_id" in got[-1] or "error" in got[-1])):
+                got.append(await stream.receive())
+        await stream.aclose()
+        return got
+
+    async def scenario() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        prefilled = await send_with_stray(ctx, {"op": "prefill", "request_id": "stray-1", "prompt_ids": [7] * 40,
+                                                "max_tokens": 4})
+        r = prefilled[-1]
+        generated = await send_with_stray(gen_node, generate_msg("stray-1", r, max_tokens=4))
+        await at_rest(ctx, gen_node)
+        return prefilled, generated
+
+    prefilled, generated = run(scenario)
+    assert prefilled[-1].get("ok") is True and prefilled[-1]["request_id"] == "stray-1", prefilled
+    assert generated[-1].get("done") and generated[-1]["state"] == "finished", generated
+
+
+@pytest.mark.integration
+def test_a_duplicate_prefill_is_refused_before_it_takes_blocks(nodes: Any) -> None:
+    """A prefill reusing a held id waited for blocks (the whole --alloc-wait-s on a full pool, then
+    named the wrong cause) or ran a whole prefill, and only then was refused at the store."""
+    ctx, _ = nodes
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], float]:
+        msg = {"op": "prefill", "request_id": "dup-1", "prompt_ids": [7] * 600, "max_tokens": 4}  # 38 of 64 blocks
+        r = await control.call(ctx.info["ctrl"], msg, secret=ctx.secret)
+        before = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+        t0 = anyio.current_time()
+        with pytest.raises(ControlError, match="duplicate request id 'dup-1'"):
+            await control.call(ctx.info["ctrl"], msg, secret=ctx.secret)  # 38 more: it would wait for blocks
+        took = anyio.current_time() - t0
+        after = await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+        await control.call(ctx.info["ctrl"], {"op": "release", "request_id": "dup-1", "kv_handle": r["kv_handle"]},
+                           secret=ctx.secret)
+        return before, after, took
+
+    before, after, took = run(scenario)
+    assert took < 2 and after["prefills"] == before["prefills"]
+    assert after["pool"]["peak_used_blocks"] == before["pool"]["peak_used_blocks"]
+
+
+@pytest.mark.integration
+def test_a_prefill_too_long_for_the_model_names_both_lengths(nodes: Any) -> None:
+    ctx, _ = nodes
+
+    async def scenario() -> None:
+        with pytest.raises(ControlError, match=r"prompt_ids \(100 tokens\) \+ max_tokens \(2000\) exceeds"):
+            await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": "long-1", "prompt_ids": [7] * 100,
+                                                  "max_tokens": 2000}, secret=ctx.secret)
+
+    run(scenario)

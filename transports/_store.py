@@ -190,6 +190,11 @@ class KVStore:
             raise UnknownRequest(f"no KV held for request {request_id!r}")
         return held
 
+    def holds(self, request_id: str) -> bool:
+        """Whether KV is held for ``request_id`` now (a ``put`` of it would be refused)."""
+        with self._lock:
+            return request_id in self._held
+
     def num_blocks(self, request_id: str, *, handle: str | None = None) -> int:
         with self._lock:
             return int(self._get_locked(request_id, handle).block_ids.numel())

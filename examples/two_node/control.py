@@ -103,6 +103,10 @@ class AuthError(ControlError):
     """The two ends of a control connection could not authenticate each other."""
 
 
+class LineTooLong(ControlError):
+    """A control line longer than the connection's limit: it cannot be read past."""
+
+
 def parse_addr(addr: str) -> tuple[str, int]:
     """``(host, port)`` of a control address (the same rule as the data plane's peers)."""
     return parse_peer(addr)
@@ -138,7 +142,7 @@ class JsonStream:
                 return _decode(line, self.max_line)
             self._scanned = len(self._buf)
             if len(self._buf) > self.max_line:
-                raise ControlError(f"control line longer than {self.max_line} bytes")
+                raise LineTooLong(f"control line longer than {self.max_line} bytes")
             chunk = await self._stream.receive(min(65536, self.max_line + 1 - len(self._buf)))
             self._buf += chunk
 
@@ -150,13 +154,18 @@ class JsonStream:
 
 
 async def until_closed(stream: JsonStream) -> None:
-    """Return once the peer closed ``stream`` (or it broke, or sent a line too long), ignoring
-    whatever it sends until then: how a server notices a client that gave up."""
-    try:
-        while True:
+    """Return once the peer closed ``stream`` (or it broke, or sent a line too long to read past),
+    ignoring whatever it sends until then, a line that is not JSON (a blank one) too: how a server
+    notices a client that gave up. (A malformed line ended the request as if its client had gone.)"""
+    while True:
+        try:
             await stream.receive()
-    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ControlError, ConnectionError):
-        pass
+        except LineTooLong:
+            return
+        except ControlError:
+            continue
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+            return
 
 
 def _no_constant(name: str) -> Any:

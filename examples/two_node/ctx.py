@@ -66,6 +66,7 @@ class CtxNode:
         self._exec = anyio.CapacityLimiter(1)  # the CTX execution thread: one prefill at a time
         self._prefills = 0
         self._abandoned = 0  # prefills whose client closed the connection before the answer (KV released)
+        self._prefilling: set[str] = set()  # request ids between their checks and their put (duplicates refused)
         self.registration: membership.Registration | None = None  # --etcd: this node's entry
         self.group: ctx_tp.CtxGroup | None = None
         self.healer: tp_group.Healer | None = None  # rank 0 of a group: re-forms it when it breaks
@@ -217,8 +218,11 @@ class CtxNode:
     async def _prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
         cfg = self.model.config
         rid = control.request_id(msg)  # before anything is allocated for it
-        max_tokens = control.field(msg, "max_tokens", int, lo=1, hi=cfg.max_seq_len)
-        prompt = control.int_list(msg, "prompt_ids", max_len=cfg.max_seq_len - max_tokens, lo=0, hi=cfg.vocab_size - 1)
+        max_tokens = control.field(msg, "max_tokens", int, lo=1, hi=cfg.max_seq_len - 1)
+        prompt = control.int_list(msg, "prompt_ids", max_len=cfg.max_seq_len, lo=0, hi=cfg.vocab_size - 1)
+        if len(prompt) + max_tokens > cfg.max_seq_len:  # (said as such: "a list of 1..0 ints" named no cause)
+            raise control.ControlError(f"prompt_ids ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                       f"model's max_seq_len ({cfg.max_seq_len})")
         try:  # sampled (the front's temperature, top_p, top_k, seed...): else greedy
             sampling = SamplingParams.from_wire(msg["sampling"]) if msg.get("sampling") is not None else None
         except ValueError as exc:
@@ -230,6 +234,16 @@ class CtxNode:
             raise control.ControlError(f"prompt needs {n} KV blocks, the CTX pool has {self.pool.num_blocks}")
         if self.group is not None and self.group.broken is not None:
             raise control.ControlError(f"CTX unavailable: {self.group.broken}")
+        if rid in self._prefilling or rid in self.group_copies or self.store.holds(rid):  # before blocks are taken
+            raise control.ControlError(f"duplicate request id {rid!r}: its KV is held here (or being prefilled)")
+        self._prefilling.add(rid)
+        try:
+            return await self._prefill_new(rid, msg, prompt, sampling, n)
+        finally:
+            self._prefilling.discard(rid)
+
+    async def _prefill_new(self, rid: str, msg: dict[str, Any], prompt: list[int], sampling: SamplingParams | None,
+                           n: int) -> dict[str, Any]:
         try:
             block_ids = await self._allocate(n)
         except TimeoutError:
