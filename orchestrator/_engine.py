@@ -369,8 +369,9 @@ class GenEngine:
         """This rank's local events since its last step (see the module docstring)."""
         t0 = self._clock()
         c0 = time.thread_time()
-        msg = StepMessage(admitted=self._admitted, stop=self._stop_requested)
-        if (why := self.health()) is not None and not self.stopped:
+        why = self.health()  # before the stop flag: stop() sets the flag, then the reason, so a reason
+        msg = StepMessage(admitted=self._admitted, stop=self._stop_requested)  # read here comes with its flag
+        if why is not None and not self.stopped:
             msg.broken = why
         if self.leads_steps:
             arriving: dict[str, int] = {}

@@ -24,9 +24,10 @@ misfits ahead of it), and the scan stops at the first budget denial. A deferral 
 once per request and reason, for the requests the scan reaches: a budget episode is one head-of-line
 request blocked on the budget (until it is admitted), not one per request queued behind it; KV
 episodes for the misfits ahead of where the step stopped, at most ``max_kv_skips`` of them a step.
-``ScheduleResult.deferred`` counts, unless the step stopped full, every waiting request the pool
-cannot hold now (KV_EXHAUSTED) and, for a budget stop, every other request left waiting
-(BACKPRESSURE), without looking at them.
+``ScheduleResult.deferred`` counts, unless the step stopped full before admitting anything, every
+waiting request the pool cannot hold now (KV_EXHAUSTED; a step that admitted some and then stopped
+full counts those behind its stop too, though it marks episodes only for the ones ahead) and, for a
+budget stop, every other request left waiting (BACKPRESSURE), without looking at them.
 """
 
 from __future__ import annotations

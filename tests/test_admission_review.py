@@ -214,6 +214,31 @@ def test_engine_threads_exit_aborts_live_requests_and_logs_a_stop() -> None:
     assert engine.rest_problems() == []
 
 
+def test_a_stop_from_another_thread_between_a_step_s_reads_is_still_a_stop() -> None:
+    """stop() sets its flag, then its reason; a step that read the flag (not yet set) and then the
+    reason (set) took the stop for a failure: engine_broken at error, live requests FAILED."""
+    ctx = CtxPeer(num_blocks=64)
+    engine = GenEngine(make_config(), InProcTransport({"ctx": ctx.store}), CheckingStep({"ctx": ctx}))
+    ctx.prefill("r", 8)
+    engine.submit(GenRequest("r", prompt_len=8, first_token=1, max_tokens=4, peer="ctx", kv_handle=ctx.handles["r"]))
+    real = engine.health
+    calls = [0]
+
+    def health() -> str | None:  # as if another thread's stop() ran right after the step's first read
+        calls[0] += 1
+        if calls[0] == 1:
+            engine.health = real  # type: ignore[method-assign]
+            engine.stop("node stopping")
+        return real()
+
+    engine.health = health  # type: ignore[method-assign]
+    with structlog.testing.capture_logs() as logs:
+        engine.step()
+    (out,) = [o for o in engine.poll() if o.finished]
+    assert out.state is RequestState.ABORTED and engine.stopped_gracefully, out
+    assert [e["event"] for e in logs if e["event"].startswith("engine_")] == ["engine_stopped"]
+
+
 # -- 9. an id still quarantined is refused with why ---------------------------------------------------
 async def test_an_id_whose_receive_is_still_ending_is_refused_saying_so(harness_factory) -> None:
     h = await harness_factory(make_config(num_blocks=8))
