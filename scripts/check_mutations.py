@@ -495,6 +495,7 @@ M = [
   ("control: a stray line after a request is not the client leaving", "examples/two_node/control.py", "        except ControlError:\n            continue\n", "        except ControlError:\n            return\n", "tests/test_control.py -k stray"),
   ("CTX: a duplicate prefill is refused before it takes blocks", "examples/two_node/ctx.py", "        if rid in self._prefilling or rid in self.group_copies or self.store.holds(rid):", "        if False:", "tests/test_control.py -k duplicate_prefill"),
   ("engine: a step reads the reason before the stop flag (a stop from another thread is a stop)", "orchestrator/_engine.py", "        why = self.health()  # before the stop flag: stop() sets the flag, then the reason, so a reason\n        msg = StepMessage(admitted=self._admitted, stop=self._stop_requested)  # read here comes with its flag\n", "        msg = StepMessage(admitted=self._admitted, stop=self._stop_requested)\n        why = self.health()\n", "tests/test_admission_review.py -k another_thread"),
+  ("TP: a stopping node's ranks are told to leave, not SIGKILLed by the healer", "examples/two_node/tp_group.py", "            if self.group is not getattr(self.args, \"tp_state\", None):", "            if True:", "tests/test_tp_two_node.py -k tp_ctx_s_process_group"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -243,3 +243,20 @@ except SystemExit:
         assert 1.4 <= took < 10, took  # waited its bound for rank 0 to stop the group, then left
     else:
         assert took < 1.0, took  # a second SIGTERM: at once
+
+
+def test_sigterm_to_a_tp_ctx_s_process_group_stops_its_ranks_in_order_not_as_a_break() -> None:
+    """Rank 0's healer, cancelled as the node stopped, SIGKILLed rank 1 before the node's own stop
+    told it to leave: every stop of a CTX group was logged as a broken group (tp_group_broken at
+    error, 'rank 1 was killed by SIGKILL'). Now rank 1 leaves when told, and nothing says broken."""
+    env = node_env()
+    with NodeProcess.start(["ctx", "--tp", "2"], env=env) as ctx:
+        pids = anyio.run(_stats, ctx)["tp"]["rank_pids"]
+        os.killpg(ctx.proc.pid, signal.SIGTERM)
+        ctx.proc.wait(30)
+        deadline = time.monotonic() + 15
+        while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = ctx.log_tail(400)
+    assert "tp_group_broken" not in log and "SIGKILL" not in log, log
+    assert ctx.proc.returncode == 143, log

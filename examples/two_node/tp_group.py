@@ -466,7 +466,12 @@ class Healer:
                     await anyio.sleep(WATCH_PERIOD_S)
                 await self._heal(node, cause)
         finally:
-            kill_ranks(self.group.children)
+            # a node stopping tells its ranks to leave, and run_in_group reaps them (stop_ranks: a
+            # grace, then SIGKILL); this task is cancelled before that stop is sent, so killing them
+            # here made every stop of a CTX group a break (tp_group_broken, a rank SIGKILLed). Only
+            # a generation run_in_group does not know of (cancelled mid-heal) is killed here
+            if self.group is not getattr(self.args, "tp_state", None):
+                kill_ranks(self.group.children)
 
     def _broken(self, node: GroupNode) -> str | None:
         """Why the current generation cannot serve (the watch's cause, else the node's own
