@@ -142,7 +142,6 @@ class Scheduler:
         self._buckets: dict[int, OrderedDict[str, Sequence]] = {}  # by index leaf (KV need), FCFS
         self._index = _NeedIndex(pool.num_blocks)
         self._next_order = 0
-        self._front_order = 0  # (decreasing: requests put back at the head of the queue)
         self.deferral_episodes: dict[DeferReason, int] = {r: 0 for r in DeferReason}
         """A request deferred for the same reason in consecutive steps counts once."""
 
@@ -159,16 +158,14 @@ class Scheduler:
         self._insert(seq, self._next_order)
         self._next_order += 1
 
-    def _insert(self, seq: Sequence, order: int, *, front: bool = False) -> None:
+    def _insert(self, seq: Sequence, order: int) -> None:
+        """``seq`` at the end of the queue and of its bucket (``order``: the latest arrival's)."""
         rid = seq.request_id
         self._waiting[rid] = seq
         self._orders[rid] = order
         leaf = self._index.leaf(seq.num_blocks)
         bucket = self._buckets.setdefault(leaf, OrderedDict())
         bucket[rid] = seq
-        if front:
-            self._waiting.move_to_end(rid, last=False)
-            bucket.move_to_end(rid, last=False)
         self._index.set(leaf, self._bucket_head(leaf, bucket), +1)
 
     def remove(self, request_id: str) -> Sequence | None:
@@ -209,6 +206,7 @@ class Scheduler:
         stop_order: int | None = _NONE[0]  # misfits that arrived before this were passed over
         denied: Sequence | None = None
         last_order = 0
+        orders: list[int] = []  # of the admitted, as they arrived (put back there if a step fails)
         while True:
             if active + len(admitted) >= limit:  # full: not a deferral
                 stop_order = last_order + 1 if admitted else None
@@ -231,9 +229,10 @@ class Scheduler:
             except BaseException:  # cannot happen (validated at submit): no grant or block is lost with it
                 if grant is not None:
                     grant.release()
-                self._undo(admitted)
+                self._undo(admitted, orders)
                 raise
             last_order = self._orders[seq.request_id]
+            orders.append(last_order)
             self.remove(seq.request_id)
             seq.last_defer = None
             seq.state = RequestState.RECEIVING
@@ -259,12 +258,17 @@ class Scheduler:
             marked += 1
         return marked
 
-    def _undo(self, admitted: list[Admission]) -> None:
-        """This step's admissions go back to waiting (ahead of every other), their blocks and grants
-        returned."""
-        for a in reversed(admitted):
-            self._front_order -= 1
-            self._insert(a.seq, self._front_order, front=True)
+    def _undo(self, admitted: list[Admission], orders: list[int]) -> None:
+        """This step's admissions go back to waiting at their places of arrival (``orders``), their
+        blocks and grants returned. O(queue): a path that cannot be taken (see ``schedule``)."""
+        for a, order in zip(admitted, orders):
+            self._insert(a.seq, order)
+        by_order = lambda item: self._orders[item[0]]  # noqa: E731
+        self._waiting = OrderedDict(sorted(self._waiting.items(), key=by_order))
+        for leaf, bucket in self._buckets.items():
+            self._buckets[leaf] = bucket = OrderedDict(sorted(bucket.items(), key=by_order))
+            self._index.set(leaf, self._bucket_head(leaf, bucket), 0)
+        for a in admitted:
             if a.grant is not None:
                 a.grant.release()
             if a.seq.block_ids is not None:

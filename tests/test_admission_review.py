@@ -239,6 +239,36 @@ def test_a_stop_from_another_thread_between_a_step_s_reads_is_still_a_stop() -> 
     assert [e["event"] for e in logs if e["event"].startswith("engine_")] == ["engine_stopped"]
 
 
+def test_a_step_whose_allocation_raises_puts_its_admissions_back_where_they_arrived(monkeypatch) -> None:
+    """They went back to the very front, ahead of a KV misfit that had arrived before them (which
+    they would then overtake once it fit): a review of the scheduler's rewrite."""
+    from orchestrator import KVBlockPool, TransferBudget
+    from orchestrator._requests import Sequence
+    from orchestrator._scheduler import Scheduler
+
+    config = make_config(num_blocks=8)
+    budget, pool = TransferBudget(config.transfer_budget_bytes), KVBlockPool(LAYOUT, 8)
+    sched = Scheduler(config, budget, pool)
+    for rid, need in (("m1", 20), ("a", 2), ("b", 2)):
+        sched.add(Sequence(request=GenRequest(rid, 8, 1, 1, peer="p"), arrival=0.0, num_blocks=need,
+                           num_prompt_blocks=2, cost=BLOCK))
+    allocate, calls = pool.allocate, []
+
+    def second_raises(n):  # noqa: ANN001
+        calls.append(n)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return allocate(n)
+
+    monkeypatch.setattr(pool, "allocate", second_raises)
+    with pytest.raises(RuntimeError, match="boom"):
+        sched.schedule(active=0)
+    assert [q.request_id for q in sched.waiting] == ["m1", "a", "b"]
+    assert budget.statistics().in_use == 0 and pool.statistics().used_blocks == 0
+    monkeypatch.setattr(pool, "allocate", allocate)
+    assert [a.seq.request_id for a in sched.schedule(active=0).admitted] == ["a", "b"]  # m1 still does not fit
+
+
 # -- 9. an id still quarantined is refused with why ---------------------------------------------------
 async def test_an_id_whose_receive_is_still_ending_is_refused_saying_so(harness_factory) -> None:
     h = await harness_factory(make_config(num_blocks=8))
