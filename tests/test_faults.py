@@ -227,6 +227,11 @@ def test_gen_killed_while_ctx_holds_kv_ctx_frees_it_when_the_lease_expires(backe
                 while not (msg := await stream.receive()).get("done"):
                     assert "error" not in msg, msg
                 await stream.aclose()
+                with anyio.fail_after(10):  # the CTX frees it as the READ's notice comes (over NIXL a
+                    # moment after the GEN's "done": the suite under load saw it still held here)
+                    while (await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret)
+                           )["store"]["held_requests"]:
+                        await anyio.sleep(0.02)
             for i in range(3):
                 await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": f"held-{i}",
                                                       "prompt_ids": list(range(40, 90)), "max_tokens": 4},
