@@ -60,6 +60,20 @@ async def test_wrongly_typed_or_out_of_range_request_fields_are_refused_at_submi
     assert h.engine.live_requests == 0
 
 
+def _second_allocation_raises(monkeypatch, pool, exc: Exception):  # noqa: ANN001, ANN202
+    """``pool.allocate`` raises ``exc`` at its second call this step; returns the real one."""
+    allocate, calls = pool.allocate, []
+
+    def second_raises(n):  # noqa: ANN001, ANN202
+        calls.append(n)
+        if len(calls) == 2:
+            raise exc
+        return allocate(n)
+
+    monkeypatch.setattr(pool, "allocate", second_raises)
+    return allocate
+
+
 def test_a_grant_taken_for_a_request_whose_allocation_raises_is_given_back(monkeypatch) -> None:
     # defence in depth: prompt_len=8.0 reached pool.allocate (TypeError) after the budget was taken;
     # the grant was never attached to the request, so never released
@@ -73,16 +87,7 @@ def test_a_grant_taken_for_a_request_whose_allocation_raises_is_given_back(monke
     for rid in ("ok", "bad"):
         sched.add(Sequence(request=GenRequest(rid, 8, 1, 1, peer="p"), arrival=0.0, num_blocks=2,
                            num_prompt_blocks=2, cost=2 * BLOCK))
-    allocate = pool.allocate
-    calls = []
-
-    def second_raises(n):  # noqa: ANN001
-        calls.append(n)
-        if len(calls) == 2:
-            raise TypeError("'float' object cannot be interpreted as an integer")
-        return allocate(n)
-
-    monkeypatch.setattr(pool, "allocate", second_raises)
+    allocate = _second_allocation_raises(monkeypatch, pool, TypeError("'float' object cannot be interpreted as an integer"))
     with pytest.raises(TypeError):
         sched.schedule(active=0)
     assert budget.statistics().in_use == 0 and pool.statistics().used_blocks == 0
@@ -252,15 +257,7 @@ def test_a_step_whose_allocation_raises_puts_its_admissions_back_where_they_arri
     for rid, need in (("m1", 20), ("a", 2), ("b", 2)):
         sched.add(Sequence(request=GenRequest(rid, 8, 1, 1, peer="p"), arrival=0.0, num_blocks=need,
                            num_prompt_blocks=2, cost=BLOCK))
-    allocate, calls = pool.allocate, []
-
-    def second_raises(n):  # noqa: ANN001
-        calls.append(n)
-        if len(calls) == 2:
-            raise RuntimeError("boom")
-        return allocate(n)
-
-    monkeypatch.setattr(pool, "allocate", second_raises)
+    allocate = _second_allocation_raises(monkeypatch, pool, RuntimeError("boom"))
     with pytest.raises(RuntimeError, match="boom"):
         sched.schedule(active=0)
     assert [q.request_id for q in sched.waiting] == ["m1", "a", "b"]
