@@ -266,7 +266,7 @@ class GenEngine:
             raise InvalidRequest("aborts enter a tensor-parallel group at rank 0")
         if not isinstance(request_id, str):  # checked here: the step reads anything else as a submission
             raise TypeError(f"abort takes a request id (str), not {type(request_id).__name__}")
-        self._inbox.put(str(request_id))
+        self._inbox.put(request_id)
         self.wakeup.set()
 
     def broadcast(self, payload: Any) -> None:
@@ -520,7 +520,7 @@ class GenEngine:
         seq = Sequence(
             request=request,
             arrival=self._clock(),
-            num_blocks=kv_blocks_needed(layout.block_size, request.prompt_len, request.max_tokens),
+            num_blocks=kv_blocks_needed(layout, request.prompt_len, request.max_tokens),
             num_prompt_blocks=prompt_blocks,
             cost=layout.wire_bytes(prompt_blocks, request.kv_slice or self.config.kv_slice),
             seq_no=event.seq,

@@ -75,7 +75,7 @@ _REASONS: list[tuple[type[TransportError], FailureReason]] = [
 ]
 # after these the peer holds nothing we could free (or will not listen): no RELEASE
 _NO_RELEASE = (None, FailureReason.UNKNOWN_REQUEST, FailureReason.AUTH_ERROR)
-_BUSY_BACKOFF_S = (0.002, 0.1)
+_BUSY_BACKOFF_S = (0.002, 0.1)  # first and largest wait before retrying a pull the peer refused as busy
 
 
 class StrayCancellation(TransportError):
@@ -95,7 +95,7 @@ def _stray_cancellation(exc: BaseException) -> bool:
         task = asyncio.current_task()
     except RuntimeError:  # no asyncio loop: trio
         return False
-    return task is not None and task.cancelling() == 0  # first and largest wait before retrying a pull the peer refused as busy
+    return task is not None and task.cancelling() == 0
 
 
 def failure_reason(exc: TransportError) -> FailureReason:

@@ -20,7 +20,7 @@ import typing
 
 import torch
 
-from transports import KVSlice, Landing
+from transports import KVLayout, KVSlice, Landing
 
 from ._budget import Grant
 from ._sampling import SamplingParams
@@ -193,11 +193,11 @@ class RequestOutput(typing.NamedTuple):
         return self.state.terminal
 
 
-def kv_blocks_needed(block_size: int, prompt_len: int, max_tokens: int) -> int:
+def kv_blocks_needed(layout: KVLayout, prompt_len: int, max_tokens: int) -> int:
     """KV blocks a request holds: one KV row per token whose KV is ever written, the prompt's and
     every output token's but the last. Decode writes a token's KV when it is fed back (at position
     ``prompt_len + num_tokens - 1``, ``RunningBatch.positions``); the last token is only sampled."""
-    return -(-(prompt_len + max_tokens - 1) // block_size)
+    return layout.blocks_for(prompt_len + max_tokens - 1)
 
 
 @dataclasses.dataclass(eq=False, slots=True)

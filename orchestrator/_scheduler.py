@@ -205,11 +205,10 @@ class Scheduler:
         scanned = 0
         stop_order: int | None = _NONE[0]  # misfits that arrived before this were passed over
         denied: Sequence | None = None
-        last_order = 0
         orders: list[int] = []  # of the admitted, as they arrived (put back there if a step fails)
         while True:
             if active + len(admitted) >= limit:  # full: not a deferral
-                stop_order = last_order + 1 if admitted else None
+                stop_order = orders[-1] + 1 if orders else None
                 break
             leaf = self._index.first_fit(self._pool.num_free)
             if leaf < 0:  # nothing waiting fits the pool now
@@ -231,8 +230,7 @@ class Scheduler:
                     grant.release()
                 self._undo(admitted, orders)
                 raise
-            last_order = self._orders[seq.request_id]
-            orders.append(last_order)
+            orders.append(self._orders[seq.request_id])
             self.remove(seq.request_id)
             seq.last_defer = None
             seq.state = RequestState.RECEIVING

@@ -35,7 +35,7 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
         raise InvalidRequest(f"{r.request_id}: prompt_len + max_tokens exceeds max_model_len {cfg.max_model_len}")
     if world_size > 1 and (r.kv_slice is not None or r.local_kv is not None):
         raise InvalidRequest(f"{r.request_id}: a tensor-parallel rank pulls its own heads; give no kv_slice or local_kv")
-    need = kv_blocks_needed(layout.block_size, r.prompt_len, r.max_tokens)
+    need = kv_blocks_needed(layout, r.prompt_len, r.max_tokens)
     if need > cfg.num_blocks:
         raise InvalidRequest(f"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}")
     kv_slice = r.kv_slice or cfg.kv_slice

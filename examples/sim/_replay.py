@@ -95,7 +95,7 @@ class ModeResult:
 def _config(p: SimParams, mode: Mode, rank: int) -> OrchestratorConfig:
     layout = p.rank_layout()
     longest = max(p.isl_choices or (p.isl,))
-    per_request = kv_blocks_needed(layout.block_size, longest, p.osl)  # what the engine holds per request
+    per_request = kv_blocks_needed(layout, longest, p.osl)  # what the engine holds per request
     pool_requests = p.kv_pool_requests or (p.max_num_seqs + (p.max_prefetch_seqs or p.max_num_seqs))
     return OrchestratorConfig(
         layout=layout,
