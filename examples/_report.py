@@ -65,6 +65,12 @@ def interactive() -> bool:
     return sys.stderr.isatty()
 
 
+def short(text: str, limit: int = 160) -> str:
+    """``text`` on one line, cut to ``limit`` characters with "..." (a failure message in a table)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def fmt(value: Any, digits: int = 2) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"

@@ -480,7 +480,7 @@ def verdict(results: dict[str, dict[str, Any]]) -> list[str]:
         for m, r in res["modes"].items():
             where = f"{m} [{step}]" if step else m
             if r["failures"]:
-                first = "; ".join(f"{k} x{n}: {(r.get('failure_messages') or {}).get(k, '')}"[:160]
+                first = "; ".join(f"{k} x{n}: " + _report.short((r.get("failure_messages") or {}).get(k) or "(no message)")
                                   for k, n in r["failure_reasons"].items())
                 why.append(f"{where}: {r['failures']:,} of {r['requests']:,} requests failed ({first})")
             if r.get("kv_checksum_mismatches"):

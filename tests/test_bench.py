@@ -157,6 +157,9 @@ def _fake_results(**orchestrated) -> dict:
     ({"failures": 3, "failure_reasons": {"prefill_rejected": 3},
       "failure_messages": {"prefill_rejected": "authentication failed: wrong shared secret"}},
      "orchestrated: 3 of 10 requests failed (prefill_rejected x3: authentication failed: wrong shared secret)"),
+    # a long message spread over lines is one line, cut with "..." as the client's own table cuts it
+    ({"failures": 1, "failure_reasons": {"timeout": 1}, "failure_messages": {"timeout": "line one\n" + "x" * 400}},
+     "orchestrated: 1 of 10 requests failed (timeout x1: line one " + "x" * 148 + "...)"),
 ])
 def test_bench_fails_loudly_on_kv_mismatches_rest_problems_and_failures(bad, why, capsys, monkeypatch) -> None:
     res = _fake_results(**bad)

@@ -447,11 +447,6 @@ def message_times(rec: RequestRecord) -> np.ndarray:
     return tt[np.r_[True, np.diff(tt) != 0]] if tt.size else tt
 
 
-def _short(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
 def print_summary(summary: dict[str, Any], title: str = "load") -> None:
     s = summary
     rows: list[list[Any]] = [
@@ -466,7 +461,7 @@ def print_summary(summary: dict[str, Any], title: str = "load") -> None:
     rows.append(["KV checksums compared / mismatched", f"{s['kv_checksum_compared']:,} / {s['kv_checksum_mismatches']:,}"])
     for reason, count in s["failure_reasons"].items():  # the first message of each: why, not only how many
         message = s.get("failure_messages", {}).get(reason) or "(no message)"
-        rows.append([f"failed: {reason} x{count:,}", _short(message)])
+        rows.append([f"failed: {reason} x{count:,}", _report.short(message)])
     _report.print_table(title, ["metric", "value"], rows)
 
 
