@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -642,6 +643,28 @@ def test_a_port_in_use_is_one_line_and_exit_status_1() -> None:
             assert last.startswith(f"{args[0]}: cannot start: ") and port in last, (args, last)
     finally:
         taken.close()
+
+
+@pytest.mark.integration
+def test_a_tp_rank_that_cannot_start_is_named_with_its_reason_and_giving_up_is_one_line() -> None:
+    """CTX TP2 whose rank 1 cannot listen (--ucx-port + 1 taken): the group's cause and the form
+    error said "CTX rank 1 exited with code 1" or "lost a connection" (the reason in stderr only),
+    and --tp-reform-attempts spent ended in a 100-line traceback. Now the rank's reason is in the
+    cause, and the node exits 1 with one line for its supervisor."""
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    rank1_port = taken.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "examples.two_node", "ctx", "--port", "0", "--tp", "2",
+                            "--ucx-port", str(rank1_port - 1), "--tp-reform-attempts", "1"],
+                           cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=240)
+    finally:
+        taken.close()
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert last.startswith("ctx: stopped: CTX could not form a tensor-parallel group in 1 attempts; last error: "), last
+    assert re.search(rf"CTX rank 1 \(pid \d+\) exited with code 1: ctx: cannot start: .*{rank1_port}", last), last
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -540,3 +540,54 @@ def test_a_rank_that_exits_before_the_group_formed_fails_the_attempt_at_once() -
     assert tp_group.join_watching([FakeChild(11)], lambda: "formed", period_s=0.01) == "formed"
     with pytest.raises(ValueError, match="bad"):
         tp_group.join_watching([FakeChild(11)], lambda: (_ for _ in ()).throw(ValueError("bad")), period_s=0.01)
+
+
+@pytest.mark.parametrize("last_words, why", [
+    # a one-line refusal (the node's "cannot start"), after an info record
+    ('print(\'{"level": "info", "event": "ctx_starting"}\', file=sys.stderr); '
+     'print("ctx: cannot start: [Errno 98] address already in use", file=sys.stderr); sys.exit(1)',
+     "ctx: cannot start: [Errno 98] address already in use"),
+    # a traceback: its last line
+    ('raise RuntimeError("model shard 3 does not fit")', "RuntimeError: model shard 3 does not fit"),
+    # a structured error record, then a record at info: the error's event and error
+    ('print(\'{"level": "error", "event": "engine_broken", "error": "decode step raised"}\', file=sys.stderr); '
+     'print(\'{"level": "info", "event": "node_stopped"}\', file=sys.stderr); sys.exit(3)',
+     "engine_broken: decode step raised"),
+    ("sys.exit(1)", None),  # nothing said: the exit code alone
+])
+def test_a_rank_that_exits_says_why_where_the_cause_is_read(last_words, why, capfd) -> None:
+    """A rank that died (at start: its port taken, a shard that does not fit) was "exited with code
+    1" in ping / stats, last_form_error and the log; its reason only in the node's stderr (the last
+    stop's not-fixed list). Rank 0 now copies each rank's stderr on to its own and keeps the last
+    lines: the cause ends with the rank's last word. The copy still reaches rank 0's stderr."""
+    child = subprocess.Popen([sys.executable, "-c", f"import sys; {last_words}"], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tp_group.StderrTail.attach(child)
+    code = child.wait(30)
+    cause = tp_group.RankWatch("CTX", [child], 10.0).cause(settle_s=0.0)
+    assert cause.startswith(f"CTX rank 1 (pid {child.pid}) exited with code {code}")
+    assert cause.endswith(f"code {code}" if why is None else f"code {code}: {why}"), cause
+    with pytest.raises(RuntimeError) as raised:
+        tp_group.join_watching([child], lambda: threading.Event().wait(30), period_s=0.01)
+    assert str(raised.value).endswith("before the group formed" + ("" if why is None else f": {why}"))
+    assert (why or "").split(": ")[-1] in capfd.readouterr().err  # forwarded, as before the copy
+
+
+def test_a_lost_connection_waits_for_the_rank_on_its_way_out() -> None:
+    """A rank that could not start closed its connections 1.2 s before it exited (measured; more on
+    a busy host): with 1 s of settling the group's cause read "lost a connection (no rank had exited
+    or stopped yet)", the rank's reason nowhere but stderr. A lost connection now waits up to
+    LOST_CONNECTION_SETTLE_S for the rank to be seen leaving; a timed-out exchange does not."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1.6); "
+                              "print('gen: cannot start: port 9 in use', file=sys.stderr); sys.exit(1)"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tp_group.StderrTail.attach(child)
+    try:
+        cause = tp_group.RankWatch("GEN", [child], 10.0).cause(RuntimeError("[pair.cc:537] Connection reset by peer"))
+        assert cause == f"GEN rank 1 (pid {child.pid}) exited with code 1: gen: cannot start: port 9 in use"
+    finally:
+        child.kill()
+        child.wait()
+    started = time.monotonic()
+    still = tp_group.RankWatch("GEN", [FakeChild(2**22 + 7)], 4.0).cause(RuntimeError("Timed out waiting 4000ms"))
+    assert still == "a GEN rank stopped answering: no step exchange for 4 s" and time.monotonic() - started < 2

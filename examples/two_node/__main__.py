@@ -94,8 +94,12 @@ def run_role(role_main: Any, args: argparse.Namespace) -> int:
     comes out as that exit status even when a task group wrapped it in an exception group (a
     SIGTERM that lands inside a task group, e.g. while a generate stream sends): exit status 1 and
     a traceback would tell a supervisor the node crashed."""
+    from examples.two_node.tp_group import GaveUp
+
     try:
         return int(role_main(args) or 0)
+    except GaveUp as exc:
+        return _gave_up(args, exc)
     except OSError as exc:
         if not _bind_error(exc):
             raise
@@ -104,6 +108,9 @@ def run_role(role_main: Any, args: argparse.Namespace) -> int:
         in_use = group.subgroup(_bind_error)
         if in_use is not None:  # a port taken, an address not here: one line, not the task groups' traceback
             return _in_use(args, next(iter(_leaves(in_use))))
+        gave_up = group.subgroup(GaveUp)
+        if gave_up is not None:  # --tp-reform-attempts spent: one line for the supervisor
+            return _gave_up(args, next(iter(_leaves(gave_up))))
         exits = group.subgroup(SystemExit)
         if exits is None:
             raise
@@ -125,6 +132,11 @@ def _bind_error(exc: BaseException) -> bool:
 
 def _in_use(args: Any, exc: OSError) -> int:
     print(f"{getattr(args, 'role', 'node')}: cannot start: {exc}", file=sys.stderr)
+    return 1
+
+
+def _gave_up(args: Any, exc: BaseException) -> int:
+    print(f"{getattr(args, 'role', 'node')}: stopped: {exc}", file=sys.stderr)
     return 1
 
 

@@ -42,6 +42,7 @@ log = structlog.get_logger("examples.tp_group")
 
 JOIN_TIMEOUT_S = 120.0  # every rank joining the group (a rank's start imports torch: slow on a busy host)
 WATCH_PERIOD_S = 0.1
+LOST_CONNECTION_SETTLE_S = 3.0  # RankWatch.cause: how long a lost connection waits for a rank to be seen leaving
 JOIN_GRACE_S = 10.0  # beyond 3 step timeouts, for a healed group's ranks to reach their first collective
 
 
@@ -149,7 +150,10 @@ def form(args: argparse.Namespace, argv: list[str], generation: int = 0, *, extr
         for rank in range(1, args.tp):
             cmd = [sys.executable, "-m", "examples.two_node", *argv, *(extra_argv or []),
                    "--tp-rank", str(rank), "--tp-init", init]
-            children.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env))
+            child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, env=env)
+            children.append(child)
+            StderrTail.attach(child)
         device = rank_device(0)
         use_device(device)
 
@@ -188,10 +192,72 @@ def join_watching(children: list[Any], rendezvous: Callable[[], Any], period_s: 
             break
         for rank, child in enumerate(children, start=1):
             if (code := child.poll()) is not None:
-                raise RuntimeError(f"rank {rank} (pid {child.pid}) exited with code {code} before the group formed")
+                raise RuntimeError(f"rank {rank} (pid {child.pid}) exited with code {code} before the group formed"
+                                   + exit_reason(child, code))
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+class StderrTail:
+    """Rank 0's copy of a rank's stderr: every line goes on to rank 0's own stderr (the operator sees
+    the ranks' logs where they always were) and the last few are kept, so that a rank that exits
+    says why where the group's cause is read (``ping`` / ``stats``, ``last_form_error``, the log),
+    not only in the node's stderr ("exited with code 1" told an operator nothing)."""
+
+    KEEP = 20
+
+    def __init__(self, pipe: Any) -> None:
+        import collections
+
+        self.lines: collections.deque[bytes] = collections.deque(maxlen=self.KEEP)
+        self._thread = threading.Thread(target=self._copy, args=(pipe,), name="tp-rank-stderr", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def attach(cls, child: subprocess.Popen[bytes]) -> None:
+        child.stderr_tail = cls(child.stderr)  # type: ignore[attr-defined]
+
+    def _copy(self, pipe: Any) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for line in iter(pipe.readline, b""):
+                self.lines.append(line)
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(2, view):]
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+    def reason(self, wait_s: float = 0.2) -> str | None:
+        """The rank's last word: its last line that is not a log record (a traceback's last line, a
+        one-line "cannot start"), else its last error record's event and error; None if none.
+        Waits up to ``wait_s`` for the rest of a rank that just exited to be read."""
+        import json
+
+        self._thread.join(wait_s)
+        for raw in reversed(list(self.lines)):
+            line = raw.decode(errors="replace").strip()
+            if not line:
+                continue
+            if not line.startswith("{"):
+                return line
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                return line
+            if isinstance(rec, dict) and rec.get("level") in ("error", "critical"):
+                detail = rec.get("error") or rec.get("cause") or str(rec.get("exception") or "").strip().rsplit("\n", 1)[-1]
+                return f"{rec.get('event')}: {detail}" if detail else str(rec.get("event"))
+        return None
+
+
+def exit_reason(child: Any, code: int | None) -> str:
+    """``": <why>"`` for a rank that exited with an error and said why on stderr, else ``""``."""
+    from examples import _report
+
+    tail = getattr(child, "stderr_tail", None)
+    why = tail.reason() if tail is not None and code else None
+    return f": {_report.short(why, 300)}" if why else ""
 
 
 def join(args: argparse.Namespace) -> Group:
@@ -341,14 +407,19 @@ class RankWatch:
                     name = f"signal {-code}"
                 found = (3, f"{self.role} rank {rank} (pid {child.pid}) was killed by {name}")
             else:
-                found = (1 if code else 0, f"{self.role} rank {rank} (pid {child.pid}) exited with code {code}")
+                found = (1 if code else 0,
+                         f"{self.role} rank {rank} (pid {child.pid}) exited with code {code}" + exit_reason(child, code))
             if best is None or found[0] > best[0]:
                 best = found
         return best
 
+    @staticmethod
+    def _timed_out(exc: BaseException) -> bool:
+        text = f"{type(exc).__name__} {exc}".lower()
+        return "timeout" in text or "timed out" in text
+
     def _no_evidence_text(self, exc: BaseException | None) -> str:
-        text = "" if exc is None else f"{type(exc).__name__} {exc}".lower()
-        if exc is None or "timeout" in text or "timed out" in text:
+        if exc is None or self._timed_out(exc):
             return f"a {self.role} rank stopped answering: no step exchange for {self.step_timeout_s:g} s"
         return f"the {self.role} group lost a connection between its ranks (no rank had exited or stopped yet)"
 
@@ -358,6 +429,11 @@ class RankWatch:
         with self._lock:
             if self._cause is not None:
                 return self._cause
+            if exc is not None and settle_s and not self._timed_out(exc):
+                # a lost connection is nearly always a rank on its way out: seen leaving (its exit
+                # code, its last words) up to LOST_CONNECTION_SETTLE_S later on a busy host (a rank
+                # that could not start took 1.2 s from its "cannot start" to its exit, measured)
+                settle_s = max(settle_s, LOST_CONNECTION_SETTLE_S)
             deadline = self._clock() + settle_s
             while (found := self._evidence()) is None and self._clock() < deadline:
                 time.sleep(0.02)
@@ -395,6 +471,11 @@ class RankWatch:
             raise GroupBroken(self.cause(exc)) from exc
         finally:
             self.busy_since = None
+
+
+class GaveUp(RuntimeError):
+    """Rank 0 could not form a group in ``--tp-reform-attempts`` attempts: the node exits 1 with this
+    one line (``str()``) for its supervisor, not a traceback."""
 
 
 class GroupBroken(RuntimeError):
@@ -539,8 +620,8 @@ class Healer:
             log.error("tp_group_form_failed", role=self.role, error=self.last_form_error, attempt=failed,
                       retry_in_s=None if give_up else wait)
             if give_up:
-                raise RuntimeError(f"{self.role} could not form a tensor-parallel group in {failed} attempts; "
-                                   f"last error: {self.last_form_error}")
+                raise GaveUp(f"{self.role} could not form a tensor-parallel group in {failed} attempts; "
+                             f"last error: {self.last_form_error}")
             await anyio.sleep(wait)
         self.restarts += 1
         self.regrouping = False
