@@ -501,6 +501,7 @@ M = [
   ("TP: a lost connection waits for the rank on its way out", "examples/two_node/tp_group.py", "                settle_s = max(settle_s, LOST_CONNECTION_SETTLE_S)", "                pass", "tests/test_tp_heal_units.py -k lost_connection_waits"),
   ("TP: --tp-reform-attempts spent is one line and exit 1", "examples/two_node/__main__.py", "        gave_up = group.subgroup(GaveUp)", "        gave_up = None", "tests/test_control.py -k tp_rank_that_cannot_start"),
   ("bench: a failure message is cut by the one short()", "examples/bench.py", "_report.short((r.get(\"failure_messages\") or {}).get(k) or \"(no message)\")", "((r.get(\"failure_messages\") or {}).get(k) or \"(no message)\")[:160]", "tests/test_bench.py -k fails_loudly"),
+  ("18 sim a lost request stops the replay (ReplayStuck), not a hang", "examples/sim/_replay.py", "                    if now - stalled_since > stall_s:", "                    if False:", "tests/test_sim.py -k loses_a_request"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import threading
 import time
 
@@ -653,6 +654,16 @@ def test_a_replay_whose_engine_loses_a_request_says_so_instead_of_spinning(monke
 
     monkeypatch.setattr(Scheduler, "schedule", losing)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="replay stuck: 1 live requests"):
-        replay(tiny(), "orchestrated")
+
+    def hung(signum: int, frame: object) -> None:  # the detector's own failure: this test fails, not hangs
+        raise TimeoutError("the replay hung: no ReplayStuck within 120 s")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        with pytest.raises(RuntimeError, match="replay stuck: 1 live requests"):  # after 2 x 2 + 10 s of virtual time
+            replay(dataclasses.replace(tiny(), kv_transfer_timeout_ms=2000), "orchestrated")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
     assert lost and time.monotonic() - t0 < 60
