@@ -502,6 +502,8 @@ M = [
   ("TP: --tp-reform-attempts spent is one line and exit 1", "examples/two_node/__main__.py", "        gave_up = group.subgroup(GaveUp)", "        gave_up = None", "tests/test_control.py -k tp_rank_that_cannot_start"),
   ("bench: a failure message is cut by the one short()", "examples/bench.py", "_report.short((r.get(\"failure_messages\") or {}).get(k) or \"(no message)\")", "((r.get(\"failure_messages\") or {}).get(k) or \"(no message)\")[:160]", "tests/test_bench.py -k fails_loudly"),
   ("18 sim a lost request stops the replay (ReplayStuck), not a hang", "examples/sim/_replay.py", "                    if now - stalled_since > stall_s:", "                    if False:", "tests/test_sim.py -k loses_a_request"),
+  ("TP: a failed attempt leaves torch's group names at zero (the group forms again)", "examples/two_node/tp_group.py", "        distributed_c10d._world.group_count = 0  # what destroy_process_group does for a formed group", "        pass", "tests/test_tp_heal_units.py -k forms_again"),
+  ("TP: a group that cannot form at start is one line", "examples/two_node/gen_tp.py", "                raise tp_group.GaveUp(f\"could not form its tensor-parallel group at start: {exc}\") from exc", "                raise", "tests/test_tp_heal_units.py -k at_start_is_one_line"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

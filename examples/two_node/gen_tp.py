@@ -93,7 +93,10 @@ def run_in_group(args: argparse.Namespace, node_main: Any, *, notes: bool = Fals
                 extra_env = {NOTES_TOKEN_ENV: args.tp_notes_server.token}
                 extra_argv = ["--tp-notes", args.tp_notes_server.address]
             args.tp_extra = (extra_env, extra_argv)
-            group = tp_group.form(args, args.argv, extra_env=extra_env, extra_argv=extra_argv)
+            try:
+                group = tp_group.form(args, args.argv, extra_env=extra_env, extra_argv=extra_argv)
+            except Exception as exc:  # a rank that could not start or join: one line, exit 1 (not a traceback)
+                raise tp_group.GaveUp(f"could not form its tensor-parallel group at start: {exc}") from exc
         else:
             group = tp_group.join(args)
         use_group(args, group)

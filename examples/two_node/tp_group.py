@@ -273,11 +273,23 @@ def join(args: argparse.Namespace) -> Group:
 
 
 def leave() -> None:
+    """Leave this process's group, if any, so that the next ``init_process_group`` starts afresh.
+
+    torch names the default group from a process-wide counter that each ``init_process_group``
+    raises *before* its rendezvous and only ``destroy_process_group`` of a formed group resets:
+    after one failed attempt (a rank that died before it joined) rank 0's next group was
+    ``default_pg/1`` while every fresh rank's was ``default_pg/0``, their rendezvous keys never
+    met, and the node never healed (every later attempt waited out the 120 s join timeout; an
+    outside drill). Without a formed group, the counter is reset here."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    else:
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.group_count = 0  # what destroy_process_group does for a formed group
 
 
 def wait_for_rank0_on_sigterm(wait_s: float) -> None:
