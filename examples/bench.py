@@ -640,7 +640,7 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a smaller load (about 2 minutes for all three modes)")
+    p.add_argument("--quick", action="store_true", help="a smaller load (about 1-1.5 minutes for all three modes)")
     p.add_argument("--step", choices=["device", "model", "both"], default="device",
                    help="GEN decode step: simulated device time (default), the tiny model on the CPU, or both")
     p.add_argument("--modes", default=MODES, type=_modes, help="comma-separated subset of " + ",".join(MODES))

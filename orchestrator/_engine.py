@@ -218,6 +218,7 @@ class GenEngine:
         self._receive_seconds = Histogram(RECEIVE_SECONDS_BUCKETS)
         self._receive_bytes = Histogram(RECEIVE_BYTES_BUCKETS)
         self._next_hold = clock() + config.kv_hold_interval_s
+        self._requires_handle = bool(getattr(transport, "requires_handle", False))
         register = getattr(transport, "register", None)
         if callable(register):  # a one-sided transport (NIXL) registers the KV pool once: a pull that
             register(self.pool.kv)  # lands in the blocks needs no registration of its own
@@ -247,7 +248,7 @@ class GenEngine:
             raise InvalidRequest("requests enter a tensor-parallel group at rank 0")
         if (why := self.health()) is not None:
             raise Unavailable(f"GEN engine unavailable: {why}")
-        validate_request(self.config, request, self.world_size)
+        validate_request(self.config, request, self.world_size, requires_handle=self._requires_handle)
         with self._live_lock:
             if request.request_id in self._live:
                 held = self._by_id.get(request.request_id)  # (a read of the execution thread's dict: atomic)

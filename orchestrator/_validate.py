@@ -14,8 +14,10 @@ MAX_TOKEN_ID = 1 << 31
 exchange carries tokens as u4 (``_step``)."""
 
 
-def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1) -> None:
-    """Raise ``InvalidRequest`` naming what is wrong with ``r`` for an engine of ``cfg``."""
+def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1, *,
+                     requires_handle: bool = False) -> None:
+    """Raise ``InvalidRequest`` naming what is wrong with ``r`` for an engine of ``cfg``;
+    ``requires_handle``: its transport pulls only with the handle the CTX issued (``Transport.requires_handle``)."""
     layout = cfg.layout
     try:
         check_request_id(r.request_id)
@@ -69,6 +71,10 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
         plan_sources(sources, kv_slice.head_start, kv_slice.head_end)  # this rank's heads are all held
     except (ValueError, InvalidRequestId) as exc:
         raise InvalidRequest(f"{r.request_id}: {exc}") from None
+    if requires_handle and (missing := [s.peer for s in sources if s.kv_handle is None]):
+        # refused here, not at the pull: the request failed as a protocol error after taking budget and blocks
+        raise InvalidRequest(f"{r.request_id}: kv_handle is required (the handle the CTX issued with the prefill; "
+                             f"KVStore.put returns it): none for {', '.join(map(repr, missing))}")
 
 
 def _check_blocks(blocks: object, prompt_blocks: int, what: str) -> None:

@@ -466,7 +466,7 @@ M = [
   "tests/test_control.py -k refuses_a_value"),
  ("nodes: any bind failure is one line", "examples/two_node/__main__.py",
   "    return isinstance(exc, OSError) and (exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)\n                                         or \"cannot listen\" in str(exc))",
-  "    return isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE", "tests/test_control.py -k does_not_have"),
+  "    return isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE", "tests/test_control.py -k 'cannot_bind_is_one_line'"),
  ("bench: the temporary log folder goes on Ctrl-C", "examples/bench.py",
   "        if made:  # stopped on purpose: nothing to look at\n            shutil.rmtree(log_dir, ignore_errors=True)\n",
   "        pass\n", "tests/test_bench.py -k temporary_log_folder"),
@@ -504,6 +504,11 @@ M = [
   ("18 sim a lost request stops the replay (ReplayStuck), not a hang", "examples/sim/_replay.py", "                    if now - stalled_since > stall_s:", "                    if False:", "tests/test_sim.py -k loses_a_request"),
   ("TP: a failed attempt leaves torch's group names at zero (the group forms again)", "examples/two_node/tp_group.py", "        distributed_c10d._world.group_count = 0  # what destroy_process_group does for a formed group", "        pass", "tests/test_tp_heal_units.py -k forms_again"),
   ("TP: a group that cannot form at start is one line", "examples/two_node/gen_tp.py", "                raise tp_group.GaveUp(f\"could not form its tensor-parallel group at start: {exc}\") from exc", "                raise", "tests/test_tp_heal_units.py -k at_start_is_one_line"),
+  ("engine: a request without the handle its transport needs is refused at submit", "orchestrator/_validate.py", "    if requires_handle and (missing := [s.peer for s in sources if s.kv_handle is None]):", "    if False and (missing := []):", "tests/test_admission_review.py -k handle_its_transport"),
+  ("ucx: pulls need the CTX's handle (requires_handle)", "transports/ucx.py", "    name = \"ucx\"\n    requires_handle = True\n", "    name = \"ucx\"\n    requires_handle = False\n", "tests/test_admission_review.py -k handle_its_transport"),
+  ("front: a listen address that cannot bind is one line", "examples/serve/__main__.py", "        raise SystemExit(f\"error: cannot listen on {host}:{port} (listen / --host --port): {exc.strerror or exc}\") from None", "        raise", "tests/test_serve.py -k cannot_listen"),
+  ("client: a node it cannot reach is named", "examples/two_node/client.py", "            where = ctx_addr if phase == \"prefill\" else gen\n", "            where = \"\"\n", "tests/test_client.py -k unreachable_gen"),
+  ("nodes: --host is an address of this host, checked before they start", "examples/two_node/cli.py", "            s.bind(addr[:2] if family == socket.AF_INET else addr)", "            pass", "tests/test_control.py -k 'refuses_a_value and host'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

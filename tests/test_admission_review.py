@@ -283,3 +283,26 @@ async def test_an_id_whose_receive_is_still_ending_is_refused_saying_so(harness_
         h.engine.submit(h.request("live", prefill=False))
     h.transport.finish_landing("late")
     await h.run_until_idle()
+
+
+# -- a request without the KV handle its transport needs ------------------------------------------
+async def test_a_request_without_the_handle_its_transport_needs_is_refused_at_submit(harness_factory,
+                                                                                     monkeypatch) -> None:
+    """The README's embedding snippet (UCX, no kv_handle) was accepted by submit, took budget and
+    blocks, and failed at the pull as a protocol error (an outside run of the README): a transport
+    that pulls only with the CTX's handle says so (``requires_handle``) and submit refuses it."""
+    import dataclasses
+
+    from transports.nixl import NIXLTransport
+    from transports.ucx import UCXTransport
+
+    assert UCXTransport.requires_handle and NIXLTransport.requires_handle and not InProcTransport.requires_handle
+    monkeypatch.setattr(InProcTransport, "requires_handle", True)
+    h = await harness_factory()
+    bare = h.request("bare", prefill=False)
+    assert bare.kv_handle is None
+    with pytest.raises(InvalidRequest, match="kv_handle is required .* none for 'ctx-0'"):
+        h.engine.submit(bare)
+    h.submit("named")
+    await h.run_until_idle()
+    assert h.final("named").state is RequestState.FINISHED and h.engine.live_requests == 0

@@ -170,7 +170,12 @@ async def test_run_load_unreachable_gen_and_timeout(anyio_backend: str) -> None:
     for r, p in zip(res.records, prompts):
         assert not r.ok
         assert r.failure == ("timeout" if p[1] % 2 else "generate_error"), (r.failure, r.message)
+        if r.failure == "generate_error":  # which node: "OSError: All connection attempts failed" said nothing
+            assert r.message.startswith("127.0.0.1:1: OSError"), r.message
     assert summarize(res)["failures"] == len(prompts)
+    nobody = await run_load(ctx=["127.0.0.1:1"], gen="127.0.0.1:2", secret=SECRET, prompts=prompts[:1],
+                            max_tokens=3, concurrency=1, progress=False, timeout_s=5)
+    assert nobody.records[0].failure == "prefill_error" and nobody.records[0].message.startswith("127.0.0.1:1: ")
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

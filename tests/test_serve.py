@@ -604,3 +604,23 @@ def test_chat_template() -> None:
     assert text == "<|user|>\nab\n<|assistant|>\n"
     with pytest.raises(_api.ApiError):
         render_chat([{"role": "wizard", "content": "x"}])
+
+
+def test_a_front_that_cannot_listen_says_so_in_one_line_before_any_node_starts() -> None:
+    """A port in use, an address this host lacks, a port out of range: each was a 12-line traceback
+    (an outside run of the README); now one line (or argparse's own), exit non-zero, no node started."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    env = {**os.environ, "KVO_SHARED_SECRET": secrets.token_hex(32)}
+    try:
+        for extra, want in ((["--port", str(port)], f"error: cannot listen on 127.0.0.1:{port}"),
+                            (["--host", "10.255.255.1", "--port", "0"], "error: cannot listen on 10.255.255.1:0"),
+                            (["--port", "70000"], "argument --port")):
+            r = subprocess.run([sys.executable, "-m", "examples.serve", "-c", "examples/serve/cluster.yaml", *extra],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+            assert r.returncode != 0 and "Traceback" not in r.stderr and want in r.stderr, (extra, r.stderr[-1500:])
+            assert "node_started" not in r.stderr and "READY" not in r.stdout
+    finally:
+        taken.close()

@@ -84,6 +84,9 @@ class Landing:
 @runtime_checkable
 class Transport(Protocol):
     name: str
+    requires_handle: bool
+    """Every pull names the handle its peer issued with the prefill (UCX, NIXL: a request id alone
+    reads nothing); the engine refuses a request without one at ``submit``."""
 
     async def connect(self, peer: str) -> None:
         """Make sure an endpoint to ``peer`` exists (reused by later pulls)."""

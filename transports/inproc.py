@@ -45,6 +45,7 @@ class InProcCounters:
 
 class InProcTransport:
     name = "inproc"
+    requires_handle = False  # in one process: the store trusts a caller that names no handle
 
     def __init__(
         self,

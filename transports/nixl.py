@@ -141,6 +141,7 @@ class NIXLTransport:
     posted reconnects once."""
 
     name = "nixl"
+    requires_handle = True
 
     def __init__(self, config: NIXLConfig, *, layout: KVLayout | None = None, total_kv_heads: int | None = None) -> None:
         self.config = config

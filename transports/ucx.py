@@ -101,6 +101,7 @@ class UCXTransport:
     """
 
     name = "ucx"
+    requires_handle = True
 
     def __init__(self, config: UCXConfig, *, layout: KVLayout | None = None, total_kv_heads: int | None = None) -> None:
         self.config = config

@@ -23,6 +23,7 @@ import structlog
 
 from examples.serve.cluster import Cluster, Supervisor, launch_nodes
 from examples.serve.config import ClusterConfig, ConfigError, load
+from examples.two_node import cli
 from examples.two_node.__main__ import _configure_logging
 from examples.two_node.common import load_secret_or_exit
 from transports._auth import SECRET_ENV
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("-c", "--config", required=True, help="the cluster file (YAML; see docs/serve.md)")
     p.add_argument("--host", help="override listen.host")
-    p.add_argument("--port", type=int, help="override listen.port (0: pick one)")
+    p.add_argument("--port", type=cli.port, help="override listen.port (0: pick one)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     try:
@@ -78,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(a.log_level)
     host = a.host or cfg.host
     port = cfg.port if a.port is None else a.port
-    sock = socket.create_server((host, port), reuse_port=False)  # bound before the nodes start: fail early
+    try:  # bound before the nodes start: fail early, in one line
+        sock = socket.create_server((host, port), reuse_port=False)
+    except OSError as exc:
+        raise SystemExit(f"error: cannot listen on {host}:{port} (listen / --host --port): {exc.strerror or exc}") from None
     with contextlib.ExitStack() as stack:
         secret_file = stack.enter_context(secret_written(secret)) if generated and secret is not None else None
         if secret_file is not None:

@@ -70,6 +70,20 @@ def address(text: str) -> str:
     return text
 
 
+def local_host(text: str) -> str:
+    """An address (or name) of this host that a listener can bind: checked now, before a node starts
+    anything (a CTX started its UCX listener, then found its --host was not this host's)."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(text, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.bind(addr[:2] if family == socket.AF_INET else addr)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an address of this host: {exc.strerror or exc}") from None
+    return text
+
+
 def writable_file(text: str) -> Path:
     """An output file this process can create or replace (its folder may not exist yet: the first
     folder on its way that does must be writable). Checked now, not after a run of minutes."""

@@ -294,7 +294,10 @@ async def run_load(
             rec.state, rec.failure, rec.message = "error", f"{phase}_rejected", str(exc)
         except anyio.EndOfStream:
             rec.state, rec.failure, rec.message = "error", f"{phase}_closed", "the node closed the connection"
-        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError, KeyError, ValueError, TypeError) as exc:
+        except OSError as exc:  # which node could not be reached (a wrong --ctx or --gen), not only why
+            where = ctx_addr if phase == "prefill" else gen
+            rec.state, rec.failure, rec.message = "error", f"{phase}_error", f"{where}: {type(exc).__name__}: {exc}"
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, KeyError, ValueError, TypeError) as exc:
             rec.state, rec.failure, rec.message = "error", f"{phase}_error", f"{type(exc).__name__}: {exc}"
         if handle is not None and (release or not rec.ok):
             # asked for, or the request failed after its prefill: the CTX need not hold the KV

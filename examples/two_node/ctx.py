@@ -374,7 +374,7 @@ class CtxNode:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     membership.add_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="control-plane bind address")
+    p.add_argument("--host", type=cli.local_host, default="127.0.0.1", help="control-plane bind address")
     p.add_argument("--port", type=cli.port, default=0, help="control-plane port (0: pick one)")
     p.add_argument("--ucx-port", type=cli.port, default=0, help="UCX listener port (0: pick one)")
     p.add_argument("--advertise", help="host GEN should use to reach the UCX listener (default: --host)")

@@ -31,7 +31,8 @@ from transports.ucx import UCX_DEFAULTS
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m examples.two_node demo", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m examples.two_node demo", description=__doc__.split("\n", 2)[2].split("\nPrints")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=cli.positive_int, default=256)
     p.add_argument("--concurrency", type=cli.positive_int, default=64)
     p.add_argument("--isl", type=cli.positive_int, default=256, help="input (prompt) tokens per request")

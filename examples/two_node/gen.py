@@ -606,7 +606,7 @@ class GenNode:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     membership.add_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="control-plane bind address")
+    p.add_argument("--host", type=cli.local_host, default="127.0.0.1", help="control-plane bind address")
     p.add_argument("--port", type=cli.port, default=0, help="control-plane port (0: pick one)")
     p.add_argument("--ctx", action="append", default=[], type=cli.address, help="a CTX node's control address HOST:PORT (repeatable; informational: each request names its KV peer)")
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.ORCHESTRATED.value)
