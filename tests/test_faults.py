@@ -446,6 +446,52 @@ def test_gen_sigterm_without_etcd_ends_every_stream_and_frees_the_ctx_s_kv(backe
         assert gen_node.proc.returncode == 0, gen_node.log_tail()
 
 
+def test_a_hand_off_whose_kv_blocks_were_altered_is_refused(backend: str) -> None:
+    """A CTX tags the block ids (and epoch) it names with a prefill; a NIXL GEN READs them unasked.
+    Before, a generate with the request's own valid handle but another held request's block ids,
+    or its own reordered, READ those and "finished" on the wrong KV (an outside drill; over UCX the
+    ids are not used). A changed list is refused now; one without its tag is not trusted (the CTX
+    finds the blocks itself) and the request finishes on its own KV."""
+    env = node_env()
+    kv = ["--kv-transport", backend]
+    with NodeProcess.start(["ctx", "--num-blocks", "64", *kv], env=env) as ctx, \
+            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "64", "--step", "device",
+                               "--kv-checksums", *kv], env=env) as gen_node:
+
+        async def prefill(rid: str, first: int) -> dict:
+            return await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
+                                                         "prompt_ids": list(range(first, first + 40)), "max_tokens": 3},
+                                      secret=ctx.secret)
+
+        async def generate(r: dict, **source: object) -> dict:
+            stream = await control.connect(gen_node.info["ctrl"], secret=gen_node.secret)
+            await stream.send({"op": "generate", "request_id": r["request_id"], "prompt_len": r["prompt_len"],
+                               "first_token": r["first_token"], "max_tokens": 3, "kv_peer": r["kv_peer"],
+                               "kv_handle": r["kv_handle"], "kv_sources": [{**r["kv_sources"][0], **source}]})
+            with anyio.fail_after(30):
+                while not ((msg := await stream.receive()).get("done") or "error" in msg):
+                    pass
+            await stream.aclose()
+            return msg
+
+        async def scenario() -> list[dict]:
+            x, y, w = await prefill("x", 10), await prefill("y", 60), await prefill("w", 110)
+            other = await generate(y, kv_blocks=x["kv_sources"][0]["kv_blocks"])
+            reordered = await generate(w, kv_blocks=x["kv_sources"][0]["kv_blocks"][::-1])
+            untagged = await generate(y, kv_blocks=x["kv_sources"][0]["kv_blocks"], kv_blocks_tag=None)  # not used
+            tagged = await generate(w)
+            for r in (x,):  # never handed off
+                await control.call(ctx.info["ctrl"], {"op": "release", "request_id": r["request_id"],
+                                                      "kv_handle": r["kv_handle"]}, secret=ctx.secret)
+            return [other, reordered, untagged, tagged, y, w]
+
+        other, reordered, untagged, tagged, y, w = anyio.run(scenario, backend="asyncio")
+        for refused in (other, reordered):
+            assert "are not those its CTX named" in refused.get("error", ""), refused
+        assert untagged.get("state") == "finished" and untagged.get("kv_checksums") == y["block_checksums"], untagged
+        assert tagged.get("state") == "finished" and tagged.get("kv_checksums") == w["block_checksums"], tagged
+
+
 def test_a_generate_whose_prompt_len_disagrees_with_the_prefill_is_refused(backend: str) -> None:
     """A CTX node's handle names its prompt's length; the GEN refuses a generate that says otherwise.
     Before, 17 or 32 for a 20-token prefill (two 16-token blocks either way) pulled the same KV and

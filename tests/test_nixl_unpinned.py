@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("nixl_cu12._api", reason="nixl-cu12 is not installed (pip install -c constraints.txt '.[nixl]')")
 
 from tests.test_dataplane_nixl import IDS, LAYOUT, SECRET, _into, _served, _until  # noqa: E402
-from transports import KVStore, Landing, PeerClosed, UnknownRequest, gather  # noqa: E402
+from transports import KVStore, Landing, PeerClosed, ProtocolViolation, UnknownRequest, gather  # noqa: E402
 from transports.nixl import NIXLConfig, NIXLKVServer, NIXLTransport  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -316,7 +316,9 @@ async def test_one_gen_s_release_waits_for_another_gen_reading_the_same_request(
             await asyncio.sleep(0.2)
             assert server.statistics().revocations_pending == 1 and server.statistics().handed_on == 1
             assert store.statistics().open_pins == 1 and torch.equal(gather(store.pool, IDS, LAYOUT.full_slice()), want)
-            assert "r1" not in (await first._conn(peer)).revoked and "r1" in (await second._conn(peer)).revoked
+            assert "r1" in (await second._conn(peer)).revoked  # revoked there; the first GEN was not asked, but
+            # remembers its own free (READ, or released) wherever it knew r1's epoch: a replay there is pinned
+            assert ("r1" in (await first._conn(peer)).revoked) == (how != "pinned-read")
             go.set()
             assert await asyncio.wait_for(pull, 5) == want.numel() * want.element_size()
             assert torch.equal(into, want), "another GEN's release freed the blocks under this READ"
@@ -407,3 +409,73 @@ async def test_an_unpinned_read_needs_the_handle_issued_for_that_request_id(how:
         want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
         await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS, remote_epoch=epoch)
         assert torch.equal(into, want) and t.statistics().unpinned_reads == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["read", "release"])
+async def test_a_replayed_hand_off_after_this_gen_freed_the_request_is_refused_not_read(how: str) -> None:
+    """The CTX revokes a request only at the GENs that did not free it. The GEN that did (its
+    READ's notification, or its release) kept vouching for it: the same hand-off sent to it again
+    (same id, handle, blocks, epoch) READ, unpinned, the blocks the CTX had freed and given to
+    another request, and "finished" with that request's KV (an outside drill, over the node CLIs).
+    It is READ with a pin now, and the CTX refuses it."""
+    async with _served(server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
+        epoch = store.epoch
+        if how == "read":
+            await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS, remote_epoch=epoch)
+            assert t.statistics().unpinned_reads == 1
+        else:
+            await t.connect(peer)
+            await t.release(peer, "r1", handle=handle)
+        await _until(lambda: store.statistics().held_requests == 0 and bool((store.pool[IDS] == -1).all()))
+        store.pool[IDS] = 7.0  # another request's KV in the same blocks
+        store.put("z", IDS, num_tokens=25, lease_s=60)
+        reads = t.statistics().unpinned_reads
+        into = _into()
+        with pytest.raises(UnknownRequest):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), into, handle=handle, remote_blocks=BLOCKS, remote_epoch=epoch)
+        assert t.statistics().unpinned_reads == reads  # asked the CTX (a pin), which holds no "r1"
+        assert store.release("z")
+        await _until(lambda: server.statistics().pinned == 0 and store.statistics().held_requests == 0)
+
+
+@pytest.mark.anyio
+async def test_a_gen_that_freed_more_requests_than_it_remembers_raises_its_epoch_past_them(monkeypatch) -> None:
+    """Its own frees are remembered like revocations, and bounded the same way: past the limit the
+    connection's epoch rises past every one whose epoch is known (each is then READ pinned), and a
+    request put since still reads without a pin."""
+    import transports._nixl_conn as nixl_conn
+
+    monkeypatch.setattr(nixl_conn, "_MAX_REVOKED", 1)
+    async with _served(server_kw={"expire_interval_s": 0.05}) as (store, handle, server, peer, t):
+        epoch = store.epoch
+        await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS, remote_epoch=epoch)
+        await _until(lambda: store.statistics().held_requests == 0)
+        conn = t._peers.conns[peer]
+        fresh = store.epoch
+        h2 = store.put("r2", IDS, num_tokens=25, lease_s=60)
+        await t.pull(peer, "r2", LAYOUT.full_slice(), _into(), handle=h2, remote_blocks=BLOCKS, remote_epoch=fresh)
+        assert t.statistics().unpinned_reads == 2  # put after r1's free: still vouched for
+        await _until(lambda: store.statistics().held_requests == 0)
+        assert conn.epoch == fresh + 1 and not conn.revoked  # two frees over a limit of one: the epoch rose past both
+        reads = t.statistics().unpinned_reads
+        with pytest.raises(UnknownRequest):  # forgotten by name, but put below the epoch: pinned, and refused
+            await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS, remote_epoch=epoch)
+        assert t.statistics().unpinned_reads == reads
+        await _until(lambda: server.statistics().pinned == 0)
+
+
+@pytest.mark.anyio
+async def test_what_a_peer_names_in_unpins_and_revocations_is_not_kept_beyond_its_rule() -> None:
+    """An authenticated GEN's unpin of a made-up 1 MiB token was kept 30 s (the CTX grew 1 GiB in
+    1,000 unpins), and a CTX's revocation of an id of any length was kept on the GEN's connection
+    (750 MiB in 3,000): an outside review of bounded memory. A token outside a pin's length is not
+    remembered; a revocation of an id outside the request-id rule fails that connection."""
+    async with _served() as (store, handle, server, peer, t):
+        conn = await t._conn(peer)
+        conn.send({"t": "unpin", "token": "x" * (1 << 20)})
+        conn.send({"t": "unpin", "token": "a" * 24})  # a pin's own length, no such pin: remembered a while
+        await _until(lambda: len(server._early) == 1)
+        assert "a" * 24 in server._early
+        conn.dispatch({"t": "revoke", "rid": "r" * 100_000, "n": 1, "epoch": conn.epoch})
+        assert not conn.revoked and isinstance(conn.error, ProtocolViolation)

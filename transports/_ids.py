@@ -14,6 +14,12 @@ CTX, whether a handle is the one issued for that request id (``handle_names``: a
 it READs with no pin) and for how long a prompt (``handle_tokens``: a GEN node refuses a generate
 whose ``prompt_len`` disagrees, which would otherwise decode from the wrong position silently
 when the block count still matches).
+
+The block ids and store epoch a CTX names with a prefill (so that a NIXL GEN can READ without
+asking) carry a tag of their own (``blocks_tag``: an HMAC under the same key of the request id, its
+handle, the source's address and heads, the blocks and the epoch): a GEN node uses them only when
+the tag says the CTX named exactly those (a client holding a valid handle could otherwise point the
+READ at another request's blocks and decode from them, "finished", over NIXL).
 """
 
 from __future__ import annotations
@@ -85,6 +91,20 @@ def handle_tokens(handle: str, request_id: str, key: bytes) -> int | None:
     if not handle_names(handle, request_id, key):
         return None
     return int(handle[HANDLE_LEN // 4:HANDLE_LEN // 2], 16)
+
+
+def blocks_tag(key: bytes, request_id: str, handle: str, peer: str, heads: tuple[int, int],
+               blocks: list[int] | tuple[int, ...], epoch: int | None) -> str:
+    """The tag a CTX gives the block ids (and store epoch) it names for one source of a request."""
+    text = f"kvo-blocks-v1|{request_id}|{handle}|{peer}|{heads[0]}:{heads[1]}|{','.join(map(str, blocks))}|{epoch}"
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def blocks_tag_ok(tag: object, key: bytes, request_id: str, handle: str, peer: str, heads: tuple[int, int],
+                  blocks: list[int] | tuple[int, ...], epoch: int | None) -> bool:
+    """Whether ``tag`` is the one ``blocks_tag`` gives exactly these (compared in constant time)."""
+    return isinstance(tag, str) and hmac.compare_digest(
+        tag.encode(), blocks_tag(key, request_id, handle, peer, heads, blocks, epoch).encode())
 
 
 def _tag(key: bytes, nonce: bytes, request_id: str) -> bytes:

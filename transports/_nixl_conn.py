@@ -21,6 +21,7 @@ import anyio
 import structlog
 
 from ._errors import PeerClosed, ProtocolViolation, TransportError
+from ._ids import InvalidRequestId, check_request_id
 from ._layout import KVLayout
 from ._nixl_common import _HEAD, _MAX_MESSAGE_BYTES, _MAX_REVOKED, parse_msg, write_msg
 from ._store import epoch_vouches
@@ -41,7 +42,9 @@ class _Conn:
         epoch = info.get("epoch")
         self.epoch: int | None = epoch if type(epoch) is int else None  # None: this CTX revokes nothing
         self.trusted_until = 0.0  # monotonic: unpinned READs are vouched for until then (see lease_from)
-        self.revoked: OrderedDict[str, None] = OrderedDict()  # revoked since the epoch
+        self.revoked: OrderedDict[str, int | None] = OrderedDict()
+        """Requests freed since the epoch (revoked, or released by this GEN), each with an epoch past
+        it (None: not known yet): READ with a pin, never unpinned (``vouches``)."""
         self.reading: dict[str, int] = {}  # request id -> READs of it in flight on this connection
         self._ended_waiters: dict[str, list[asyncio.Future[None]]] = {}  # reads_ended() callers
         self._acks_due: dict[str, list[int]] = {}  # revocations acknowledged once those READs end
@@ -106,17 +109,42 @@ class _Conn:
 
     def _revoke(self, msg: dict[str, Any]) -> None:
         rid, n, epoch = msg.get("rid"), msg.get("n"), msg.get("epoch")
+        try:  # an id outside the rule is no request of ours, and kept here it would be memory a CTX could fill
+            check_request_id(rid)
+        except InvalidRequestId:
+            rid = None
         if not isinstance(rid, str) or type(n) is not int or type(epoch) is not int:
             self.fail(ProtocolViolation(f"malformed revocation from {self.peer}", peer=self.peer))
             return
-        self.revoked[rid] = None
-        if len(self.revoked) > _MAX_REVOKED and self.epoch is not None:
-            self.revoked.clear()  # forget them all: whatever was put before this one is READ with a pin
-            self.epoch = max(self.epoch, epoch)
+        self._remember(rid, epoch)
         if self.reading.get(rid):
             self._acks_due.setdefault(rid, []).append(n)
         else:
             self.send({"t": "revoked", "n": [n]})
+
+    def released_here(self, request_id: str, past: int | None) -> None:
+        """This GEN let the CTX free ``request_id`` (a READ without keep, whose notification frees
+        it; a release): ``past`` an epoch past it (its put's + 1, or the CTX's answer), None if not
+        known yet. The CTX revokes a request only at the GENs that did not free it, so without this
+        a replay of the same hand-off here (same id, handle, blocks and epoch) was vouched for and
+        READ, unpinned, the blocks the CTX had freed and given to another request (an outside drill:
+        "finished", with the other request's KV)."""
+        self._remember(request_id, past)
+
+    def _remember(self, rid: str, past: int | None) -> None:
+        known = self.revoked.pop(rid, None)
+        self.revoked[rid] = past if known is None else known if past is None else max(known, past)
+        if len(self.revoked) > _MAX_REVOKED:
+            # too many to remember: every one whose epoch is known was put before the highest of
+            # them, which becomes the epoch (whatever was put before it is READ with a pin); the
+            # ones not known yet (a release on its way) stay, and if they alone overflow, no epoch
+            # vouches for anything any more on this connection
+            known_epochs = [e for e in self.revoked.values() if e is not None]
+            if self.epoch is not None and known_epochs:
+                self.epoch = max(self.epoch, *known_epochs)
+            self.revoked = OrderedDict((r, None) for r, e in self.revoked.items() if e is None)
+            if len(self.revoked) > _MAX_REVOKED:
+                self.epoch = None
 
     def ask_alive(self) -> None:
         """Renew the connection's lease (the answer extends ``trusted_until``); the question before

@@ -51,6 +51,7 @@ from ._store import Checkout, KVStore
 
 log = structlog.get_logger("transports.nixl")
 
+_TOKEN_MIN, _TOKEN_MAX = 16, 64  # a pin's token (a GEN makes 24 hex characters)
 _MAX_EARLY = 65_536  # tokens remembered (a pin message still on its way, a served pin for "check"): bounded memory
 _NOTIF_BACKOFF_S = 0.05  # longest nap between notification polls while unpinned READs may come
 
@@ -257,6 +258,8 @@ class NIXLKVServer:
         self._served += 1
 
     def _done(self, token: str, *, ok: bool) -> None:
+        if not _TOKEN_MIN <= len(token) <= _TOKEN_MAX:  # no pin has it; and a long one kept a while was
+            return  # memory a GEN could fill at will (an outside drill: 1 MiB tokens, +1 GiB in 1,000 unpins)
         pin = self._pins.pop(token, None)
         if pin is not None and pin.owner is not None:
             pin.owner.discard(token)
@@ -502,7 +505,7 @@ class NIXLKVServer:
                                         reader=gen.reader)  # this GEN let go; any other must too
             except (InvalidRequestId, ValueError):
                 ok = False
-            return {"t": "released", "ok": ok}
+            return {"t": "released", "ok": ok, "epoch": self.store.epoch}  # past the request: the GEN remembers it
         if kind == "hold":
             for item in msg.get("items", [])[:100_000]:
                 try:
@@ -557,7 +560,7 @@ class NIXLKVServer:
         have come first) or an unpin. A refusal means the READ's bytes must not be used."""
         token = msg.get("token")
         early = self._early.pop(token) if isinstance(token, str) else None
-        if not isinstance(token, str) or not 16 <= len(token) <= 64 or token in self._pins:
+        if not isinstance(token, str) or not _TOKEN_MIN <= len(token) <= _TOKEN_MAX or token in self._pins:
             return self._refuse("BAD_REQUEST", "a pin needs a fresh token of 16-64 characters")
         checked = self._checked(msg)
         if isinstance(checked, dict):

@@ -481,11 +481,16 @@ class NIXLTransport:
                 conn.forget(confirm[0])
             raise
         if confirm is not None:
+            frees = release and remote_epoch is not None  # the pinned READ's notice frees it, if the pin took
             try:
                 answer = await conn.answer(*confirm, "pin", self.config.request_timeout_s)
             except BaseException:
                 conn.forget(confirm[0])
+                if frees:  # whether the pin took is not known: as if it did
+                    conn.released_here(request_id, remote_epoch + 1)  # type: ignore[operator]
                 raise
+            if frees and answer.get("t") != "error":
+                conn.released_here(request_id, remote_epoch + 1)  # type: ignore[operator]
             if answer.get("t") == "error":  # the bytes read cannot be vouched for: not used
                 raise _error(answer, peer, request_id)
             if answer.get("t") != "pinned":
@@ -572,6 +577,8 @@ class NIXLTransport:
                 xfer = self.agent.initialize_xfer("READ", ldesc, rdesc, conn.agent_name, notif)
             landing.begin()
             conn.read_begins(request_id)  # a revocation of it is acknowledged only once it ended
+            if unpinned is not None and not unpinned[1] and unpinned[2] is not None:
+                conn.released_here(request_id, unpinned[2] + 1)  # its notice frees it (the handle names it)
             posting = None
             try:
                 if nbytes > limit and not step:  # on one host transfer() copies inline: off the loop
@@ -754,7 +761,11 @@ class NIXLTransport:
             check_handle(handle)
             conn = await self._conn(peer)
             await conn.reads_ended(request_id)  # the CTX frees on a release at once: not under a READ of it
-            await conn.request({"t": "release", "rid": request_id, "handle": handle}, self.config.request_timeout_s)
+            conn.released_here(request_id, None)  # from now on: a replay of its hand-off READs with a pin
+            answer = await conn.request({"t": "release", "rid": request_id, "handle": handle},
+                                        self.config.request_timeout_s)
+            if type(answer.get("epoch")) is int:  # the CTX's epoch after the free: past the request
+                conn.released_here(request_id, answer["epoch"])
         except Exception as exc:
             log.warning("nixl_release_failed", peer=peer, request_id=str(request_id)[:40], reason=str(exc))
 

@@ -220,10 +220,11 @@ MAX_KV_SOURCES = 64
 
 
 def kv_sources(msg: dict[str, Any], max_blocks: int = 1 << 20) -> list[
-        tuple[str, int, int, tuple[int, ...] | None, int | None]]:
-    """``msg["kv_sources"]`` as ``(peer, head_start, head_end, kv_blocks, kv_epoch)`` (``kv_blocks``:
-    that rank's block ids of the prompt; ``kv_epoch``: its store's epoch before it
-    stored them; each None when not named); [] when absent; raises ControlError."""
+        tuple[str, int, int, tuple[int, ...] | None, int | None, str | None]]:
+    """``msg["kv_sources"]`` as ``(peer, head_start, head_end, kv_blocks, kv_epoch, kv_blocks_tag)``
+    (``kv_blocks``: that rank's block ids of the prompt; ``kv_epoch``: its store's epoch before it
+    stored them; ``kv_blocks_tag``: the CTX's tag of those (``transports._ids.blocks_tag``); each
+    None when not named); [] when absent; raises ControlError."""
     value = msg.get("kv_sources")
     if value is None:
         return []
@@ -239,7 +240,10 @@ def kv_sources(msg: dict[str, Any], max_blocks: int = 1 << 20) -> list[
         blocks = (tuple(int_list(src, "kv_blocks", max_len=max_blocks, lo=0, hi=(1 << 31) - 1))
                   if src.get("kv_blocks") is not None else None)
         epoch = field(src, "kv_epoch", int, lo=0, hi=(1 << 63) - 1) if src.get("kv_epoch") is not None else None
-        out.append((peer, h0, h1, blocks, epoch))
+        tag = field(src, "kv_blocks_tag", str) if src.get("kv_blocks_tag") is not None else None
+        if tag is not None and len(tag) > 64:
+            raise ControlError("field 'kv_blocks_tag' must be at most 64 characters")
+        out.append((peer, h0, h1, blocks, epoch, tag))
     return out
 
 

@@ -42,7 +42,7 @@ from orchestrator import KVBlockPool, KVExhausted, loop_caller
 from orchestrator._sampling import SamplingParams, sample
 from orchestrator._sampling import logprobs as token_logprobs
 from transports import KVStore
-from transports._ids import handle_key
+from transports._ids import blocks_tag, handle_key
 
 log = structlog.get_logger("examples.ctx")
 
@@ -56,7 +56,8 @@ class CtxNode:
         self.store = KVStore(self.layout, self.pool.kv)
         # its handles name their request and prompt length: a GEN refuses a generate whose prompt_len
         # disagrees with the prefill (a NIXL GEN also READs without asking, from such a handle only)
-        self.store.name_handles(handle_key(node_secret(args)))
+        self.handle_key = handle_key(node_secret(args))  # also tags the block ids its prefills name
+        self.store.name_handles(self.handle_key)
         self.ucx_addr = ""
         self.kv_server: Any = None
         self.rank = getattr(args, "tp_rank", 0)
@@ -290,9 +291,17 @@ class CtxNode:
                 **({"first_logprobs": first_lp[0]} if first_lp else {}),
                 "kv_peer": self.ucx_addr, "kv_handle": handle, "block_checksums": checksums,
                 "head_checksums": per_head,
-                "kv_sources": [{"peer": self.ucx_addr, "head_start": 0, "head_end": self.head_range[1],
-                                "kv_blocks": [int(b) for b in block_ids.tolist()], "kv_epoch": epoch,
-                                "kv_transport": backend(self.args), "model": self.model.config.fingerprint}]}
+                "kv_sources": [self.source(rid, handle, self.ucx_addr, (0, self.head_range[1]),
+                                           [int(b) for b in block_ids.tolist()], epoch)]}
+
+    def source(self, rid: str, handle: str, peer: str, heads: tuple[int, int], blocks: list[int],
+               epoch: int) -> dict[str, Any]:
+        """One ``kv_sources`` entry of a prefill reply: where a GEN pulls these heads, the block ids
+        and store epoch (a NIXL GEN READs them without asking) and their tag (``blocks_tag``: a GEN
+        node uses the ids only as this CTX named them)."""
+        return {"peer": peer, "head_start": heads[0], "head_end": heads[1], "kv_blocks": blocks, "kv_epoch": epoch,
+                "kv_blocks_tag": blocks_tag(self.handle_key, rid, handle, peer, heads, blocks, epoch),
+                "kv_transport": backend(self.args), "model": self.model.config.fingerprint}
 
     async def _prefill_in_group(self, rid: str, prompt: list[int], block_ids: torch.Tensor) -> dict[str, Any]:
         """Every rank prefills its shard and holds its heads under one handle; the reply names them all."""

@@ -39,7 +39,6 @@ import structlog
 import torch
 
 from examples.two_node import tp_group
-from examples.two_node.common import backend
 from examples.two_node.gen_tp import head_checksums
 
 log = structlog.get_logger("examples.ctx_tp")
@@ -257,8 +256,7 @@ class CtxGroup:
                                               "(rank r at index r); the prefill is refused"}
             return {"ok": False, "error": next(p["error"] for p in parts if not p["ok"])}
         return {"ok": True, "first_token": first, "kv_sources": [
-            {"peer": p["peer"], "head_start": p["head_start"], "head_end": p["head_end"], "kv_blocks": p["blocks"],
-             "kv_epoch": p["epoch"], "kv_transport": backend(node.args), "model": node.model.config.fingerprint}
+            node.source(rid, handle, p["peer"], (p["head_start"], p["head_end"]), p["blocks"], p["epoch"])
             for p in parts],
             "head_checksums": merge_head_checksums(parts) if checksums else []}
 

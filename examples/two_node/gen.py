@@ -45,7 +45,7 @@ from orchestrator import (
     loop_caller,
 )
 from orchestrator._sampling import SamplingParams, sample_rows
-from transports._ids import handle_key, handle_tokens
+from transports._ids import blocks_tag_ok, handle_key, handle_tokens
 from orchestrator._sampling import logprobs as token_logprobs
 
 log = structlog.get_logger("examples.gen")
@@ -252,8 +252,7 @@ class GenNode:
             max_tokens=control.field(msg, "max_tokens", int, lo=1, hi=limit),
             peer=control.field(msg, "kv_peer", str) if pulls else None,
             kv_handle=control.kv_handle(msg) if pulls else None,
-            kv_sources=tuple(KVSource(peer, h0, h1, None, blocks, epoch) for peer, h0, h1, blocks, epoch
-                             in control.kv_sources(msg, self.config.layout.blocks_for(limit))) if pulls else (),
+            kv_sources=self._sources(msg, rid, limit) if pulls else (),
         )
         named = handle_tokens(request.kv_handle, rid, self._handle_key) if request.kv_handle is not None else None
         if named is not None and named != request.prompt_len:  # the same blocks, another position: a wrong answer
@@ -312,6 +311,25 @@ class GenNode:
                 self.logprobs.pop(rid, None)
                 self.head_sums.discard(rid)
             send.close()
+
+    def _sources(self, msg: dict[str, Any], rid: str, limit: int) -> tuple[KVSource, ...]:
+        """The generate's ``kv_sources``. Their block ids and store epoch (with which a NIXL pull
+        READs at once, unasked) are used only as the CTX named them (``kv_blocks_tag``): without a
+        tag they are dropped (the CTX then finds the blocks itself: a round trip more, never
+        wrong); with a tag that does not match them the request is refused. Before, a client
+        holding a valid handle could point the READ at another request's blocks and the request
+        "finished" on that request's KV (an outside drill, over NIXL)."""
+        handle = str(msg.get("kv_handle"))
+        out = []
+        for peer, h0, h1, blocks, epoch, tag in control.kv_sources(msg, self.config.layout.blocks_for(limit)):
+            if blocks is None or tag is None:
+                blocks = epoch = None
+            elif not blocks_tag_ok(tag, self._handle_key, rid, handle, peer, (h0, h1), blocks, epoch):
+                raise control.ControlError(
+                    f"the KV block ids of source {peer[:64]!r} are not those its CTX named for {rid!r} (their tag "
+                    "does not match): pass the prefill reply's kv_sources unchanged")
+            out.append(KVSource(peer, h0, h1, None, blocks, epoch))
+        return tuple(out)
 
     async def _stream_tokens(self, rid: str, receive: Any, stream: control.JsonStream) -> bool:
         """Forward ``rid``'s outputs; True once "done" was sent."""
