@@ -236,6 +236,50 @@ async def test_a_gen_refusal_with_no_other_gen_releases_the_kv_at_once() -> None
         assert ctx.held == {}
 
 
+async def refuse_too_large(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:
+    raise control.ControlError(f"{msg['request_id']}: needs 14 KV blocks, the pool has 8", code="context_length_exceeded")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_gen_refusal_about_the_request_is_a_400_and_marks_no_node_down(stream: bool) -> None:
+    """A request no GEN can hold (its KV over the pool) was refused by each GEN in turn: each was
+    marked down for every client (503 no_node_available for good requests) and the client got a 503
+    with Retry-After, which SDKs retry. The GEN says the refusal is about the request: a 400, once."""
+    ctx = FakeCtx()
+    gens = [FakeGen(refuse_too_large), FakeGen(refuse_too_large)]
+    async with front_on([ctx], gens, max_retries=2) as (front, http):
+        await wait_until(front.cluster.ready)
+        r = await http.post("/v1/completions", json=completion(max_tokens=4, stream=stream))
+        if stream:  # the refusal comes after the first chunk: an error event, then [DONE]
+            assert r.status_code == 200 and '"code":"context_length_exceeded"' in r.text and r.text.endswith("[DONE]\n\n")
+        else:
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert "Retry-After" not in r.headers
+        assert sum(len(g.generates) for g in gens) == 1  # not retried on the other GEN
+        assert all(n.up for n in front.cluster.nodes) and (await http.get("/health")).status_code == 200
+        assert front.metrics.retries.labels("gen")._value.get() == 0
+        await wait_until(lambda: ctx.released == ctx.prefills)  # the CTX's copy released at once
+
+
+async def test_no_gen_up_after_the_prefill_says_so() -> None:
+    """The only GEN went down while a request was prefilled: its 503 said "no CTX node is up"."""
+    ctx, gen = FakeCtx(delay_s=0.5), FakeGen()
+    async with front_on([ctx], [gen], routing={"stats_interval_s": 60, "connect_timeout_s": 2}) as (front, http):
+        await wait_until(front.cluster.ready)
+        async with anyio.create_task_group() as tg:
+            answer: dict[str, Any] = {}
+
+            async def post() -> None:
+                answer["r"] = await http.post("/v1/completions", json=completion())
+
+            tg.start_soon(post)
+            await wait_until(lambda: len(ctx.prefills) == 1)
+            front.cluster.mark_down(front.cluster.find(gen.addr), "test")  # type: ignore[arg-type]
+        r = answer["r"]
+        assert r.status_code == 503 and r.json()["error"]["message"] == "no GEN node is up"
+        await wait_until(lambda: ctx.released == ctx.prefills)
+
+
 async def test_a_gen_that_dies_before_it_pulled_has_the_ctx_copy_released() -> None:
     """Not streamed, a GEN that died mid-request costs a retry of the whole flight: the first
     prefill's KV, never pulled, is released on the CTX (not left to its lease), the retry's is pulled."""

@@ -187,3 +187,31 @@ async def test_a_prompt_len_other_than_the_ctx_s_prefill_is_refused(prompt_len: 
     with anyio.fail_after(5), pytest.raises(control.ControlError, match="disagrees with the CTX's prefill"):
         await node._generate(msg, _Stream())
     assert node.engine.live_requests == 0
+
+
+async def test_a_refusal_says_whether_it_is_about_the_request_or_the_node() -> None:
+    """A front retried a request that no GEN could take (prompt + max_tokens needs more KV blocks than
+    the pool has) on every GEN and marked each down for all clients: the refusal now names its kind."""
+    node, _ = _node()  # 64 blocks of 16 tokens
+    too_big = {"op": "generate", "request_id": "big", "prompt_len": 20, "first_token": 5, "max_tokens": 1100}
+    with anyio.fail_after(5), pytest.raises(control.ControlError, match="KV blocks") as caught:
+        await node._generate(too_big, _Stream())
+    assert caught.value.code == "context_length_exceeded"
+    node.shutting_down = True
+    with anyio.fail_after(5), pytest.raises(control.ControlError, match="shutting down") as caught:
+        await node._generate(dict(too_big, request_id="s", max_tokens=3), _Stream())
+    assert caught.value.code == gen.UNAVAILABLE
+    assert node.engine.live_requests == 0
+
+
+async def test_a_refusal_s_code_reaches_the_caller() -> None:
+    async def handler(msg: dict, stream: control.JsonStream) -> None:
+        raise control.ControlError("no", code="context_length_exceeded")
+
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(lambda task_status: control.serve("127.0.0.1", 0, handler, secret=None, insecure=True,
+                                                                task_status=task_status))
+        with anyio.fail_after(5), pytest.raises(control.ControlError) as caught:
+            await control.call(f"127.0.0.1:{port}", {"op": "x"}, secret=None)
+        assert caught.value.code == "context_length_exceeded"
+        tg.cancel_scope.cancel()

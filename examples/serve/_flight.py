@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from examples.serve._app import Front
 
 
+REQUEST_REFUSALS = ("context_length_exceeded", "invalid_request")
+"""The ``code`` of a GEN's ``{"ok": false}`` to ``generate`` when the request itself cannot be served
+(prompt + max_tokens needs more KV than the GEN's pool holds, ...): a 400 for the client; the GEN is
+not marked down and no other GEN is tried (examples/two_node/gen.py's ``_refusal_code``)."""
+
+
 class Flight:
     """One request through a CTX and a GEN node; ``aclose`` gives everything back exactly once."""
 
@@ -57,8 +63,8 @@ class Flight:
         """Prefills and hand-offs tried again on another node."""
         self.logprobs: list[Any] = []
         """Per token received (aligned with ``text.token_ids``): ``[logprob, top]`` or None."""
-        self._last_error = ApiError(503, "no CTX node is up", code="no_node_available",
-                                    retry_after=front.cfg.routing.retry_after_s)
+        self._last_error: ApiError | None = None
+        """Why the last prefill or hand-off failed (what the client gets when no node is left to try)."""
         self.holds_slot = True
         """It holds an admission slot (given back by ``aclose``, or handed to a retry of it)."""
         self.counted = True
@@ -99,7 +105,8 @@ class Flight:
         while True:
             ctx = cluster.pick("ctx", exclude=tuple(tried))
             if ctx is None:
-                raise self._last_error
+                raise self._last_error or ApiError(503, "no CTX node is up", code="no_node_available",
+                                                   retry_after=retry)
             self.ctx = self._hold(ctx)
             try:
                 self.prefill = await self._prefill(ctx)
@@ -115,9 +122,10 @@ class Flight:
             self.ctx = None
             tried.append(ctx)
             if self.retries >= retries:
-                raise self._last_error
+                raise self._last_error  # (set just above)
             self.retries += 1
             front.metrics.retries.labels("ctx").inc()
+        self._last_error = None  # a CTX answered: what fails from here on is the hand-off's
         self.handle = self.prefill["kv_handle"]
         if self.first_try:
             front.metrics.ttft.observe(time.perf_counter() - self.t0)
@@ -138,8 +146,8 @@ class Flight:
         while True:
             gen = cluster.pick("gen", exclude=tuple(self._tried_gens))
             if gen is None:
-                raise getattr(self, "_last_error", None) or ApiError(
-                    503, "no GEN node is up", code="no_node_available", retry_after=retry)
+                raise self._last_error or ApiError(503, "no GEN node is up", code="no_node_available",
+                                                   retry_after=retry)
             self.gen = self._hold(gen)
             try:
                 with anyio.fail_after(front.cfg.routing.connect_timeout_s):
@@ -177,6 +185,7 @@ class Flight:
 
     def _count_retry(self) -> None:
         """One more try on another GEN, or ``_last_error`` when the flight has had ``max_retries``."""
+        assert self._last_error is not None
         if self.retries >= self.front.cfg.max_retries:
             raise self._last_error
         self.retries += 1
@@ -256,6 +265,12 @@ class Flight:
                 return
             if msg.get("ok") is False:
                 assert self.gen is not None
+                if not got_gen and msg.get("code") in REQUEST_REFUSALS:  # about the request, not the node:
+                    # every GEN would refuse it; nothing is marked down, nothing retried, the client is told
+                    code = "context_length_exceeded" if msg["code"] == "context_length_exceeded" else "invalid_value"
+                    self.error = ApiError(400, f"GEN {self.gen.addr} cannot serve this request: {msg.get('error')}",
+                                          code=code)
+                    return
                 refused = ApiError(503, f"GEN {self.gen.addr} refused the request: {msg.get('error')}",
                                    code="gen_refused", retry_after=self.front.cfg.routing.retry_after_s)
                 if got_gen:  # it had taken the request: its tokens may have gone out

@@ -96,7 +96,16 @@ _SERVER_LABEL = b"kvo-ctl-v1-server"
 
 
 class ControlError(Exception):
-    """A malformed control message, or a peer that answered with ``ok: false``."""
+    """A malformed control message, or a peer that answered with ``ok: false``.
+
+    ``code``: what kind of refusal it is, sent along in the ``{"ok": false, "error", "code"}`` reply
+    (a GEN's ``generate``: ``context_length_exceeded`` / ``invalid_request``: the request itself cannot
+    be served here, another node would refuse it too; ``unavailable``: this node cannot take it now);
+    None: not said (a peer of an older version, or an error of no kind in particular)."""
+
+    def __init__(self, message: str = "", *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class AuthError(ControlError):
@@ -323,7 +332,8 @@ async def call(addr: str, msg: dict[str, Any], *, secret: bytes | None, timeout:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
     if reply.get("ok") is False:
-        raise ControlError(str(reply.get("error")))
+        code = reply.get("code")
+        raise ControlError(str(reply.get("error")), code=code if isinstance(code, str) else None)
     return reply
 
 
@@ -436,7 +446,7 @@ class ControlServer:
                         self._rejected += 1
                         log.info("control_rejected", error=str(exc))
                     try:
-                        await stream.send({"ok": False, "error": str(exc)})
+                        await stream.send({"ok": False, "error": str(exc), **({"code": exc.code} if exc.code else {})})
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
                         pass
                 except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):

@@ -44,11 +44,16 @@ from orchestrator import (
     Unavailable,
     loop_caller,
 )
+from orchestrator._requests import kv_blocks_needed
 from orchestrator._sampling import SamplingParams, sample_rows
 from transports._ids import blocks_tag_ok, handle_key, handle_tokens
 from orchestrator._sampling import logprobs as token_logprobs
 
 log = structlog.get_logger("examples.gen")
+
+UNAVAILABLE = "unavailable"
+"""The ``code`` of a ``generate`` this node refuses for itself (starting, stopping, draining, unhealthy):
+another GEN may take the request. The codes about the request are ``_refusal_code``'s."""
 
 
 class DeviceStep:
@@ -220,11 +225,12 @@ class GenNode:
 
     async def _generate(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
         if self.engine is None:
-            raise control.ControlError("GEN engine unavailable: starting")
+            raise control.ControlError("GEN engine unavailable: starting", code=UNAVAILABLE)
         if self.shutting_down:
-            raise control.ControlError("this GEN node is shutting down (SIGTERM): send the request to another GEN")
+            raise control.ControlError("this GEN node is shutting down (SIGTERM): send the request to another GEN",
+                                       code=UNAVAILABLE)
         if self.registration is not None and self.registration.refuses_new_work():
-            raise control.ControlError("this GEN node is draining: send the request to another GEN")
+            raise control.ControlError("this GEN node is draining: send the request to another GEN", code=UNAVAILABLE)
         limit = self.config.max_model_len
         rid = control.request_id(msg)  # before anything is allocated for it
         pulls = self.config.mode is not Mode.IDEAL
@@ -257,17 +263,19 @@ class GenNode:
         named = handle_tokens(request.kv_handle, rid, self._handle_key) if request.kv_handle is not None else None
         if named is not None and named != request.prompt_len:  # the same blocks, another position: a wrong answer
             raise control.ControlError(f"prompt_len {request.prompt_len} disagrees with the CTX's prefill of {rid!r}: "
-                                       f"{named} tokens (as its KV handle names)")
+                                       f"{named} tokens (as its KV handle names)", code="invalid_request")
         try:
             if msg.get("sampling") is not None:
                 request = dataclasses.replace(request, sampling=SamplingParams.from_wire(msg["sampling"]))
         except ValueError as exc:  # from_wire: anything malformed, an infinity where an int goes too
-            raise control.ControlError(str(exc)) from None
+            raise control.ControlError(str(exc), code="invalid_request") from None
         top = msg.get("logprobs")
         if top is not None and not (type(top) is int and 0 <= top <= 20):  # true is not 1, "3" is not 3
-            raise control.ControlError(f"logprobs must be an integer 0-20 (alternatives per token), not {str(top)[:20]!r}")
+            raise control.ControlError(f"logprobs must be an integer 0-20 (alternatives per token), not {str(top)[:20]!r}",
+                                       code="invalid_request")
         if top is not None and request.sampling is None:  # (they come from the sampling path)
-            raise control.ControlError("logprobs needs a sampling object ({\"temperature\": 0} for greedy)")
+            raise control.ControlError("logprobs needs a sampling object ({\"temperature\": 0} for greedy)",
+                                       code="invalid_request")
         # submit first (it refuses a live id), then own the stream: no await in between, so no
         # output of this request can reach the pump before its stream is there, and a refused
         # duplicate never touches the live request's stream
@@ -279,7 +287,7 @@ class GenNode:
         except (InvalidRequest, Unavailable) as exc:
             if mine:
                 self.logprob_top.pop(rid, None)
-            raise control.ControlError(str(exc)) from None
+            raise control.ControlError(str(exc), code=self._refusal_code(request, exc)) from None
         self._unfinished.add(rid)
         send, receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
         self._streams[rid] = send
@@ -327,9 +335,21 @@ class GenNode:
             elif not blocks_tag_ok(tag, self._handle_key, rid, handle, peer, (h0, h1), blocks, epoch):
                 raise control.ControlError(
                     f"the KV block ids of source {peer[:64]!r} are not those its CTX named for {rid!r} (their tag "
-                    "does not match): pass the prefill reply's kv_sources unchanged")
+                    "does not match): pass the prefill reply's kv_sources unchanged", code="invalid_request")
             out.append(KVSource(peer, h0, h1, None, blocks, epoch))
         return tuple(out)
+
+    def _refusal_code(self, request: GenRequest, exc: Exception) -> str:
+        """What kind of refusal ``submit``'s ``exc`` is: about the node (``unavailable``: another GEN may
+        take it), or about the request (no GEN of this configuration can: a front must not retry it
+        elsewhere nor hold it against this node)."""
+        if isinstance(exc, Unavailable):
+            return UNAVAILABLE
+        limit = self.config.max_model_len
+        need = kv_blocks_needed(self.config.layout, request.prompt_len, request.max_tokens)
+        if request.prompt_len + request.max_tokens > limit or need > self.config.num_blocks:
+            return "context_length_exceeded"
+        return "invalid_request"
 
     async def _stream_tokens(self, rid: str, receive: Any, stream: control.JsonStream) -> bool:
         """Forward ``rid``'s outputs; True once "done" was sent."""
