@@ -303,7 +303,14 @@ def test_cluster_file_router_queue_retries_etcd() -> None:
     assert cfg.etcd is not None and cfg.etcd.url == "http://127.0.0.1:2379" and cfg.ctx == cfg.gen == ()
     for bad, what in [({"router": {"gen": "random"}}, "router.gen"), ({"max_retries": -1}, "max_retries"),
                       ({"queue": {"size": -1}}, "queue"), ({"etcd": {"url": "127.0.0.1:2379"}}, "etcd.url"),
-                      ({"router": {"dispatch": "x"}}, "unknown")]:
+                      ({"router": {"dispatch": "x"}}, "unknown"),
+                      # each passed before and crashed the front: an IndexError at start; the poll loop's
+                      # ValueError after READY (every request a 500 while /health said 200)
+                      ({"etcd": {"url": "http://127.0.0.1:2379", "prefix": ""}}, "etcd.prefix"),
+                      ({"etcd": {"url": "http://127.0.0.1:2379", "prefix": "/kvo"}}, "etcd.prefix"),
+                      ({"routing": {"stats_interval_s": float("nan")}}, "routing.stats_interval_s must be a finite"),
+                      ({"routing": {"request_timeout_s": float("inf")}}, "routing.request_timeout_s"),
+                      ({"queue": {"timeout_s": float("nan")}}, "queue.timeout_s")]:
         with pytest.raises(ConfigError, match=what):
             parse({**base, **bad})
     with pytest.raises(ConfigError, match="gen"):

@@ -38,6 +38,7 @@ on exit): ``host`` (127.0.0.1), ``mode``, ``step`` and ``tensor_parallel_size`` 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +189,15 @@ def parse(raw: Any, *, base: Path = Path(".")) -> ClusterConfig:
         url = _typed(raw_etcd.get("url"), str, "etcd.url")
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"etcd.url: {url!r} is not an http:// or https:// URL")
-        etcd = Etcd(url=url.rstrip("/"), prefix=_typed(raw_etcd.get("prefix", "/kvo/"), str, "etcd.prefix"))
+        prefix = _typed(raw_etcd.get("prefix", "/kvo/"), str, "etcd.prefix")
+        if not prefix.endswith("/") or "\x00" in prefix:  # "" selects nothing; "/kvo" would also match "/kvo2/..."
+            raise ConfigError(f"etcd.prefix: {prefix!r} must be a non-empty key prefix ending in '/' (e.g. /kvo/tiny/)")
+        etcd = Etcd(url=url.rstrip("/"), prefix=prefix)
+    for name, section in (("transfer", transfer), ("limits", limits), ("routing", routing), ("queue", queue)):
+        for f in dataclasses.fields(section):  # NaN passes "<= 0" and every comparison after it; inf never ends
+            v = getattr(section, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{name}.{f.name} must be a finite number, got {v}")
     if queue.size < 0 or queue.timeout_s <= 0:
         raise ConfigError("queue: size must be >= 0 (0: no queue) and timeout_s positive")
     for section in (transfer, limits, routing):

@@ -261,11 +261,21 @@ async def serve_registration(url: str, *, prefix: str, role: str, ctrl: str, met
             await etcd.aclose()
 
 
+def _prefix_arg(value: str) -> str:
+    if not value.endswith("/"):  # "" selects nothing (and broke _prefix_end); "/kvo" would match "/kvo2/..."
+        raise ValueError(value)
+    return value
+
+
+_prefix_arg.__name__ = "key prefix ending in '/'"  # argparse: "invalid key prefix ending in '/' value: 'x'"
+
+
 def add_args(p: Any) -> None:
     g = p.add_argument_group("membership (etcd)")
     g.add_argument("--etcd", help="register this node in etcd at this URL (http://host:2379), under a lease kept "
                    "alive; SIGTERM then drains it (takes nothing new, finishes, deregisters)")
-    g.add_argument("--etcd-prefix", default=DEFAULT_PREFIX, help="key prefix: {prefix}{role}/{control address}")
+    g.add_argument("--etcd-prefix", type=_prefix_arg, default=DEFAULT_PREFIX,
+                   help="key prefix, ending in '/': {prefix}{role}/{control address}")
     from examples.two_node.cli import positive_int
 
     g.add_argument("--etcd-ttl-s", type=positive_int, default=DEFAULT_TTL_S, help="lease TTL: a node that dies leaves after it")
