@@ -280,6 +280,33 @@ async def test_no_gen_up_after_the_prefill_says_so() -> None:
         await wait_until(lambda: ctx.released == ctx.prefills)
 
 
+async def two_byte_char(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:
+    lp = [[-0.5, []]]
+    await stream.send({"tokens": [0xC3], "logprobs": lp})  # "é" in two tokens, then "b", "c"
+    await stream.send({"tokens": [0xA9, 98], "logprobs": lp * 2})
+    await stream.send({"tokens": [99], "logprobs": lp})
+    await stream.send({"done": True, "state": "finished", "failure": None, "message": ""})
+
+
+async def test_text_offset_indexes_the_text_the_same_streamed_or_not() -> None:
+    """text_offset advanced by len("bytes:\\xc3") (10) per byte of a character: offsets pointed past
+    the end of the text, and the streamed answer (advanced by the text sent) said other offsets."""
+    import json
+
+    async with front_on([FakeCtx()], [FakeGen(two_byte_char)]) as (front, http):
+        await wait_until(front.cluster.ready)
+        body = completion(max_tokens=5, logprobs=0)
+        whole = (await http.post("/v1/completions", json=body)).json()["choices"][0]
+        streamed: list[int] = []
+        r = await http.post("/v1/completions", json={**body, "stream": True})
+        for line in r.text.splitlines():
+            if line.startswith("data: {") and (lp := json.loads(line[6:])["choices"][0]["logprobs"]):
+                streamed += lp["text_offset"]
+    assert whole["text"] == "A\u00e9bc"
+    assert whole["logprobs"]["tokens"] == ["bytes:\\xc3", "bytes:\\xa9", "b", "c"]  # (the CTX's "A" has none)
+    assert whole["logprobs"]["text_offset"] == [1, 1, 2, 3] == streamed
+
+
 async def test_a_gen_that_dies_before_it_pulled_has_the_ctx_copy_released() -> None:
     """Not streamed, a GEN that died mid-request costs a retry of the whole flight: the first
     prefill's KV, never pulled, is released on the CTX (not left to its lease), the retry's is pulled."""

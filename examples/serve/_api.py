@@ -375,6 +375,10 @@ class TextStream:
         self.include_stop_str = include_stop_str
         """vLLM's ``include_stop_str_in_output``: the stop string (or stop token) ends the output and is part of it."""
         self.token_ids: list[int] = []
+        self.offsets: list[int] = []
+        """Per token (aligned with ``token_ids``): where its text starts in the output (completions'
+        ``logprobs.text_offset``): the characters decoded before it, so a byte that is only part of a
+        character points at that character, and every offset is the same streamed or not."""
         self.finish_reason: str | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._text = ""
@@ -392,6 +396,7 @@ class TextStream:
             if self.finish_reason is not None:
                 break
             self.token_ids.append(t)
+            self.offsets.append(len(self._text))
             if t == TOKENIZER.eos_id and not self.ignore_eos:
                 self._finish("stop")
                 break
@@ -452,20 +457,19 @@ def token_str(t: int) -> str:
     return "<eos>" if t == TOKENIZER.eos_id else f"<{t}>"
 
 
-def logprobs_obj(g: Generation, ids: Sequence[int], lps: Sequence[Any], offset: int = 0) -> dict[str, Any] | None:
+def logprobs_obj(g: Generation, ids: Sequence[int], lps: Sequence[Any], offsets: Sequence[int]) -> dict[str, Any] | None:
     """The ``logprobs`` of a choice (or of a chunk: its tokens), OpenAI's shape for each endpoint.
-    ``lps[i]``: ``[logprob, [[id, logprob], ...]]`` as the nodes send it."""
+    ``lps[i]``: ``[logprob, [[id, logprob], ...]]`` as the nodes send it; ``offsets[i]``: where token
+    i's text starts in the choice's text (``TextStream.offsets``: not the lengths of the token strings,
+    which are 10 characters for a ``bytes:\\xNN`` token that is one character or less of the text)."""
     if g.logprobs is None:
         return None
-    pairs = [(t, lp) for t, lp in zip(ids, lps) if lp is not None]
+    kept = [(t, lp, at) for t, lp, at in zip(ids, lps, offsets) if lp is not None]
+    pairs = [(t, lp) for t, lp, _ in kept]
     if g.kind == "completion":
-        offsets, at = [], offset
-        for t, _ in pairs:
-            offsets.append(at)
-            at += len(token_str(t))
         return {"tokens": [token_str(t) for t, _ in pairs], "token_logprobs": [lp[0] for _, lp in pairs],
                 "top_logprobs": [{token_str(i): v for i, v in lp[1]} for _, lp in pairs] if g.logprobs else None,
-                "text_offset": offsets}
+                "text_offset": [at for _, _, at in kept]}
     return {"content": [{"token": token_str(t), "logprob": lp[0], "bytes": [t] if t < 256 else [],
                          "top_logprobs": [{"token": token_str(i), "logprob": v, "bytes": [i] if i < 256 else []}
                                           for i, v in lp[1]]} for t, lp in pairs]}
@@ -477,7 +481,7 @@ def response(g: Generation, texts: TextStream | Sequence[TextStream],
     texts = [texts] if isinstance(texts, TextStream) else list(texts)
     choices = []
     for i, text in enumerate(texts):
-        lp = logprobs_obj(g, text.token_ids, lps[i]) if lps is not None else None
+        lp = logprobs_obj(g, text.token_ids, lps[i], text.offsets) if lps is not None else None
         if g.kind == "completion":
             choice: dict[str, Any] = {"index": i, "text": text.text, "logprobs": lp, "finish_reason": text.finish_reason}
         else:

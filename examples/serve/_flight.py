@@ -352,13 +352,13 @@ class _FlightResponse(StreamingResponse):
     async def _events(self) -> AsyncIterator[bytes]:
         f, g = self.flight, self.flight.g
         first = True
-        done, offset = 0, 0  # tokens (and text) already sent: their logprobs went with them
+        done = 0  # tokens already sent: their logprobs went with them
         try:
             async for piece, ids in f.pieces():
                 if piece or first or (g.return_token_ids and ids) or (g.logprobs is not None and ids):
-                    lp = _api.logprobs_obj(g, ids, f.logprobs[done:done + len(ids)], offset)
+                    lp = _api.logprobs_obj(g, ids, f.logprobs[done:done + len(ids)], f.text.offsets[done:done + len(ids)])
                     yield _api.chunk(g, piece, role=first, token_ids=ids, logprobs=lp)
-                done, offset = done + len(ids), offset + len(piece)
+                done += len(ids)
                 first = False
             if f.error is not None:
                 yield _api.sse(f.error.body())
@@ -395,14 +395,15 @@ class _ChoicesResponse(StreamingResponse):
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _one(self, i: int, f: Flight, send: Any) -> None:
-        g, first, done, offset = self.g, True, 0, 0
+        g, first, done = self.g, True, 0
         try:
             async with send:
                 async for piece, ids in f.pieces():
                     if piece or first or (g.return_token_ids and ids) or (g.logprobs is not None and ids):
-                        lp = _api.logprobs_obj(g, ids, f.logprobs[done:done + len(ids)], offset)
+                        lp = _api.logprobs_obj(g, ids, f.logprobs[done:done + len(ids)],
+                                               f.text.offsets[done:done + len(ids)])
                         await send.send(_api.chunk(g, piece, role=first, token_ids=ids, logprobs=lp, index=i))
-                    done, offset = done + len(ids), offset + len(piece)
+                    done += len(ids)
                     first = False
                 if f.error is None:
                     await send.send(_api.chunk(g, "", finish_reason=f.text.finish_reason, index=i))
