@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 import pytest
 import uvicorn
@@ -512,3 +514,26 @@ async def test_a_streamed_client_that_leaves_during_its_prefill_is_not_handed_to
         assert gen.generates == [] and ctx.held == {}
         assert front.admission.active == 0
         assert sample(front, "kvo_front_requests_total", endpoint="/v1/completions", status="499") == 1
+
+
+async def test_a_node_that_never_answers_its_poll_leaves_the_others_stats_fresh() -> None:
+    """Each poll round waited for its slowest poll: one hung node (SIGSTOP, or a port that accepts and
+    never answers) left every node's stats up to connect_timeout_s old, and a node marked down by a
+    failed request down that long."""
+    gen = FakeGen()
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(lambda task_status: control.serve("127.0.0.1", 0, gen.handle, secret=None, insecure=True,
+                                                                task_status=task_status))
+        hung = await anyio.create_tcp_listener(local_host="127.0.0.1")
+        tg.start_soon(hung.serve, lambda conn: anyio.sleep_forever())  # accepts, never says hello
+        hung_addr = f"127.0.0.1:{hung.extra(anyio.abc.SocketAttribute.local_port)}"
+        cluster = Cluster([hung_addr], [f"127.0.0.1:{port}"], secret=None, interval_s=0.05, timeout_s=1.5)
+        tg.start_soon(cluster.run)
+        good = cluster.of("gen")[0]
+        await wait_until(lambda: good.up)
+        await anyio.sleep(0.2)  # the hung node's first poll is still waiting (1.5 s)
+        cluster.mark_down(good, "a request failed on it")
+        await wait_until(lambda: good.up, timeout_s=0.5)  # the next poll brings it back, not the slow round's end
+        await anyio.sleep(0.3)
+        assert time.monotonic() - good.stats_at < 0.3
+        tg.cancel_scope.cancel()

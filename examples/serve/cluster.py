@@ -209,16 +209,40 @@ class Cluster:
                 node.down = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Poll every node every ``interval_s``; reports started after the first round."""
+        """Poll every node every ``interval_s``, each on its own: a node whose poll hangs (stopped, or a
+        port that accepts and never answers, up to ``timeout_s``) delays only its own next poll, not the
+        others' (a round that waited for its slowest poll left every node's stats that old, and a node
+        marked down by a failed request down that long). Reports started after the first round."""
+        polling: set[int] = set()  # id() of the nodes whose poll is under way
+        first = {id(n) for n in self.nodes}  # READY once each has had its first poll
+        first_done = anyio.Event()
+
+        async def poll_one(node: Node) -> None:
+            try:
+                await self.poll(node)
+            finally:
+                polling.discard(id(node))
+                first.discard(id(node))
+                if not first:
+                    first_done.set()
+
         async with anyio.create_task_group() as tg:
             for node in list(self.nodes):
-                tg.start_soon(self.poll, node)
-        task_status.started()
-        while True:
-            await anyio.sleep(self.interval_s)
-            async with anyio.create_task_group() as tg:
-                for node in list(self.nodes):
-                    tg.start_soon(self.poll, node)
+                polling.add(id(node))
+                tg.start_soon(poll_one, node)
+
+            async def every_interval() -> None:
+                while True:
+                    await anyio.sleep(self.interval_s)
+                    for node in list(self.nodes):
+                        if id(node) not in polling:
+                            polling.add(id(node))
+                            tg.start_soon(poll_one, node)
+
+            tg.start_soon(every_interval)
+            if first:  # READY once every node's first poll is over (the others polled on meanwhile)
+                await first_done.wait()
+            task_status.started()
 
     def health(self) -> dict[str, Any]:
         return {
