@@ -317,3 +317,46 @@ def test_an_unreachable_etcd_is_retried_with_backoff_and_logged_sparingly() -> N
     warned = [e["failures_in_a_row"] for e in logs if e["event"] == "etcd_watch_failed"]
     assert 5 <= len(errors) <= 15, len(errors)  # 0.01 + 0.02 + 0.04 + 0.08 + 0.16 ... (every 0.01 s: ~100)
     assert warned == [n for n in (1, 2, 4, 8, 16) if n <= len(errors)]
+
+
+def test_a_watch_that_says_nothing_is_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watch whose connection was black-holed (or whose etcd was SIGSTOPped) ends no stream: the front
+    waited on it forever, never saw a GEN that registered meanwhile, and /health said etcd ok. A watch
+    silent for idle_s is followed by a new listing (a new connection), which sees the GEN."""
+    from examples.two_node import membership
+
+    members = {"/kvo/bh/gen/127.0.0.1:1": '{"role": "gen", "ctrl": "127.0.0.1:1"}'}
+
+    class BlackHoled:
+        def __init__(self, url: str) -> None:
+            pass
+
+        async def list(self, prefix: str) -> tuple[dict[str, str], int]:
+            return dict(members), 7
+
+        async def watch(self, prefix: str, start_revision: int):  # type: ignore[no-untyped-def]
+            await anyio.sleep_forever()  # nothing arrives, nothing closes
+            yield ("PUT", "", "")
+
+        async def aclose(self) -> None:
+            pass
+
+    monkeypatch.setattr(membership, "Etcd", BlackHoled)
+    seen: list[str] = []
+
+    async def main() -> None:
+        async def on_put(role: str, meta: dict[str, Any]) -> None:
+            seen.append(meta["ctrl"])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(watch_members, "http://etcd", "/kvo/bh/", on_put=on_put,
+                                            on_delete=lambda r, c: None, idle_s=0.1))
+            with anyio.fail_after(5):
+                while seen != ["127.0.0.1:1"]:
+                    await anyio.sleep(0.01)
+                members["/kvo/bh/gen/127.0.0.1:2"] = '{"role": "gen", "ctrl": "127.0.0.1:2"}'  # joins, unwatched
+                while "127.0.0.1:2" not in seen:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)

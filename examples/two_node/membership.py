@@ -286,13 +286,16 @@ def add_args(p: Any) -> None:
 async def watch_members(url: str, prefix: str, *, on_put: Callable[[str, dict[str, Any]], Awaitable[None]],
                         on_delete: Callable[[str, str], None], on_listed: Callable[[], None] | None = None,
                         on_error: Callable[[EtcdError], None] | None = None, retry_s: float = 0.5,
-                        max_retry_s: float = 5.0) -> None:
+                        max_retry_s: float = 5.0, idle_s: float = 5.0) -> None:
     """List ``prefix``, then follow it: ``on_put(role, value)`` for a node that registered (or changed,
     e.g. draining), ``on_delete(role, ctrl)`` for one that left. Re-lists after an etcd failure
     (``on_put`` again for every node; nodes gone meanwhile are deleted). ``on_listed()`` after each
     listing, ``on_error(exc)`` after each failure (etcd unreachable, at start too): it retries after
     ``retry_s``, twice as long after each failure in a row up to ``max_retry_s``, for as long as it
-    runs (logged at the 1st, 2nd, 4th, 8th ... failure in a row, not every retry)."""
+    runs (logged at the 1st, 2nd, 4th, 8th ... failure in a row, not every retry). A watch that says
+    nothing for ``idle_s`` is not trusted: a connection black-holed on the way, or an etcd that stopped,
+    ends no stream, so it would wait forever while members came and went; it lists again then (over a
+    new connection: a failure there is ``on_error``) and watches from that listing."""
     etcd = Etcd(url)
     known: set[tuple[str, str]] = set()
     failures = 0  # in a row
@@ -312,16 +315,33 @@ async def watch_members(url: str, prefix: str, *, on_put: Callable[[str, dict[st
                 known = now
                 if on_listed is not None:
                     on_listed()
-                async for kind, key, value in etcd.watch(prefix, revision + 1):
-                    role_ctrl = key[len(prefix):].split("/", 1)
-                    if len(role_ctrl) != 2:
-                        continue
-                    if kind == "DELETE":
-                        known.discard((role_ctrl[0], role_ctrl[1]))
-                        on_delete(role_ctrl[0], role_ctrl[1])
-                    elif value is not None and (member := _member(prefix, key, value)) is not None:
-                        known.add((member[0], member[1]["ctrl"]))
-                        await on_put(*member)
+                events = etcd.watch(prefix, revision + 1)
+                idle = False
+                try:
+                    while True:
+                        with anyio.move_on_after(idle_s) as waited:
+                            event = await events.__anext__()  # StopAsyncIteration: the stream ended
+                        if waited.cancelled_caught:  # nothing for idle_s: idle, or a connection that died
+                            idle = True  # silently (black-holed, etcd stopped): list again (a new
+                            break  # connection) and watch from there
+                        kind, key, value = event
+                        role_ctrl = key[len(prefix):].split("/", 1)
+                        if len(role_ctrl) != 2:
+                            continue
+                        if kind == "DELETE":
+                            known.discard((role_ctrl[0], role_ctrl[1]))
+                            on_delete(role_ctrl[0], role_ctrl[1])
+                        elif value is not None and (member := _member(prefix, key, value)) is not None:
+                            known.add((member[0], member[1]["ctrl"]))
+                            await on_put(*member)
+                except StopAsyncIteration:
+                    pass
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await events.aclose()
+                if idle:
+                    log.debug("etcd_watch_idle_listing_again", url=url, idle_s=idle_s)
+                    continue
             except EtcdError as exc:
                 failures += 1
                 if failures & (failures - 1) == 0:
