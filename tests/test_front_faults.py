@@ -537,3 +537,37 @@ async def test_a_node_that_never_answers_its_poll_leaves_the_others_stats_fresh(
         await anyio.sleep(0.3)
         assert time.monotonic() - good.stats_at < 0.3
         tg.cancel_scope.cancel()
+
+
+async def test_requests_in_flight_when_the_front_stops_are_answered_and_aborted() -> None:
+    """After uvicorn's grace on SIGTERM, requests still running were cancelled: a plain-text 500 and a
+    CancelledError traceback; streams cut with no error event and no [DONE]. ``stop_requests`` (1 s
+    before the grace ends) answers each with the OpenAI body, and the nodes are told as on any abort."""
+    aborted: list[str] = []
+
+    async def until_aborted(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:
+        await control.until_closed(stream)  # the front closed it before "done": a real GEN aborts
+        aborted.append(msg["request_id"])
+
+    gen = FakeGen(until_aborted)
+    async with front_on([FakeCtx()], [gen], limits={"max_tokens": 100, "max_concurrent_requests": 2},
+                        queue={"size": 4, "timeout_s": 30}) as (front, http):
+        await wait_until(front.cluster.ready)
+        got: dict[str, httpx.Response] = {}
+
+        async def post(name: str, **fields: Any) -> None:
+            got[name] = await http.post("/v1/completions", json=completion(max_tokens=100, **fields))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: post("whole"))
+            tg.start_soon(lambda: post("stream", stream=True))
+            await wait_until(lambda: len(gen.generates) == 2)
+            tg.start_soon(lambda: post("queued"))
+            await wait_until(lambda: front.admission.statistics().waiting == 1)
+            front.stop_requests()
+        for name in ("whole", "queued"):
+            r = got[name]
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", name
+        assert got["stream"].text.endswith('"code":"shutting_down"}}\n\ndata: [DONE]\n\n')
+        await wait_until(lambda: sorted(aborted) == sorted(gen.generates))
+        assert front.admission.active == 0

@@ -8,6 +8,7 @@ fields); SIGINT/SIGTERM stop the server, then the nodes it started.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -58,6 +59,10 @@ def secret_written(secret: bytes):
         yield path
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+GRACE_S = 5
+"""On SIGTERM/SIGINT, requests in flight get this long to finish (the last second: answered 503)."""
 
 
 def _exit(signum: int, frame: object) -> None:
@@ -119,8 +124,23 @@ def _serve(cfg: ClusterConfig, a: argparse.Namespace, sock: socket.socket, secre
             log.info("front_ready", http=bound, cluster=repr(cluster))
 
         front = Front(cfg, cluster, on_ready=ready, supervisor=supervisor)
-        server = uvicorn.Server(uvicorn.Config(front.app, log_level="warning", access_log=False, lifespan="on",
-                                               timeout_graceful_shutdown=5))
+
+        class Server(uvicorn.Server):
+            async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+                """Requests still running 1 s before the grace ends are answered (503, a stream's error
+                event and [DONE]) and aborted on their nodes, not cancelled by uvicorn (a plain 500)."""
+                async def answer_the_rest() -> None:
+                    await asyncio.sleep(max(0.0, GRACE_S - 1.0))
+                    front.stop_requests()
+
+                late = asyncio.ensure_future(answer_the_rest())
+                try:
+                    await super().shutdown(sockets)
+                finally:
+                    late.cancel()
+
+        server = Server(uvicorn.Config(front.app, log_level="warning", access_log=False, lifespan="on",
+                                       timeout_graceful_shutdown=GRACE_S))
         # uvicorn re-raises SIGTERM/SIGINT once it has shut down: make that unwind this `with`, which
         # stops the nodes (the default SIGTERM action would kill the front and leave them running)
         signal.signal(signal.SIGTERM, _exit)

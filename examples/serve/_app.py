@@ -20,7 +20,7 @@ import hmac
 import importlib.metadata
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -133,6 +133,11 @@ class Front:
         self.metrics.queued.set_function(lambda: self.admission.statistics().waiting)
         self.created = int(time.time())
         self._tg: anyio.abc.TaskGroup | None = None
+        self.stopping: ApiError | None = None
+        """Set by ``stop_requests``: what every request still in flight, and every later one, is answered."""
+        self._stop_scopes: set[anyio.CancelScope] = set()
+        self._background = 0
+        """Tasks ``spawn`` started that are still running (a release to a CTX: waited for at shutdown)."""
         self.etcd_error: str | None = None
         """Why the last listing or watch of etcd failed (None: it works, or no etcd)."""
         self.app = Starlette(
@@ -163,7 +168,33 @@ class Front:
             if self.on_ready is not None:
                 self.on_ready()
             yield
+            with anyio.move_on_after(2):  # the releases of the requests just answered reach their CTX
+                while self._background:
+                    await anyio.sleep(0.02)
             tg.cancel_scope.cancel()
+
+    def stop_requests(self, message: str = "the front is shutting down") -> None:
+        """The server is stopping and its grace is nearly over: every request still in flight (queued,
+        prefilling, handed off, streaming) ends now with a 503 (a stream: an error event, then
+        [DONE]), and its nodes are told as on any cancellation (GEN aborts, CTX releases). Without
+        this the server cancelled them: a plain-text 500 and a traceback, streams cut short."""
+        self.stopping = ApiError(503, message, code="shutting_down", retry_after=self.cfg.routing.retry_after_s)
+        for scope in list(self._stop_scopes):
+            scope.cancel()
+
+    @contextlib.contextmanager
+    def stoppable(self) -> Iterator[anyio.CancelScope]:
+        """A cancel scope that ``stop_requests`` cancels (at once when it already has); the caller
+        checks ``cancelled_caught`` and answers ``stopping``."""
+        scope = anyio.CancelScope()
+        if self.stopping is not None:
+            scope.cancel()
+        self._stop_scopes.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._stop_scopes.discard(scope)
 
     # -- endpoints -------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -359,7 +390,11 @@ class Front:
 
             tg.start_soon(watch)
             try:
-                await step()
+                with self.stoppable() as stop:
+                    await step()
+                if stop.cancelled_caught:  # the front is stopping: the undoing is the caller's, as when gone
+                    assert self.stopping is not None
+                    error = self.stopping
             except Exception as exc:  # an ApiError (a 429, a 503): raised below, unwrapped
                 error = exc
             tg.cancel_scope.cancel()
@@ -430,13 +465,15 @@ class Front:
             raise RuntimeError("the front is not running")
         self._tg.start_soon(self._guarded, fn, args)
 
-    @staticmethod
-    async def _guarded(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    async def _guarded(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self._background += 1
         try:
             await fn(*args)
         except Exception as exc:
             log.error("background_task_failed", task=getattr(fn, "__qualname__", repr(fn)),
                       error=f"{type(exc).__name__}: {exc}", exc_info=True)
+        finally:
+            self._background -= 1
 
     def spawn_release(self, node: Node, request_id: str, handle: str) -> None:
         if self._tg is not None:  # (not running: the CTX's lease frees it)

@@ -249,7 +249,7 @@ class Flight:
         itl = self.front.metrics.itl
         while self.text.finish_reason is None:
             try:
-                with anyio.fail_after(self._left_s()):
+                with anyio.fail_after(self._left_s()), self.front.stoppable() as stop:
                     msg = await self.stream.receive()
             except TimeoutError:
                 self.error = self._timed_out()
@@ -262,6 +262,9 @@ class Flight:
                 self.front.cluster.mark_down(self.gen, f"generate stream: {describe(exc)}")
                 self.error = ApiError(503, f"GEN {self.gen.addr} went away mid-request: {describe(exc)}",
                                       code="gen_unavailable", retry_after=self.front.cfg.routing.retry_after_s)
+                return
+            if stop.cancelled_caught:  # the front is stopping: aclose aborts it on GEN
+                self.error = self.front.stopping
                 return
             if msg.get("ok") is False:
                 assert self.gen is not None
