@@ -517,6 +517,18 @@ M = [
   ("GEN node: a hand-off's block ids are used only as the CTX tagged them", "examples/two_node/gen.py", "            elif not blocks_tag_ok(tag, self._handle_key, rid, handle, peer, (h0, h1), blocks, epoch):", "            elif False:", "tests/test_faults.py -k 'kv_blocks_were_altered and nixl'"),
   ("GEN node: untagged block ids are not used", "examples/two_node/gen.py", "            if blocks is None or tag is None:\n                blocks = epoch = None", "            if blocks is None:\n                blocks = epoch = None", "tests/test_faults.py -k 'kv_blocks_were_altered and nixl'"),
   ("CTX: the block ids it names carry their tag", "examples/two_node/ctx.py", "                \"kv_blocks_tag\": blocks_tag(self.handle_key, rid, handle, peer, heads, blocks, epoch),", "", "tests/test_faults.py -k 'kv_blocks_were_altered and nixl'"),
+ # outside review of the front (fixA)
+ ("front: text_offset indexes the text", "examples/serve/_api.py", "            self.offsets.append(len(self._text))\n", "            self.offsets.append(len(self._text) + len(self.token_ids))\n", "tests/test_front_faults.py -k text_offset"),
+ ("front: a refusal about the request is a 400, no node down", "examples/serve/_flight.py", "if not got_gen and msg.get(\"code\") in REQUEST_REFUSALS:", "if False:", "tests/test_front_faults.py -k about_the_request"),
+ ("gen: a refusal names its kind", "examples/two_node/gen.py", "raise control.ControlError(str(exc), code=self._refusal_code(request, exc)) from None", "raise control.ControlError(str(exc)) from None", "tests/test_gen_node.py -k refusal_says"),
+ ("control: a refusal's code reaches the caller", "examples/two_node/control.py", "raise ControlError(str(reply.get(\"error\")), code=code if isinstance(code, str) else None)", "raise ControlError(str(reply.get(\"error\")))", "tests/test_gen_node.py -k refusal_s_code"),
+ ("front: an etcd watch silent for idle_s is listed again", "examples/two_node/membership.py", "                            idle = True  # silently", "                            continue  # silently", "tests/test_etcd_membership.py -k says_nothing"),
+ ("front: each node polled on its own", "examples/serve/cluster.py", "                        if id(node) not in polling:\n", "                        if not polling:\n", "tests/test_front_faults.py -k never_answers"),
+ ("front: no GEN up is not 'no CTX up'", "examples/serve/_flight.py", "        self._last_error: ApiError | None = None\n", "        self._last_error: ApiError | None = ApiError(503, \"no CTX node is up\", code=\"no_node_available\")\n", "tests/test_front_faults.py -k no_gen_up"),
+ ("front: stopping answers the streams in flight", "examples/serve/_flight.py", "            if stop.cancelled_caught:  # the front is stopping: aclose aborts it on GEN\n                self.error = self.front.stopping\n                return\n", "", "tests/test_front_faults.py -k stops_are_answered"),
+ ("front: stopping answers the requests waiting or running", "examples/serve/_app.py", "                    error = self.stopping\n", "                    pass\n", "tests/test_front_faults.py -k stops_are_answered"),
+ ("config: floats finite", "examples/serve/config.py", "            if isinstance(v, float) and not math.isfinite(v):", "            if False:", "tests/test_front_routing.py -k cluster_file"),
+ ("config: etcd prefix ends in /", "examples/serve/config.py", "        if not prefix.endswith(\"/\") or", "        if False or", "tests/test_front_routing.py -k cluster_file"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:
