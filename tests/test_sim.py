@@ -667,3 +667,27 @@ def test_a_replay_whose_engine_loses_a_request_says_so_instead_of_spinning(monke
         signal.alarm(0)
         signal.signal(signal.SIGALRM, before)
     assert lost and time.monotonic() - t0 < 60
+
+
+def test_fcfs_is_judged_by_the_kv_free_not_by_the_schedulers_marks() -> None:
+    """More KV misfits waiting than the scheduler marks a step (``Scheduler.max_kv_skips``): they were
+    passed over because they did not fit, which the check reads from the KV free at each admission."""
+    from orchestrator._scheduler import Scheduler
+
+    p = tiny(kv_pool_requests=1, concurrency=200, warmup=0, requests=240, max_num_seqs=8)
+    r = replay(p, "ideal")
+    assert r.deferral_episodes["kv_exhausted"] > Scheduler.max_kv_skips
+    assert r.fcfs_violations == 0 and r.problems() == []
+
+
+def test_fcfs_check_catches_a_scheduler_that_overtakes_a_fitting_request(monkeypatch) -> None:
+    """A scheduler that serves the newest request first (LIFO) overtakes requests that fit: caught."""
+    from orchestrator._scheduler import Scheduler
+
+    def lifo(self, seq):
+        self._insert(seq, -self._next_order)  # the newest bucket head has the smallest order: picked first
+        self._next_order += 1
+
+    monkeypatch.setattr(Scheduler, "add", lifo)
+    r = replay(tiny(kv_pool_requests=2, isl_choices=(24, 48), concurrency=16, warmup=0, requests=32), "ideal")
+    assert r.fcfs_violations > 0 and any("FCFS" in m for m in r.problems())

@@ -28,7 +28,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from orchestrator import (DeferReason, GenEngine, GenRequest, LocalGroup, Mode, OrchestratorConfig, RequestState,
+from orchestrator import (GenEngine, GenRequest, LocalGroup, Mode, OrchestratorConfig, RequestState,
                           TPGenEngine, plan_chunks)
 from orchestrator._requests import kv_blocks_needed
 
@@ -143,6 +143,7 @@ class _Replay:
                                                 on_received=self._received, clock=clock, sync=group.sync(rank)))
             self._step = self._step_group
         self.lead = self.engines[0]
+        self._watch_admission()
         self.isls = p.prompt_lengths()
         self.total = p.warmup + p.requests
         self._next = iter(range(0))
@@ -225,10 +226,8 @@ class _Replay:
                     self.batches.append(batch)
                     self.blocked.append(blocked)
                 admitted = reports[0].admitted
-                if admitted:  # this step's admissions, in the engine's order (its log keeps the newest)
-                    self._check_fcfs(self.lead.admission_log[-admitted:])
-                    if admitted > self.max_admitted:
-                        self.max_admitted = admitted
+                if admitted > self.max_admitted:
+                    self.max_admitted = admitted
                 self._settle()  # the clients hear of what this step emitted now, not after its model time
                 if self._nowhere():  # live requests in no queue: a bug would spin here for ever in virtual time
                     now = self.clock.now()
@@ -326,15 +325,42 @@ class _Replay:
                 engine.close()
 
     # -- what it showed --------------------------------------------------------------------------
-    def _check_fcfs(self, admitted: list[str]) -> None:
-        """FCFS among the requests that fit (the scheduler's rule): a request that reached GEN before
-        one admitted this step and still waits must have been skipped because the KV pool could not
-        hold it (KV_EXHAUSTED) in this very step. Read from the engine's own admission log and queue."""
-        latest = max(self.gen_arrival[rid] for rid in admitted)
+    def _watch_admission(self) -> None:
+        """Judge FCFS as the lead's scheduler decides (``_check_fcfs``): its ``schedule`` is wrapped to
+        read what it admitted and the KV left free when it returned. Only reads: the decision is its own."""
+        scheduler, pool = self.lead.scheduler, self.lead.pool
+        schedule = scheduler.schedule
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            result = schedule(*args, **kwargs)
+            if result.admitted:
+                self._check_fcfs(result.admitted, pool.num_free)
+            return result
+
+        scheduler.schedule = watched  # type: ignore[method-assign]
+
+    def _check_fcfs(self, admitted: list[Any], free_after: int) -> None:
+        """FCFS among the requests that fit (the scheduler's rule, judged by the facts, not by a mark):
+        each admission is the earliest-arrived waiting request that fits the KV free at that moment,
+        so a request that reached GEN before an admitted one and still waits must not have fitted the
+        KV free when the first admission that arrived after it was chosen (a budget denial or a full
+        window stops the step: nothing is admitted past either). The KV free then is what is free
+        after the step's allocations plus the blocks of the admissions from that one on."""
+        arrival = self.gen_arrival
+        order = [arrival[a.seq.request_id] for a in admitted]  # in the order the scan chose them
+        free_at = []  # free_at[i]: KV free when admission i was chosen
+        free = free_after
+        for a in reversed(admitted):
+            free += a.seq.num_blocks
+            free_at.append(free)
+        free_at.reverse()
+        latest = max(order)
         for seq in self.lead.scheduler.waiting:  # in arrival order
-            if self.gen_arrival[seq.request_id] > latest:
+            came = arrival[seq.request_id]
+            if came > latest:
                 break
-            if seq.last_defer is not DeferReason.KV_EXHAUSTED:
+            free_then = next(f for o, f in zip(order, free_at) if o > came)
+            if seq.num_blocks <= free_then:  # it fitted, and a later request went first
                 self.fcfs_violations += 1
 
 
