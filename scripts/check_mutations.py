@@ -535,6 +535,11 @@ M = [
  ("18 sim FCFS needs no scheduler mark", "examples/sim/_replay.py",
   "            if seq.num_blocks <= free_then:  # it fitted, and a later request went first\n",
   "            if getattr(seq.last_defer, 'value', None) != 'kv_exhausted':\n", "tests/test_sim.py -k kv_free_not"),
+ ("18 sim idle loop wakes on any engine wakeup (a failed receive too)", "examples/sim/_replay.py",
+  "            engine.wakeup = _Wakeup(self._wake)\n", "            pass\n", "tests/test_sim.py -k failed_receive_wakes"),
+ ("18 sim idle_poll_ms has a floor", "examples/sim/_model.py",
+  "        if not self.idle_poll_ms >= IDLE_POLL_MIN_MS:  # (NaN too)\n", "        if False:\n",
+  "tests/test_sim.py -k 'refused_up_front and change9'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -286,7 +286,7 @@ def test_a_transfer_shorter_than_the_clocks_resolution_still_ends() -> None:
     ({"ctx_nic_gbyte_s": 0.0}, "ctx_nic_gbyte_s"), ({"ctx_prefill_slots": 0}, "ctx_prefill_slots"),
     ({"link_concurrency": 0}, "link_concurrency"), ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"step_base_ms": -1.0}, "step_base_ms"), ({"idle_poll_ms": 0.0}, "idle_poll_ms"),
-    ({"kv_pool_requests": 0}, "kv_pool_requests")])
+    ({"kv_pool_requests": 0}, "kv_pool_requests"), ({"idle_poll_ms": 0.05}, "idle_poll_ms")])
 def test_parameters_a_replay_cannot_run_with_are_refused_up_front(change, name) -> None:
     with pytest.raises(ValueError, match=name):
         replay(tiny(**change), "orchestrated")
@@ -691,3 +691,19 @@ def test_fcfs_check_catches_a_scheduler_that_overtakes_a_fitting_request(monkeyp
     monkeypatch.setattr(Scheduler, "add", lifo)
     r = replay(tiny(kv_pool_requests=2, isl_choices=(24, 48), concurrency=16, warmup=0, requests=32), "ideal")
     assert r.fcfs_violations > 0 and any("FCFS" in m for m in r.problems())
+
+
+def test_a_failed_receive_wakes_the_idle_loop_and_its_wait_costs_few_steps() -> None:
+    """A transfer that cannot finish: the request fails at its timeout (60 s of virtual time). The
+    failure wakes the idle loop at once, as it sets DecodeLoop's wakeup, and the wait before it
+    costs one empty step per idle_poll_ms (DecodeLoop's idle_wait_s), not one per 0.5 ms."""
+    from orchestrator._loop import DecodeLoop
+
+    p = tiny(link_gbyte_s=1e-9, warmup=0, requests=1, concurrency=1, isl_choices=())
+    assert p.idle_poll_ms == pytest.approx(DecodeLoop.__init__.__kwdefaults__["idle_wait_s"] * 1e3)
+    t = time.perf_counter()
+    r = replay(p, "orchestrated", keep_requests=True)
+    assert time.perf_counter() - t < 5 and r.engine_steps < 3 * p.kv_transfer_timeout_ms / p.idle_poll_ms
+    _arrival, ctx_first, _first_gen, end, ok = r.requests[0]
+    assert not ok and r.failed == 1
+    assert end - ctx_first == pytest.approx(p.kv_transfer_timeout_ms / 1e3, abs=2e-3)  # not up to a poll later

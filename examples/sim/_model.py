@@ -40,6 +40,9 @@ SEED = {
     "patched_v2_tpot_ms": 4.932,
 }
 
+IDLE_POLL_MIN_MS = 0.1
+"""Below this an idle wait costs too many empty engine steps (a receive's 60 s timeout: 600,000)."""
+
 _STEP_SLOPE_US = (4.581 - 4.337) / (80 - 72) * 1e3  # 30.5 us per sequence
 _STEP_BASE_MS = 4.337 - 72 * _STEP_SLOPE_US / 1e3  # 2.141 ms
 
@@ -96,7 +99,10 @@ class SimParams:
     iterations, up to k - 1 more than osl - 1: ``decode_iterations_per_request``). 1 is exact; larger trades admission
     granularity for speed and is sound only while one engine step stays shorter than the CTX's
     time between two first tokens (the output reports the most admissions seen in one step)."""
-    idle_poll_ms: float = 0.5
+    idle_poll_ms: float = 50.0
+    """The longest an idle execution loop sleeps without a wakeup: ``DecodeLoop``'s ``idle_wait_s``
+    (50 ms). A submission or any receive's end (failed or not) wakes it at once, so where nothing
+    else happens this changes no result, only how many empty steps a long idle wait costs."""
     seed: int = 0
 
     # -- derived ---------------------------------------------------------------------------------
@@ -157,6 +163,10 @@ class SimParams:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if any(n < 1 for n in self.isl_choices):
             raise ValueError(f"isl_choices must all be >= 1, got {self.isl_choices}")
+        if not self.idle_poll_ms >= IDLE_POLL_MIN_MS:  # (NaN too)
+            raise ValueError(f"idle_poll_ms must be >= {IDLE_POLL_MIN_MS} ms (an idle loop steps once per idle_poll_ms "
+                             f"of virtual time: below that a {self.kv_transfer_timeout_ms / 1e3:g} s receive timeout "
+                             f"costs millions of empty steps), got {self.idle_poll_ms}")
         positive = ["link_gbyte_s", "idle_poll_ms"] + ([] if self.ctx_nic_gbyte_s is None else ["ctx_nic_gbyte_s"])
         non_negative = ("step_base_ms", "step_per_seq_us", "ctx_prefill_base_ms", "ctx_prefill_ms_per_ktok",
                         "link_latency_us", "connect_ms", "host_us_per_pull", "inline_reserve_timeout_s")
@@ -197,7 +207,8 @@ SOURCES = {
     "link_gbyte_s": "ASSUMED 50 GB/s per GEN rank (one 400 Gb/s NIC per GB200 GPU); the sweep varies it",
     "ctx_nic_gbyte_s": "ASSUMED one 400 Gb/s NIC per CTX GPU, as on GEN (None: = link_gbyte_s); CTX TP1 sends every "
                        "GEN rank's heads through it, so GEN TP does not multiply the CTX's egress",
-    "idle_poll_ms": "REPLAY ONLY: an idle execution loop also wakes at a submission or a receive's end, else after this",
+    "idle_poll_ms": "DecodeLoop's idle_wait_s (50 ms): an idle execution loop wakes at once at a submission or a "
+                    "receive's end (failed or not), else after this",
     "link_latency_us": "ASSUMED", "link_concurrency": "ASSUMED", "connect_ms": "ASSUMED (first connect per peer only)",
     "host_us_per_pull": "NOT MODELLED (0): no public figure for the host time a pull takes from TensorRT-LLM's "
                         "execution thread",

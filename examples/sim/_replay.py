@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -130,7 +131,7 @@ class _Replay:
             transport = None if mode is Mode.IDEAL else ModelledTransport(p, self.ready_at, self.ctx_nic)
             self.transports = [transport] if transport else []
             self.engines: list[GenEngine] = [GenEngine(_config(p, mode, 0), transport, _tokens, on_output=on_output,
-                                                          on_received=self._received, clock=clock)]
+                                                          clock=clock)]
             self._step = self._step_one
         else:
             group = LocalGroup(p.gen_tp)
@@ -140,10 +141,12 @@ class _Replay:
                 if transport:
                     self.transports.append(transport)
                 self.engines.append(TPGenEngine(_config(p, mode, rank), transport, _tokens, on_output=on_output,
-                                                on_received=self._received, clock=clock, sync=group.sync(rank)))
+                                                clock=clock, sync=group.sync(rank)))
             self._step = self._step_group
         self.lead = self.engines[0]
         self._watch_admission()
+        for engine in self.engines:  # as DecodeLoop's wakeup.wait: whatever wakes an engine wakes the loop
+            engine.wakeup = _Wakeup(self._wake)
         self.isls = p.prompt_lengths()
         self.total = p.warmup + p.requests
         self._next = iter(range(0))
@@ -173,9 +176,12 @@ class _Replay:
         elif out.request_id not in self.first_gen_token:
             self.first_gen_token[out.request_id] = self.clock.now()
 
-    def _received(self, _request_id: str, _blocks: Any) -> None:
-        # on the event loop, as a receive ends (just before the engine's wakeup is set for it)
-        self.activity.set()
+    def _wake(self) -> None:
+        """An engine's wakeup was set (a submission, a receive's end in any way, a stop): on the loop's
+        thread, the idle loop wakes now; on an execution thread (inline), the loop is not idle (it
+        runs that thread's step) and reads the engines' wakeups before it next sleeps."""
+        if threading.get_ident() == self.clock.loop_thread:
+            self.activity.set()
 
     def _may_block(self) -> bool:
         """Inline: only admitting a request waits (staging reservation, connect): a step may wait
@@ -206,13 +212,14 @@ class _Replay:
         stalled_since: float | None = None
         try:
             while not (self.clients_done and not self.lead.live_requests):
-                if not self.lead.num_running and not self.lead.num_ready and not self.lead.wakeup.is_set():
-                    # nothing to decode or start: as DecodeLoop, sleep until there is work (a submission, a
-                    # receive's end), at most idle_poll_ms (a failed receive sets no activity)
+                if not self.lead.num_running and not self.lead.num_ready and not self._woken():
+                    # nothing to decode or start: as DecodeLoop, sleep until an engine's wakeup is set (a
+                    # submission, a receive's end, failed or not), at most idle_poll_ms
                     with trio.move_on_after(idle):
                         await self.activity.wait()
                 self.activity = trio.Event()
-                self.lead.wakeup.clear()  # before the step: anything set from here on is seen next time
+                for engine in self.engines:  # before the step: anything set from here on is seen next time
+                    engine.wakeup.clear()
                 may_block = bool(threads) and self._may_block()
                 self._submitted = False  # submits from here on (also while this step waits) count for the next
                 if may_block:
@@ -243,6 +250,9 @@ class _Replay:
         finally:
             for thread in threads:
                 thread.close()
+
+    def _woken(self) -> bool:
+        return any(engine.wakeup.is_set() for engine in self.engines)
 
     def _nowhere(self) -> bool:
         """Live requests, and none waiting, receiving, ready or running (a landing still busy after
@@ -375,6 +385,19 @@ def check_requests(p: SimParams) -> None:
         except ValueError as exc:
             raise ValueError(f"max_tokens_in_buffer {p.max_tokens_in_buffer} at GEN TP {p.gen_tp}: a GEN rank would "
                              f"refuse every {isl}-token prompt ({exc}); raise the budget") from None
+
+
+class _Wakeup(threading.Event):
+    """An engine's ``wakeup`` (a ``threading.Event``, as the engine makes it) that also calls
+    ``on_set``: the replay's idle loop sleeps on it as ``DecodeLoop`` sleeps on ``wakeup.wait``."""
+
+    def __init__(self, on_set: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_set = on_set
+
+    def set(self) -> None:
+        super().set()
+        self._on_set()
 
 
 class ReplayStuck(RuntimeError):
