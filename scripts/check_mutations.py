@@ -540,6 +540,9 @@ M = [
  ("18 sim idle_poll_ms has a floor", "examples/sim/_model.py",
   "        if not self.idle_poll_ms >= IDLE_POLL_MIN_MS:  # (NaN too)\n", "        if False:\n",
   "tests/test_sim.py -k 'refused_up_front and change9'"),
+ ("18 sim inline clients hear of an end at emission", "examples/sim/_virtual.py",
+  "            self._clock.on_park()  # the thread waits now: the loop hands on what it did so far\n", "            pass\n",
+  "tests/test_sim.py -k hear_of_an_end_when"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

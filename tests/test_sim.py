@@ -707,3 +707,17 @@ def test_a_failed_receive_wakes_the_idle_loop_and_its_wait_costs_few_steps() -> 
     _arrival, ctx_first, _first_gen, end, ok = r.requests[0]
     assert not ok and r.failed == 1
     assert end - ctx_first == pytest.approx(p.kv_transfer_timeout_ms / 1e3, abs=2e-3)  # not up to a poll later
+
+
+def test_inline_clients_hear_of_an_end_when_it_is_emitted_not_after_the_steps_wait() -> None:
+    """Inline, a step that waits (staging, connect) has emitted its outputs before it waits: the real
+    node hands them to the event loop at once, so a closed-loop client starts its next request at
+    the instant its last one ended, as in the other modes."""
+    p = tiny()
+    r = replay(p, "inline", keep_requests=True)
+    assert r.exec_blocked_ms["sum_s"] > 0  # steps did wait
+    ends = sorted(row[3] for row in r.requests)
+    first_measured = min(row[0] for row in r.requests[p.warmup:])
+    for arrival in sorted(row[0] for row in r.requests)[p.concurrency:]:
+        if arrival != first_measured:  # the measured phase starts when the warm-up has ended
+            assert min(abs(arrival - e) for e in ends) < 1e-9

@@ -144,6 +144,7 @@ class _Replay:
                                                 clock=clock, sync=group.sync(rank)))
             self._step = self._step_group
         self.lead = self.engines[0]
+        clock.on_park = self._settle  # inline: what a step emitted before it waits reaches its clients then
         self._watch_admission()
         for engine in self.engines:  # as DecodeLoop's wakeup.wait: whatever wakes an engine wakes the loop
             engine.wakeup = _Wakeup(self._wake)

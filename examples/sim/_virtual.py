@@ -117,6 +117,10 @@ class VirtualClock:
         self._pending: list[VirtualEvent] = []
         self._threads: list[ExecutionThread] = []
         self.blocked_waits = 0
+        self.on_park: Callable[[], None] | None = None
+        """Called on the loop's thread each time an execution thread parks on a virtual wait (the
+        replay hands the outputs emitted so far to their clients, as the real node's event loop
+        takes them at once while the execution thread waits)."""
         """Blocking waits the execution thread handed to the loop (inline only)."""
 
     def __call__(self) -> float:
@@ -177,6 +181,8 @@ class ExecutionThread:
         self._to_thread.put(payload)
         message = self._to_loop.get()  # the loop's thread parks here, synchronously
         self._clock._flush()
+        if message[0] == "wait" and self._clock.on_park is not None:
+            self._clock.on_park()  # the thread waits now: the loop hands on what it did so far
         return message
 
     async def _serve(self, messages: list[tuple[str, Any, Any]], i: int) -> None:
