@@ -543,6 +543,12 @@ M = [
  ("18 sim inline clients hear of an end at emission", "examples/sim/_virtual.py",
   "            self._clock.on_park()  # the thread waits now: the loop hands on what it did so far\n", "            pass\n",
   "tests/test_sim.py -k hear_of_an_end_when"),
+ ("18 sim --set values parsed as their type, one error line", "examples/sim/__main__.py",
+  "        except ValueError as exc:\n            raise ValueError(f\"--set {item!r}: {key} takes {exc}\") from None\n", "",
+  "tests/test_sim.py -k malformed_set"),
+ ("18 sim --set booleans take on/off", "examples/sim/__main__.py",
+  '_BOOLS = {"true": True, "1": True, "yes": True, "on": True,', '_BOOLS = {"true": True, "1": True, "yes": True, "on": False,',
+  "tests/test_sim.py -k usual_spellings"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

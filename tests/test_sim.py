@@ -721,3 +721,24 @@ def test_inline_clients_hear_of_an_end_when_it_is_emitted_not_after_the_steps_wa
     for arrival in sorted(row[0] for row in r.requests)[p.concurrency:]:
         if arrival != first_measured:  # the measured phase starts when the warm-up has ended
             assert min(abs(arrival - e) for e in ends) < 1e-9
+
+
+@pytest.mark.parametrize("item, says", [("gen_tp=two", "gen_tp takes an integer"), ("seed=1.5", "seed takes an integer"),
+                                        ("isl_choices=24,x", "isl_choices takes a comma-separated list"),
+                                        ("pipelined=maybe", "pipelined takes true or false"),
+                                        ("link_gbyte_s=fast", "link_gbyte_s takes a number"),
+                                        ("kv_pool_requests=x", "kv_pool_requests takes an integer or none")])
+def test_a_malformed_set_value_is_one_error_line_and_exit_2(item, says, capsys) -> None:
+    from examples.sim.__main__ import main
+
+    assert main(["--preset", "tiny", "--jobs", "1", "--modes", "ideal", "--set", item]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+
+
+def test_set_booleans_take_the_usual_spellings() -> None:
+    from examples.sim.__main__ import _parse_set
+
+    for word, value in (("on", True), ("Yes", True), ("1", True), ("true", True),
+                        ("off", False), ("no", False), ("0", False), ("FALSE", False)):
+        assert _parse_set(tiny(pipelined=not value), [f"pipelined={word}"]).pipelined is value

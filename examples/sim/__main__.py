@@ -26,23 +26,43 @@ from ._replay import ModeResult, check_requests
 MODES = ("ideal", "inline", "orchestrated")
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+def _parse_value(key: str, value: str, current: Any) -> Any:
+    """``value`` as the type ``key`` takes; ``ValueError`` saying what it takes."""
+    if isinstance(current, bool):
+        if value.lower() not in _BOOLS:
+            raise ValueError("true or false (1/0, yes/no, on/off)")
+        return _BOOLS[value.lower()]
+    if isinstance(current, tuple):
+        try:
+            return tuple(int(v) for v in value.split(",") if v)
+        except ValueError:
+            raise ValueError("a comma-separated list of integers (empty: none)") from None
+    kind = _OPTIONAL.get(key) or type(current)
+    if key in _OPTIONAL and value.lower() == "none":
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        what = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        raise ValueError(what + (" or none" if key in _OPTIONAL else "")) from None
+
+
 def _parse_set(params: SimParams, items: list[str]) -> SimParams:
+    """``params`` with the ``--set name=value`` items applied; ``ValueError`` naming a malformed one."""
     fields = {f.name: f for f in dataclasses.fields(SimParams)}
     changes: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.replace("-", "_")
         if not sep or key not in fields:
-            raise SystemExit(f"--set {item!r}: expected name=value with a name of {sorted(fields)}")
-        current = getattr(params, key)
-        if isinstance(current, bool):
-            changes[key] = value.lower() in ("1", "true", "yes")
-        elif isinstance(current, tuple):
-            changes[key] = tuple(int(v) for v in value.split(",") if v)
-        elif key in _OPTIONAL:
-            changes[key] = None if value.lower() == "none" else _OPTIONAL[key](value)
-        else:
-            changes[key] = type(current)(value)
+            raise ValueError(f"--set {item!r}: expected name=value with a name of {sorted(fields)}")
+        try:
+            changes[key] = _parse_value(key, value, getattr(params, key))
+        except ValueError as exc:
+            raise ValueError(f"--set {item!r}: {key} takes {exc}") from None
     return dataclasses.replace(params, **changes)
 
 
@@ -143,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     args.preset = args.preset or "public-case"
     args.modes = args.modes or ",".join(MODES)
     quiet_logs()
-    params = _parse_set(PRESETS[args.preset](), args.set)
+    try:
+        params = _parse_set(PRESETS[args.preset](), args.set)
+    except ValueError as exc:
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         params.check()
         check_requests(params)
