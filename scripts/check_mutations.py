@@ -549,6 +549,11 @@ M = [
  ("18 sim --set booleans take on/off", "examples/sim/__main__.py",
   '_BOOLS = {"true": True, "1": True, "yes": True, "on": True,', '_BOOLS = {"true": True, "1": True, "yes": True, "on": False,',
   "tests/test_sim.py -k usual_spellings"),
+ ("18 sim a value off the public case's figure says what set it", "examples/sim/_model.py",
+  "        if value == theirs:\n", "        if True:\n", "tests/test_sim.py -k says_what_set_it"),
+ ("18 sim seed table shows the patched build's own V1", "examples/sim/__main__.py",
+  "        f\"| V1, patched build | {s['patched_v1_output_tok_s']:,.2f} | - | {s['patched_v1_tpot_ms']} |\",\n", "",
+  "tests/test_sim.py -k own_builds"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -742,3 +742,35 @@ def test_set_booleans_take_the_usual_spellings() -> None:
     for word, value in (("on", True), ("Yes", True), ("1", True), ("true", True),
                         ("off", False), ("no", False), ("0", False), ("FALSE", False)):
         assert _parse_set(tiny(pipelined=not value), [f"pipelined={word}"]).pipelined is value
+
+
+def test_a_parameter_not_at_the_public_case_figure_says_what_set_it(tmp_path, capsys) -> None:
+    """SOURCES describe the public case's figures: a value the tiny preset or --set gave is labelled
+    as such, in the printed table and in the JSON; the public case's own values keep their sources."""
+    from examples.sim import SOURCES
+    from examples.sim.__main__ import main
+    from examples.sim._model import sources_of
+
+    out = tmp_path / "sim.json"
+    assert main(["--preset", "tiny", "--jobs", "1", "--modes", "ideal", "--set", "link_gbyte_s=12.5",
+                 "--set", "idle_poll_ms=50", "--json", str(out)]) == 0
+    sources = json.loads(out.read_text())["sources"]
+    assert sources["link_gbyte_s"] == "--set (public case: 50.0)"
+    assert sources["num_layers"] == "the tiny preset (public case: 36)"
+    assert sources["idle_poll_ms"] == SOURCES["idle_poll_ms"]  # set, but to the public case's figure
+    printed = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["link_gbyte_s", "12.5", "--set", "(public", "case:", "50.0)"] in printed
+    assert sources_of(public_case(), "public-case") == {f.name: SOURCES.get(f.name, "")
+                                                         for f in dataclasses.fields(SimParams)}
+
+
+def test_the_seed_table_puts_each_v2_beside_its_own_builds_v1() -> None:
+    """The patched V2's -1.16 % is relative to the patched build's V1 (16,066.51), not the original's."""
+    from examples.sim import SEED
+    from examples.sim.__main__ import seed_table
+
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in seed_table().splitlines()[2:]}
+    v1 = float(rows["V1, patched build"][0].replace(",", ""))
+    v2, vs = rows["V2, patched build (early budget)"]
+    assert v1 == SEED["patched_v1_output_tok_s"]
+    assert f"{float(v2.replace(',', '')) / v1 - 1:+.2%}" == vs.strip()

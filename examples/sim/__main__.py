@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from . import quiet_logs
-from ._model import PRESETS, SEED, SOURCES, SimParams
+from ._model import PRESETS, SEED, SOURCES, SimParams, sources_of
 from ._parallel import run_all
 from ._replay import ModeResult, check_requests
 
@@ -70,11 +70,13 @@ _OPTIONAL = {"max_prefetch_seqs": int, "kv_pool_requests": int, "ctx_nic_gbyte_s
 """Parameters whose default is None, with the type of any other value."""
 
 
-def print_params(p: SimParams, out: Any = sys.stdout) -> None:
+def print_params(p: SimParams, out: Any = sys.stdout, sources: dict[str, str] | None = None) -> None:
+    """Each parameter with its value and source (``sources``: ``sources_of``; default: ``SOURCES``)."""
+    sources = SOURCES if sources is None else sources
     print("parameters (value; source):", file=out)
     for f in dataclasses.fields(SimParams):
         v = getattr(p, f.name)
-        src = SOURCES.get(f.name, "")
+        src = sources.get(f.name, "")
         print(f"  {f.name:26s} {v!s:>12s}  {src}", file=out)
     for k, v in p.describe()["derived"].items():  # type: ignore[union-attr]
         print(f"  {k:26s} {v!s:>12s}  (derived)", file=out)
@@ -108,13 +110,15 @@ def table(results: dict[str, ModeResult]) -> str:
 
 
 def seed_table() -> str:
+    """The seed's table: each build's V2 beside that build's own V1 (what its "vs V1" is relative to)."""
     s = SEED
     return "\n".join([
-        "| public case (seed) | output tok/s | vs V1 | mean TPOT ms |",
+        "| public case (seed) | output tok/s | vs V1 of the same build | mean TPOT ms |",
         "|---|---|---|---|",
-        f"| V1 (baseline, original build) | {s['v1_output_tok_s']:,.2f} | - | {s['v1_tpot_ms']} |",
-        f"| V2 original (inline receive setup) | {s['orig_v2_output_tok_s']:,.2f} | {s['orig_v2_vs_v1']:+.2%} | {s['orig_v2_tpot_ms']} |",
-        f"| V2 patched (early budget) | {s['patched_v2_output_tok_s']:,.2f} | {s['patched_v2_vs_v1']:+.2%} | {s['patched_v2_tpot_ms']} |",
+        f"| V1, original build (baseline) | {s['v1_output_tok_s']:,.2f} | - | {s['v1_tpot_ms']} |",
+        f"| V2, original build (inline receive setup) | {s['orig_v2_output_tok_s']:,.2f} | {s['orig_v2_vs_v1']:+.2%} | {s['orig_v2_tpot_ms']} |",
+        f"| V1, patched build | {s['patched_v1_output_tok_s']:,.2f} | - | {s['patched_v1_tpot_ms']} |",
+        f"| V2, patched build (early budget) | {s['patched_v2_output_tok_s']:,.2f} | {s['patched_v2_vs_v1']:+.2%} | {s['patched_v2_tpot_ms']} |",
     ])
 
 
@@ -187,12 +191,13 @@ def main(argv: list[str] | None = None) -> int:
                          png_path=args.png or "results/sim_sweep.png", jobs=args.jobs)
         except ValueError as exc:  # a point the sweep's grid cannot run (checked before any runs)
             ap.error(f"--sweep: {exc}")
-    print_params(params)
+    sources = sources_of(params, args.preset, {item.partition("=")[0].replace("-", "_") for item in args.set})
+    print_params(params, sources=sources)
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or set(modes) - set(MODES):
         ap.error(f"--modes {args.modes!r}: expected a comma-separated list of {', '.join(MODES)}")
     results = run_modes(params, modes, jobs=args.jobs)
-    payload: dict[str, Any] = {"preset": args.preset, "params": params.describe(), "sources": SOURCES,
+    payload: dict[str, Any] = {"preset": args.preset, "params": params.describe(), "sources": sources,
                                "modes": {m: r.summary() for m, r in results.items()}, "seed": SEED}
     print()
     print(table(results))
