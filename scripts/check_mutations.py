@@ -554,6 +554,11 @@ M = [
  ("18 sim seed table shows the patched build's own V1", "examples/sim/__main__.py",
   "        f\"| V1, patched build | {s['patched_v1_output_tok_s']:,.2f} | - | {s['patched_v1_tpot_ms']} |\",\n", "",
   "tests/test_sim.py -k own_builds"),
+ ("18 sim iterations_per_step above what a request decodes refused", "examples/sim/_model.py",
+  "        if self.iterations_per_step > max(1, self.osl - 1):\n", "        if False:\n",
+  "tests/test_sim.py -k 'refused_up_front and change10'"),
+ ("18 sim a distorting coarse step is warned of", "examples/sim/_model.py",
+  "        if transfer + step < between:\n", "        if True:\n", "tests/test_sim.py -k coarse_step"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -286,7 +286,8 @@ def test_a_transfer_shorter_than_the_clocks_resolution_still_ends() -> None:
     ({"ctx_nic_gbyte_s": 0.0}, "ctx_nic_gbyte_s"), ({"ctx_prefill_slots": 0}, "ctx_prefill_slots"),
     ({"link_concurrency": 0}, "link_concurrency"), ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"step_base_ms": -1.0}, "step_base_ms"), ({"idle_poll_ms": 0.0}, "idle_poll_ms"),
-    ({"kv_pool_requests": 0}, "kv_pool_requests"), ({"idle_poll_ms": 0.05}, "idle_poll_ms")])
+    ({"kv_pool_requests": 0}, "kv_pool_requests"), ({"idle_poll_ms": 0.05}, "idle_poll_ms"),
+    ({"iterations_per_step": 16}, "iterations_per_step")])
 def test_parameters_a_replay_cannot_run_with_are_refused_up_front(change, name) -> None:
     with pytest.raises(ValueError, match=name):
         replay(tiny(**change), "orchestrated")
@@ -774,3 +775,19 @@ def test_the_seed_table_puts_each_v2_beside_its_own_builds_v1() -> None:
     v2, vs = rows["V2, patched build (early budget)"]
     assert v1 == SEED["patched_v1_output_tok_s"]
     assert f"{float(v2.replace(',', '')) / v1 - 1:+.2%}" == vs.strip()
+
+
+def test_a_coarse_step_that_distorts_the_result_is_warned_of_in_the_output(tmp_path, capsys) -> None:
+    """iterations_per_step > 1 hands a finished receive's grant back up to one engine step late: the
+    output says so where a transfer plus one step is not shorter than the time between first tokens
+    (docs/sim.md's own example at the public case: GEN TP1, 12.5 GB/s), and not where it is."""
+    from examples.sim.__main__ import main
+
+    out = tmp_path / "sim.json"
+    assert main(["--preset", "tiny", "--jobs", "1", "--modes", "ideal,orchestrated", "--set", "iterations_per_step=4",
+                 "--json", str(out)]) == 0
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("WARNING: iterations_per_step 4")]
+    assert len(warned) == 1 and json.loads(out.read_text())["warnings"] == warned
+    assert dataclasses.replace(public_case(), gen_tp=1, link_gbyte_s=12.5).coarse_step_warning(67)
+    assert public_case().coarse_step_warning(67) is None  # 12 ms transfers + a 34 ms step < 63.7 ms
+    assert tiny(iterations_per_step=1).coarse_step_warning(6) is None

@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                                "modes": {m: r.summary() for m, r in results.items()}, "seed": SEED}
     print()
     print(table(results))
+    warning = params.coarse_step_warning(max(r.mean_batch for r in results.values()))
+    if warning:
+        print(warning)
+        payload["warnings"] = [warning]
     if args.preset == "public-case":
         print()
         print(seed_table())

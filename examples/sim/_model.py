@@ -149,6 +149,10 @@ class SimParams:
     def check(self) -> None:
         """Raise ``ValueError`` naming the first parameter a replay cannot run with (one that would
         hang it, divide by zero or mean nothing)."""
+        if self.iterations_per_step > max(1, self.osl - 1):
+            raise ValueError(f"iterations_per_step must be <= osl - 1 = {max(1, self.osl - 1)}, the iterations a request "
+                             f"decodes (more would decode each request {self.iterations_per_step} iterations and credit "
+                             f"it {self.osl} tokens), got {self.iterations_per_step}")
         if self.num_kv_heads % self.gen_tp:
             raise ValueError(f"{self.num_kv_heads} KV heads do not split over GEN TP {self.gen_tp}")
         if min(self.concurrency, self.requests, self.osl, self.iterations_per_step) < 1 or self.warmup < 0:
@@ -174,6 +178,25 @@ class SimParams:
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0 or (v == 0 and name in positive):
                 raise ValueError(f"{name} must be a finite number {'> 0' if name in positive else '>= 0'}, got {v}")
+
+    def coarse_step_warning(self, mean_batch: float) -> str | None:
+        """A warning when ``iterations_per_step`` > 1 distorts the result: a finished receive's grant
+        comes back at the next engine step, up to one (coarse) step late, so while one transfer plus
+        one engine step is not shorter than the time between two CTX first tokens the next
+        reservation finds the budget still held (docs/sim.md, "Exactness of iterations_per_step")."""
+        k = self.iterations_per_step
+        if k == 1:
+            return None
+        lengths = self.isl_choices or (self.isl,)
+        step = k * self.step_s(max(1, round(mean_batch)))
+        transfer = self.transfer_s(max(lengths))
+        between = sum(self.prefill_s(n) for n in lengths) / len(lengths) / self.ctx_prefill_slots
+        if transfer + step < between:
+            return None
+        return (f"WARNING: iterations_per_step {k}: a transfer ({transfer * 1e3:.1f} ms) + one engine step "
+                f"({step * 1e3:.1f} ms at batch {mean_batch:.0f}) is not shorter than the {between * 1e3:.1f} ms between "
+                f"two CTX first tokens; a finished receive's grant comes back up to one engine step late, so the "
+                f"modes that pull are distorted (inline most): rerun with --set iterations_per_step=1 (exact)")
 
     def describe(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
