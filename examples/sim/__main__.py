@@ -70,8 +70,10 @@ _OPTIONAL = {"max_prefetch_seqs": int, "kv_pool_requests": int, "ctx_nic_gbyte_s
 """Parameters whose default is None, with the type of any other value."""
 
 
-def print_params(p: SimParams, out: Any = sys.stdout, sources: dict[str, str] | None = None) -> None:
-    """Each parameter with its value and source (``sources``: ``sources_of``; default: ``SOURCES``)."""
+def print_params(p: SimParams, out: Any = None, sources: dict[str, str] | None = None) -> None:
+    """Each parameter with its value and source (``sources``: ``sources_of``; default: ``SOURCES``)
+    to ``out`` (default: ``sys.stdout`` as it is at the call)."""
+    out = sys.stdout if out is None else out
     sources = SOURCES if sources is None else sources
     print("parameters (value; source):", file=out)
     for f in dataclasses.fields(SimParams):
