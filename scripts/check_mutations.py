@@ -559,6 +559,7 @@ M = [
   "tests/test_sim.py -k 'refused_up_front and change10'"),
  ("18 sim a distorting coarse step is warned of", "examples/sim/_model.py",
   "        if transfer + step < between:\n", "        if True:\n", "tests/test_sim.py -k coarse_step"),
+  ("front: unknown field names remembered within a bound", "examples/serve/_api.py", "    if len(_IGNORED_LOGGED) + len(new) <= MAX_IGNORED_LOGGED:", "    if True:", "tests/test_serve.py -k within_a_bound"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

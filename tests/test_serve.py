@@ -624,3 +624,23 @@ def test_a_front_that_cannot_listen_says_so_in_one_line_before_any_node_starts()
             assert "node_started" not in r.stderr and "READY" not in r.stdout
     finally:
         taken.close()
+
+
+def test_unknown_field_names_are_remembered_and_logged_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each unknown field name was kept for ever (to log it once) and logged: a client sending 900
+    new 1,000-character names per request grew the front ~1 MiB and 900 log lines per request,
+    refused requests included (an outside review of bounded memory). The names remembered are
+    bounded; past the bound a request with new names is one log line."""
+    import structlog
+
+    monkeypatch.setattr(_api, "_IGNORED_LOGGED", set())
+    with structlog.testing.capture_logs() as logs:
+        for i in range(50):
+            _api._log_ignored({"prompt": "x", **{f"f{i}_{j}_" + "n" * 1000: 1 for j in range(900)}}, "completions")
+    assert len(_api._IGNORED_LOGGED) <= _api.MAX_IGNORED_LOGGED
+    assert len(logs) == 50 and all(e["event"] == "ignored_request_fields" and e["count"] == 900 for e in logs)
+    monkeypatch.setattr(_api, "_IGNORED_LOGGED", set())
+    with structlog.testing.capture_logs() as logs:
+        _api._log_ignored({"prompt": "x", "zeta": 2, "alpha": "u"}, "completions")
+        _api._log_ignored({"prompt": "x", "zeta": 2}, "completions")
+    assert [e["field"] for e in logs] == ["alpha", "zeta"]  # each once, as before

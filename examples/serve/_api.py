@@ -295,14 +295,27 @@ KNOWN = {
 """Fields this server reads (implemented, or refused with a 400 naming them when they ask for
 something it cannot do). ``user`` is OpenAI's end-user tag: accepted, used for nothing."""
 _IGNORED_LOGGED: set[str] = set()
+MAX_IGNORED_LOGGED = 256
+"""Distinct unknown field names remembered (each logged once): a client that sends new names with
+every request made the set grow without end, ~1 MiB and 900 log lines per request (an outside
+review of bounded memory); past this many, new names are not logged one by one."""
 
 
 def _log_ignored(body: dict[str, Any], kind: str) -> None:
-    """Unknown fields are ignored, as vLLM does, and each is logged once (``ignored_request_field``)."""
-    for name in sorted(set(body) - KNOWN - _IGNORED_LOGGED):
-        _IGNORED_LOGGED.add(name)
-        log.warning("ignored_request_field", field=name, endpoint=kind,
-                    note="not a field this server knows: ignored (logged once per field)")
+    """Unknown fields are ignored, as vLLM does, and each is logged once (``ignored_request_field``),
+    for the first ``MAX_IGNORED_LOGGED`` names; after that a request with names not seen before is
+    one line (``ignored_request_fields``, how many, the first name cut short)."""
+    new = set(body) - KNOWN - _IGNORED_LOGGED
+    if not new:
+        return
+    if len(_IGNORED_LOGGED) + len(new) <= MAX_IGNORED_LOGGED:
+        for name in sorted(new):
+            _IGNORED_LOGGED.add(name)
+            log.warning("ignored_request_field", field=name[:64], endpoint=kind,
+                        note="not a field this server knows: ignored (logged once per field)")
+        return
+    log.warning("ignored_request_fields", count=len(new), first=min(new)[:64], endpoint=kind,
+                note="fields this server does not know: ignored (too many distinct names to log each once)")
 
 
 def _known_or_refuse(obj: dict[str, Any], known: set[str], where: str) -> None:
