@@ -560,6 +560,7 @@ M = [
  ("18 sim a distorting coarse step is warned of", "examples/sim/_model.py",
   "        if transfer + step < between:\n", "        if True:\n", "tests/test_sim.py -k coarse_step"),
   ("front: unknown field names remembered within a bound", "examples/serve/_api.py", "    if len(_IGNORED_LOGGED) + len(new) <= MAX_IGNORED_LOGGED:", "    if True:", "tests/test_serve.py -k within_a_bound"),
+  ("TP: a rank's stderr is drained when rank 0's own stderr is gone", "examples/two_node/tp_group.py", "                    forward = False", "                    break", "tests/test_tp_heal_units.py -k still_drained"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

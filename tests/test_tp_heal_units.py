@@ -654,3 +654,23 @@ def test_a_group_that_cannot_form_at_start_is_one_line_and_exit_1(monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["gen: stopped: could not form its tensor-parallel group at start: "
                    "rank 1 (pid 9) exited with code -9 before the group formed"], err
+
+
+def test_a_rank_s_stderr_is_still_drained_when_rank_0_s_own_stderr_is_gone() -> None:
+    """Rank 0 copies each rank's stderr on; if its own stderr went away (a closed pipe), the copy
+    stopped reading, the rank's pipe filled and the rank blocked on its next log line (a hung rank,
+    a broken group). It keeps reading, and keeps the last lines."""
+    r, w = os.pipe()
+    os.close(r)  # writing to w now fails (EPIPE)
+    try:
+        child = subprocess.Popen([sys.executable, "-c", "import sys\nfor i in range(4000): print('x' * 200, i, "
+                                  "file=sys.stderr)\nprint('the last word', file=sys.stderr)"],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        tp_group.StderrTail.attach(child, out_fd=w)
+        try:
+            assert child.wait(30) == 0  # 800 KB through a 64 KiB pipe: drained to the end
+        finally:
+            child.kill()
+        assert child.stderr_tail.reason() == "the last word"  # type: ignore[attr-defined]
+    finally:
+        os.close(w)

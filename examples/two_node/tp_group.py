@@ -207,24 +207,29 @@ class StderrTail:
 
     KEEP = 20
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, pipe: Any, out_fd: int = 2) -> None:
         import collections
 
         self.lines: collections.deque[bytes] = collections.deque(maxlen=self.KEEP)
+        self._out_fd = out_fd
         self._thread = threading.Thread(target=self._copy, args=(pipe,), name="tp-rank-stderr", daemon=True)
         self._thread.start()
 
     @classmethod
-    def attach(cls, child: subprocess.Popen[bytes]) -> None:
-        child.stderr_tail = cls(child.stderr)  # type: ignore[attr-defined]
+    def attach(cls, child: subprocess.Popen[bytes], out_fd: int = 2) -> None:
+        child.stderr_tail = cls(child.stderr, out_fd)  # type: ignore[attr-defined]
 
     def _copy(self, pipe: Any) -> None:
+        forward = True
         with contextlib.suppress(OSError, ValueError):
             for line in iter(pipe.readline, b""):
                 self.lines.append(line)
-                view = memoryview(line)
-                while view:
-                    view = view[os.write(2, view):]
+                try:
+                    view = memoryview(line)
+                    while forward and view:
+                        view = view[os.write(self._out_fd, view):]
+                except OSError:  # rank 0's stderr is gone: keep reading (a rank blocked on a full pipe would hang)
+                    forward = False
         with contextlib.suppress(OSError):
             pipe.close()
 
