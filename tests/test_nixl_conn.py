@@ -168,3 +168,23 @@ async def test_revocations_are_acknowledged_after_the_reads_of_their_request_and
     assert not conn.vouches("a", tag | 5) and not conn.vouches("x0", tag | 50)
     assert conn.vouches("new", tag | (100 + _MAX_REVOKED))
     assert conn.error is None
+
+
+def test_a_free_of_another_store_s_request_never_moves_the_connection_s_epoch() -> None:
+    """A GEN remembers the requests it freed with an epoch past each; past the limit the largest
+    becomes the connection's epoch. A pinned READ of a restarted CTX's old hand-off (another
+    store's epoch) was remembered too, and the max across stores moved the epoch into the old
+    store: every fresh request READ pinned, the old store's hand-offs vouched for (an outside
+    review of this change). Another store's epoch is not remembered."""
+    from transports._nixl_common import _MAX_REVOKED
+    from transports._nixl_conn import _Conn
+    from transports._store import _EPOCH_BITS
+
+    mine, old = 5 << _EPOCH_BITS, 9 << _EPOCH_BITS
+    conn = _Conn("p", None, None, {"epoch": mine, "pin_ms": 30000}, "a", None)
+    conn.trusted_until = time.monotonic() + 100
+    conn.released_here("old-1", old + 8)
+    for i in range(_MAX_REVOKED + 1):
+        conn.released_here(f"r{i}", mine + i + 1)
+    assert conn.epoch == mine + _MAX_REVOKED + 1  # raised within its own store
+    assert conn.vouches("fresh", mine + _MAX_REVOKED + 1) and not conn.vouches("old-2", old + 100)

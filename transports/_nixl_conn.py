@@ -24,7 +24,7 @@ from ._errors import PeerClosed, ProtocolViolation, TransportError
 from ._ids import InvalidRequestId, check_request_id
 from ._layout import KVLayout
 from ._nixl_common import _HEAD, _MAX_MESSAGE_BYTES, _MAX_REVOKED, parse_msg, write_msg
-from ._store import epoch_vouches
+from ._store import epoch_vouches, same_store
 
 log = structlog.get_logger("transports.nixl")
 
@@ -132,6 +132,9 @@ class _Conn:
         self._remember(request_id, past)
 
     def _remember(self, rid: str, past: int | None) -> None:
+        if past is not None and (self.epoch is None or not same_store(past, self.epoch)):
+            return  # another store's request (a restarted CTX's hand-off) is never vouched for here; its
+            # epoch must not raise this connection's (a max across stores: fresh requests pinned, old vouched)
         known = self.revoked.pop(rid, None)
         self.revoked[rid] = past if known is None else known if past is None else max(known, past)
         if len(self.revoked) > _MAX_REVOKED:
