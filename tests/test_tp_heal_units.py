@@ -423,6 +423,7 @@ async def test_a_ctx_computes_its_kv_checksums_off_the_event_loop(monkeypatch) -
     node.ucx_addr, node.head_range, node.group_copies = "h:1", (0, 2), {}
     node._prefills, node._call, node._freed = 0, loop_caller(), anyio.Event()
     node._exec, node._prefilling = anyio.CapacityLimiter(1), set()
+    node.handle_key = b"k" * 32  # (tags the block ids its prefill names)
     reply = await node._prefill({"op": "prefill", "request_id": "r1", "prompt_ids": [1, 2, 3, 4, 5], "max_tokens": 2})
     assert reply["block_checksums"] and reply["head_checksums"]
     assert len(threads) == 2 and threading.current_thread().name not in threads
