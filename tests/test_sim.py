@@ -791,3 +791,15 @@ def test_a_coarse_step_that_distorts_the_result_is_warned_of_in_the_output(tmp_p
     assert dataclasses.replace(public_case(), gen_tp=1, link_gbyte_s=12.5).coarse_step_warning(67)
     assert public_case().coarse_step_warning(67) is None  # 12 ms transfers + a 34 ms step < 63.7 ms
     assert tiny(iterations_per_step=1).coarse_step_warning(6) is None
+
+
+def test_check_help_shows_the_checks_own_options(capsys) -> None:
+    """``--check`` refuses the replay's options and says "see python -m examples.sim --check
+    --help", which printed the replay's help without one option of the check's (a new user's run)."""
+    from examples.sim.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--check", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "--shaped-json" in out and "--bench-json" in out and "--link-mbit" in out

@@ -162,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="replays side by side on worker processes, one CPU each (default: one per CPU; 1: in order, here)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
+    given = sys.argv[1:] if argv is None else argv
+    if "--check" in given and {"-h", "--help"} & set(given):  # the check's own options, not these
+        from ._check import main as check_main
+
+        return check_main(["--help"])
     args, rest = ap.parse_known_args(argv)
     if args.jobs is not None and args.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
