@@ -61,6 +61,11 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
         prompt_blocks = layout.blocks_for(r.prompt_len)
         _check_blocks(r.kv_blocks, prompt_blocks, "kv_blocks")
         _check_epoch(r.kv_epoch, "kv_epoch")
+        peers = [src.peer for src in r.kv_sources]
+        if len(set(peers)) != len(peers):  # one peer, one copy, one head numbering: named twice, its first
+            # part's release freed what the second pulls, or the second read other heads than it said
+            twice = sorted({p for p in peers if peers.count(p) > 1})
+            raise ValueError(f"KV source {twice[0]!r} is named more than once (one source per peer)")
         for src in r.kv_sources:
             if not src.peer or src.head_start < 0 or (src.head_end is not None and src.head_end <= src.head_start):
                 raise ValueError(f"bad KV source {src.peer!r} heads {src.head_start}:{src.head_end}")

@@ -563,6 +563,7 @@ M = [
   ("TP: a rank's stderr is drained when rank 0's own stderr is gone", "examples/two_node/tp_group.py", "                    forward = False", "                    break", "tests/test_tp_heal_units.py -k still_drained"),
   ("17 NIXL GEN: another store's epoch never moves a connection's", "transports/_nixl_conn.py", "        if past is not None and (self.epoch is None or not same_store(past, self.epoch)):", "        if False:", "tests/test_nixl_conn.py -k another_store"),
   ("18 sim --check --help shows the check's options", "examples/sim/__main__.py", "    if \"--check\" in given and {\"-h\", \"--help\"} & set(given):  # the check's own options, not these", "    if False:", "tests/test_sim.py -k check_help"),
+  ("engine: one KV source per peer (a peer named twice refused at submit)", "orchestrator/_validate.py", "        if len(set(peers)) != len(peers):  # one peer, one copy, one head numbering: named twice, its first", "        if False:", "tests/test_admission_review.py -k named_twice"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

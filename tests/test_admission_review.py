@@ -306,3 +306,25 @@ async def test_a_request_without_the_handle_its_transport_needs_is_refused_at_su
     h.submit("named")
     await h.run_until_idle()
     assert h.final("named").state is RequestState.FINISHED and h.engine.live_requests == 0
+
+
+# -- one CTX peer named twice in kv_sources -----------------------------------------------------------
+@pytest.mark.parametrize("sources", [((0, 1), (0, None)), ((0, 1), (1, 2))])
+async def test_a_peer_named_twice_in_kv_sources_is_refused_at_submit(harness_factory, sources) -> None:
+    """One peer named twice (an outside review of the engine's API): with its parts pulled in turn,
+    the first part's release freed the CTX's copy and the second failed UNKNOWN_REQUEST (with a
+    larger budget they ran together and it worked: success depending on the budget); named with
+    two head numberings, the second part read other heads than it said and decoded wrong KV with no
+    error. One source per peer, refused at submit."""
+    from orchestrator import KVSource
+
+    h = await harness_factory()
+    req = h.request("twice", prefill=False)
+    import dataclasses
+
+    twice = dataclasses.replace(req, peer=None, kv_sources=tuple(KVSource(req.peer, a, b) for a, b in sources))
+    with pytest.raises(InvalidRequest, match="named more than once"):
+        h.engine.submit(twice)
+    h.submit("once")
+    await h.run_until_idle()
+    assert h.final("once").state is RequestState.FINISHED and h.engine.live_requests == 0
