@@ -896,3 +896,30 @@ def test_a_prefill_too_long_for_the_model_names_both_lengths(nodes: Any) -> None
                                                   "max_tokens": 2000}, secret=ctx.secret)
 
     run(scenario)
+
+
+@pytest.mark.integration
+def test_ctx_refusal_codes_say_whether_the_request_or_the_node_is_the_cause(nodes: Any) -> None:
+    """A front answers a refusal about the request with a 400 and tries no other CTX (every one would
+    refuse it); a refusal about this node (a duplicate held here, no free blocks in time) names no
+    such code, and another CTX may take the request."""
+    ctx, _ = nodes
+
+    async def code(**msg: Any) -> str | None:
+        with pytest.raises(ControlError) as refused:
+            await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": "codes-1", "max_tokens": 4,
+                                                  "prompt_ids": [7] * 10, **msg}, secret=ctx.secret)
+        return refused.value.code
+
+    async def scenario() -> list[str | None]:
+        r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": "held-1", "prompt_ids": [7] * 10,
+                                                  "max_tokens": 4}, secret=ctx.secret)
+        codes = [await code(prompt_ids=[7] * 1100),  # more blocks than the pool (64 x 16 tokens)
+                 await code(prompt_ids=[7] * 100, max_tokens=2000),  # over the model's max_seq_len
+                 await code(sampling={"temperature": "hot"}),
+                 await code(request_id="held-1")]  # held here: another CTX may take it
+        await control.call(ctx.info["ctrl"], {"op": "release", "request_id": "held-1", "kv_handle": r["kv_handle"]},
+                           secret=ctx.secret)
+        return codes
+
+    assert run(scenario) == ["context_length_exceeded", "context_length_exceeded", "invalid_request", None]

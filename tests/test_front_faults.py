@@ -571,3 +571,37 @@ async def test_requests_in_flight_when_the_front_stops_are_answered_and_aborted(
         assert got["stream"].text.endswith('"code":"shutting_down"}}\n\ndata: [DONE]\n\n')
         await wait_until(lambda: sorted(aborted) == sorted(gen.generates))
         assert front.admission.active == 0
+
+
+class RefusingCtx(FakeCtx):
+    """Refuses every prefill with ``code`` (None: a refusal about this node, e.g. no free blocks in time)."""
+
+    def __init__(self, code: str | None) -> None:
+        super().__init__()
+        self.code = code
+
+    async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
+        if msg.get("op") == "prefill":
+            self.prefills.append(msg["request_id"])
+            raise control.ControlError("prompt needs 20 KV blocks, the CTX pool has 8" if self.code
+                                       else "no 20 free KV blocks within 1.0 s", code=self.code)
+        await super().handle(msg, stream)
+
+
+async def test_a_ctx_refusal_about_the_request_is_a_400_and_not_tried_elsewhere() -> None:
+    """A prompt no CTX can hold was refused by every CTX in turn and answered 503 with Retry-After,
+    which SDKs retry for nothing (a review of the front after its GEN refusals became 400s). The CTX
+    says the refusal is about the request: a 400, once; a refusal about the node still tries another."""
+    ctxs = [RefusingCtx("context_length_exceeded"), RefusingCtx("context_length_exceeded")]
+    async with front_on(ctxs, [FakeGen()], max_retries=2) as (front, http):
+        await wait_until(front.cluster.ready)
+        r = await http.post("/v1/completions", json=completion(max_tokens=4))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "Retry-After" not in r.headers and sum(len(c.prefills) for c in ctxs) == 1
+        assert front.metrics.retries.labels("ctx")._value.get() == 0
+    busy, fine = RefusingCtx(None), FakeCtx()
+    async with front_on([busy, fine], [FakeGen(ctx=fine)], max_retries=2,
+                        router={"ctx": "round_robin", "gen": "round_robin"}) as (front, http):
+        await wait_until(front.cluster.ready)
+        answers = [await http.post("/v1/completions", json=completion(max_tokens=4)) for _ in range(2)]
+        assert all(a.status_code == 200 for a in answers) and busy.prefills  # tried, then the other CTX

@@ -112,6 +112,11 @@ class Flight:
                 self.prefill = await self._prefill(ctx)
                 break
             except control.ControlError as exc:  # the node refused (no free KV blocks in time, ...)
+                if exc.code in REQUEST_REFUSALS:  # about the request (too long for the model or its pool): every
+                    # CTX would refuse it; a 503 with Retry-After had every client retry it for nothing
+                    raise ApiError(400, f"CTX {ctx.addr} cannot serve this request: {exc}",
+                                   code="context_length_exceeded" if exc.code == "context_length_exceeded"
+                                   else "invalid_value") from None
                 self._last_error = ApiError(503, f"CTX {ctx.addr} refused the prefill: {exc}", code="ctx_refused",
                                             retry_after=retry)
             except CONTROL_ERRORS as exc:

@@ -223,16 +223,17 @@ class CtxNode:
         prompt = control.int_list(msg, "prompt_ids", max_len=cfg.max_seq_len, lo=0, hi=cfg.vocab_size - 1)
         if len(prompt) + max_tokens > cfg.max_seq_len:  # (said as such: "a list of 1..0 ints" named no cause)
             raise control.ControlError(f"prompt_ids ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                                       f"model's max_seq_len ({cfg.max_seq_len})")
+                                       f"model's max_seq_len ({cfg.max_seq_len})", code="context_length_exceeded")
         try:  # sampled (the front's temperature, top_p, top_k, seed...): else greedy
             sampling = SamplingParams.from_wire(msg["sampling"]) if msg.get("sampling") is not None else None
         except ValueError as exc:
-            raise control.ControlError(str(exc)) from None
+            raise control.ControlError(str(exc), code="invalid_request") from None
         if sampling is not None and self.group is not None:
             raise control.ControlError("sampling needs a CTX without --tp (its group prefills greedily)")
         n = self.layout.blocks_for(len(prompt))
         if n > self.pool.num_blocks:
-            raise control.ControlError(f"prompt needs {n} KV blocks, the CTX pool has {self.pool.num_blocks}")
+            raise control.ControlError(f"prompt needs {n} KV blocks, the CTX pool has {self.pool.num_blocks}",
+                                       code="context_length_exceeded")
         if self.group is not None and self.group.broken is not None:
             raise control.ControlError(f"CTX unavailable: {self.group.broken}")
         if rid in self._prefilling or rid in self.group_copies or self.store.holds(rid):  # before blocks are taken
