@@ -188,3 +188,16 @@ def test_a_free_of_another_store_s_request_never_moves_the_connection_s_epoch() 
         conn.released_here(f"r{i}", mine + i + 1)
     assert conn.epoch == mine + _MAX_REVOKED + 1  # raised within its own store
     assert conn.vouches("fresh", mine + _MAX_REVOKED + 1) and not conn.vouches("old-2", old + 100)
+    # a CTX that revokes nothing (no epoch): nothing is vouched for, and nothing is kept (before, a
+    # release's entry waiting for an epoch was never resolved there: one kept per release, for ever)
+    none = _Conn("p", None, None, {"pin_ms": 30000}, "a", None)
+    for i in range(_MAX_REVOKED + 10):
+        none.released_here(f"r{i}", None)
+        none.released_here(f"r{i}", mine + i)
+    assert none.epoch is None and not none.revoked
+    # releases whose epoch never came (their answers lost), past the limit: no epoch vouches any
+    # more, and nothing is kept
+    lost = _Conn("p", None, None, {"epoch": mine, "pin_ms": 30000}, "a", None)
+    for i in range(_MAX_REVOKED + 1):
+        lost.released_here(f"r{i}", None)
+    assert lost.epoch is None and not lost.revoked

@@ -132,7 +132,9 @@ class _Conn:
         self._remember(request_id, past)
 
     def _remember(self, rid: str, past: int | None) -> None:
-        if past is not None and (self.epoch is None or not same_store(past, self.epoch)):
+        if self.epoch is None:  # nothing is vouched for on this connection: nothing to remember
+            return
+        if past is not None and not same_store(past, self.epoch):
             return  # another store's request (a restarted CTX's hand-off) is never vouched for here; its
             # epoch must not raise this connection's (a max across stores: fresh requests pinned, old vouched)
         known = self.revoked.pop(rid, None)
@@ -143,11 +145,12 @@ class _Conn:
             # ones not known yet (a release on its way) stay, and if they alone overflow, no epoch
             # vouches for anything any more on this connection
             known_epochs = [e for e in self.revoked.values() if e is not None]
-            if self.epoch is not None and known_epochs:
+            if known_epochs:
                 self.epoch = max(self.epoch, *known_epochs)
             self.revoked = OrderedDict((r, None) for r, e in self.revoked.items() if e is None)
             if len(self.revoked) > _MAX_REVOKED:
                 self.epoch = None
+                self.revoked.clear()
 
     def ask_alive(self) -> None:
         """Renew the connection's lease (the answer extends ``trusted_until``); the question before
