@@ -299,6 +299,10 @@ async def test_one_gen_s_release_waits_for_another_gen_reading_the_same_request(
             await first.connect(peer)
             await second.connect(peer)
             go = _deferred_reads(second)
+            heard: list[str] = []  # the revocations the first GEN is sent (it is not asked: it let go)
+            first_conn = await first._conn(peer)
+            real_revoke = first_conn._revoke
+            first_conn._revoke = lambda msg: (heard.append(msg.get("rid")), real_revoke(msg))  # type: ignore[method-assign]
             want = gather(store.pool, IDS, LAYOUT.full_slice()).clone()
             epoch = store.epoch
             into, landing = _into(), Landing()
@@ -316,9 +320,9 @@ async def test_one_gen_s_release_waits_for_another_gen_reading_the_same_request(
             await asyncio.sleep(0.2)
             assert server.statistics().revocations_pending == 1 and server.statistics().handed_on == 1
             assert store.statistics().open_pins == 1 and torch.equal(gather(store.pool, IDS, LAYOUT.full_slice()), want)
-            assert "r1" in (await second._conn(peer)).revoked  # revoked there; the first GEN was not asked, but
-            # remembers its own free (READ, or released) wherever it knew r1's epoch: a replay there is pinned
-            assert ("r1" in (await first._conn(peer)).revoked) == (how != "pinned-read")
+            assert "r1" in (await second._conn(peer)).revoked and heard == []  # revoked there; the first GEN
+            # was not asked, but remembers its own free (READ, or released) wherever it knew r1's epoch
+            assert ("r1" in first_conn.revoked) == (how != "pinned-read")
             go.set()
             assert await asyncio.wait_for(pull, 5) == want.numel() * want.element_size()
             assert torch.equal(into, want), "another GEN's release freed the blocks under this READ"
