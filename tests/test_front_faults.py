@@ -152,7 +152,8 @@ def completion(**fields: Any) -> dict[str, Any]:
 
 # -- admission of n choices -----------------------------------------------------------------------
 
-async def test_requests_of_n_choices_never_deadlock_admission() -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_requests_of_n_choices_never_deadlock_admission(stream: bool) -> None:
     """Two slow requests hold 2 of 3 slots; A (n=3) then B (n=2) queue. Taking one slot per choice,
     A and B each ended up holding part of what they needed and waited for each other until the queue
     timeout (429); taken all at once, both are served once the slow ones end."""
@@ -169,7 +170,7 @@ async def test_requests_of_n_choices_never_deadlock_admission() -> None:
         await wait_until(front.cluster.ready)
 
         async def post(name: str, **fields: Any) -> None:
-            status[name] = (await http.post("/v1/completions", json=completion(**fields))).status_code
+            status[name] = (await http.post("/v1/completions", json=completion(stream=stream, **fields))).status_code
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: post("r1", max_tokens=50))
