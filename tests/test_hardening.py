@@ -518,12 +518,13 @@ async def test_requests_waiting_at_gen_keep_their_kv_at_ctx(harness_factory) -> 
 
 
 async def test_a_receive_gets_its_full_timeout_from_its_own_start(harness_factory) -> None:
-    h = await harness_factory(make_config(transfer_budget_bytes=2 * BLOCK, kv_transfer_timeout_ms=400))
+    # (timeout 1 s, not 0.4: under load a 0.25 s pull took 0.55 s and failed the test, not the code)
+    h = await harness_factory(make_config(transfer_budget_bytes=2 * BLOCK, kv_transfer_timeout_ms=1000))
     hog = h.engine.budget.acquire_nowait(2 * BLOCK)  # the whole window, held elsewhere
     h.submit("patient", prompt_len=8)
     await h.step()
     h.transport.latency_s = 0.25  # shorter than the timeout, but the wait for budget was longer
-    await anyio.sleep(0.6)  # "patient" waits for budget longer than kv_transfer_timeout_ms
+    await anyio.sleep(1.3)  # "patient" waits for budget longer than kv_transfer_timeout_ms
     await h.step()
     assert h.engine.statistics().waiting == 1
     hog.release()
