@@ -16,6 +16,7 @@ from ._engine import DecodeBatch as DecodeBatch
 from ._engine import EngineStatistics as EngineStatistics
 from ._engine import GenEngine as GenEngine
 from ._engine import StepReport as StepReport
+from ._errors import ContextTooLong as ContextTooLong
 from ._errors import InvalidRequest as InvalidRequest
 from ._errors import KVExhausted as KVExhausted
 from ._errors import NotRunning as NotRunning
@@ -49,7 +50,7 @@ from ._step import TorchStepSync as TorchStepSync
 from ._tp import TPGenEngine as TPGenEngine
 
 __all__ = [
-    "Agreement", "GroupBroken", "SoloAgreement", "BudgetStatistics", "DecodeBatch", "DecodeLoop", "DeferReason", "EngineStatistics", "EngineThreads",
+    "Agreement", "GroupBroken", "SoloAgreement", "BudgetStatistics", "ContextTooLong", "DecodeBatch", "DecodeLoop", "DeferReason", "EngineStatistics", "EngineThreads",
     "FailureReason", "GenEngine", "GenRequest", "Grant", "InvalidRequest", "KVBlockPool", "KVExhausted", "KVSource",
     "KVLayout", "KVSlice", "LocalGroup", "LoopStatistics", "Mode", "NotRunning", "OrchestratorConfig", "OrchestratorError",
     "Percentiles", "PoolStatistics", "ReceiveGroup", "ReceiveJob", "ReceiveResult", "RequestOutput",

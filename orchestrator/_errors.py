@@ -19,6 +19,11 @@ class InvalidRequest(OrchestratorError, ValueError):
     """A submitted request is malformed or exceeds the configured limits."""
 
 
+class ContextTooLong(InvalidRequest):
+    """A submitted request's prompt + ``max_tokens`` exceeds ``max_model_len`` or needs more KV blocks
+    than the pool has: no engine of this configuration can serve it (a front answers 400, tries none other)."""
+
+
 class NotRunning(OrchestratorError, RuntimeError):
     """The receive group is not running on an event loop (not started, or stopped)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transports import InvalidRequestId, check_handle, check_request_id
 
 from ._config import Mode, OrchestratorConfig
-from ._errors import InvalidRequest
+from ._errors import ContextTooLong, InvalidRequest
 from ._receiver import plan_chunks, shift_heads
 from ._requests import GenRequest, kv_blocks_needed, plan_sources
 
@@ -34,12 +34,12 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
         if (value is not None or name == "first_token") and (type(value) is not int or not 0 <= value < MAX_TOKEN_ID):
             raise InvalidRequest(f"{r.request_id}: {name} must be an int in [0, 2**31), got {value!r}")
     if r.prompt_len + r.max_tokens > cfg.max_model_len:
-        raise InvalidRequest(f"{r.request_id}: prompt_len + max_tokens exceeds max_model_len {cfg.max_model_len}")
+        raise ContextTooLong(f"{r.request_id}: prompt_len + max_tokens exceeds max_model_len {cfg.max_model_len}")
     if world_size > 1 and (r.kv_slice is not None or r.local_kv is not None):
         raise InvalidRequest(f"{r.request_id}: a tensor-parallel rank pulls its own heads; give no kv_slice or local_kv")
     need = kv_blocks_needed(layout, r.prompt_len, r.max_tokens)
     if need > cfg.num_blocks:
-        raise InvalidRequest(f"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}")
+        raise ContextTooLong(f"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}")
     kv_slice = r.kv_slice or cfg.kv_slice
     try:
         layout.check_slice(shift_heads(kv_slice, -cfg.kv_head_offset))

@@ -521,7 +521,7 @@ M = [
  # outside review of the front (fixA)
  ("front: text_offset indexes the text", "examples/serve/_api.py", "            self.offsets.append(len(self._text))\n", "            self.offsets.append(len(self._text) + len(self.token_ids))\n", "tests/test_front_faults.py -k text_offset"),
  ("front: a refusal about the request is a 400, no node down", "examples/serve/_flight.py", "if not got_gen and msg.get(\"code\") in REQUEST_REFUSALS:", "if False:", "tests/test_front_faults.py -k about_the_request"),
- ("gen: a refusal names its kind", "examples/two_node/gen.py", "raise control.ControlError(str(exc), code=self._refusal_code(request, exc)) from None", "raise control.ControlError(str(exc)) from None", "tests/test_gen_node.py -k refusal_says"),
+ ("gen: a refusal names its kind", "examples/two_node/gen.py", "raise control.ControlError(str(exc), code=_refusal_code(exc)) from None", "raise control.ControlError(str(exc)) from None", "tests/test_gen_node.py -k refusal_says"),
  ("control: a refusal's code reaches the caller", "examples/two_node/control.py", "raise ControlError(str(reply.get(\"error\")), code=code if isinstance(code, str) else None)", "raise ControlError(str(reply.get(\"error\")))", "tests/test_gen_node.py -k refusal_s_code"),
  ("front: an etcd watch silent for idle_s is listed again", "examples/two_node/membership.py", "                        with anyio.move_on_after(idle_s) as waited:", "                        with anyio.CancelScope() as waited:", "tests/test_etcd_membership.py -k says_nothing"),
  ("front: each node polled on its own", "examples/serve/cluster.py", "                        if id(node) not in polling:\n", "                        if not polling:\n", "tests/test_front_faults.py -k never_answers"),
@@ -568,6 +568,7 @@ M = [
   ("front: a CTX refusal about the request is a 400, not tried elsewhere", "examples/serve/_flight.py", "                if exc.code in REQUEST_REFUSALS:  # about the request (too long for the model or its pool): every", "                if False:", "tests/test_front_faults.py -k ctx_refusal_about"),
   ("CTX: a prompt its pool cannot hold is refused as about the request", "examples/two_node/ctx.py", "            raise control.ControlError(f\"prompt needs {n} KV blocks, the CTX pool has {self.pool.num_blocks}\",\n                                       code=\"context_length_exceeded\")", "            raise control.ControlError(f\"prompt needs {n} KV blocks, the CTX pool has {self.pool.num_blocks}\")", "tests/test_control.py -k ctx_refusal_codes"),
   ("17 NIXL GEN keeps nothing on a connection whose CTX revokes nothing", "transports/_nixl_conn.py", "        if self.epoch is None:  # nothing is vouched for on this connection: nothing to remember\n            return\n", "", "tests/test_nixl_conn.py -k another_store"),
+  ("engine: a request too long for the model or the pool is refused as ContextTooLong", "orchestrator/_validate.py", "        raise ContextTooLong(f\"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}\")", "        raise InvalidRequest(f\"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}\")", "tests/test_gen_node.py -k refusal_says"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -32,9 +32,15 @@ if TYPE_CHECKING:
 
 
 REQUEST_REFUSALS = ("context_length_exceeded", "invalid_request")
-"""The ``code`` of a GEN's ``{"ok": false}`` to ``generate`` when the request itself cannot be served
-(prompt + max_tokens needs more KV than the GEN's pool holds, ...): a 400 for the client; the GEN is
-not marked down and no other GEN is tried (examples/two_node/gen.py's ``_refusal_code``)."""
+"""The ``code`` of a CTX's or a GEN's ``{"ok": false}`` when the request itself cannot be served (prompt
++ max_tokens over the model's length or the node's pool, a malformed field): a 400 for the client; the
+node is not marked down and no other node is tried (examples/two_node/gen.py's ``_refusal_code``)."""
+
+
+def request_refused(who: str, code: str, why: object) -> ApiError:
+    """The 400 for a refusal (code in ``REQUEST_REFUSALS``) about the request itself, by node ``who``."""
+    return ApiError(400, f"{who} cannot serve this request: {why}",
+                    code="context_length_exceeded" if code == "context_length_exceeded" else "invalid_value")
 
 
 class Flight:
@@ -114,9 +120,7 @@ class Flight:
             except control.ControlError as exc:  # the node refused (no free KV blocks in time, ...)
                 if exc.code in REQUEST_REFUSALS:  # about the request (too long for the model or its pool): every
                     # CTX would refuse it; a 503 with Retry-After had every client retry it for nothing
-                    raise ApiError(400, f"CTX {ctx.addr} cannot serve this request: {exc}",
-                                   code="context_length_exceeded" if exc.code == "context_length_exceeded"
-                                   else "invalid_value") from None
+                    raise request_refused(f"CTX {ctx.addr}", exc.code, exc) from None
                 self._last_error = ApiError(503, f"CTX {ctx.addr} refused the prefill: {exc}", code="ctx_refused",
                                             retry_after=retry)
             except CONTROL_ERRORS as exc:
@@ -275,9 +279,7 @@ class Flight:
                 assert self.gen is not None
                 if not got_gen and msg.get("code") in REQUEST_REFUSALS:  # about the request, not the node:
                     # every GEN would refuse it; nothing is marked down, nothing retried, the client is told
-                    code = "context_length_exceeded" if msg["code"] == "context_length_exceeded" else "invalid_value"
-                    self.error = ApiError(400, f"GEN {self.gen.addr} cannot serve this request: {msg.get('error')}",
-                                          code=code)
+                    self.error = request_refused(f"GEN {self.gen.addr}", msg["code"], msg.get("error"))
                     return
                 refused = ApiError(503, f"GEN {self.gen.addr} refused the request: {msg.get('error')}",
                                    code="gen_refused", retry_after=self.front.cfg.routing.retry_after_s)

@@ -29,6 +29,7 @@ from examples.metrics import serve_node_metrics
 from examples.two_node import cli, control, gen_tp, membership, tp_group
 from examples.two_node.common import announce_ready, backend, build_model, control_server, kv_transport, node_secret
 from orchestrator import (
+    ContextTooLong,
     DecodeBatch,
     DecodeLoop,
     GenEngine,
@@ -44,7 +45,6 @@ from orchestrator import (
     Unavailable,
     loop_caller,
 )
-from orchestrator._requests import kv_blocks_needed
 from orchestrator._sampling import SamplingParams, sample_rows
 from transports._ids import blocks_tag_ok, handle_key, handle_tokens
 from orchestrator._sampling import logprobs as token_logprobs
@@ -54,6 +54,15 @@ log = structlog.get_logger("examples.gen")
 UNAVAILABLE = "unavailable"
 """The ``code`` of a ``generate`` this node refuses for itself (starting, stopping, draining, unhealthy):
 another GEN may take the request. The codes about the request are ``_refusal_code``'s."""
+
+
+def _refusal_code(exc: Exception) -> str:
+    """What kind of refusal ``submit``'s ``exc`` is: about the node (``unavailable``: another GEN may
+    take it), or about the request (no GEN of this configuration can: a front must not retry it
+    elsewhere nor hold it against this node)."""
+    if isinstance(exc, Unavailable):
+        return UNAVAILABLE
+    return "context_length_exceeded" if isinstance(exc, ContextTooLong) else "invalid_request"
 
 
 class DeviceStep:
@@ -287,7 +296,7 @@ class GenNode:
         except (InvalidRequest, Unavailable) as exc:
             if mine:
                 self.logprob_top.pop(rid, None)
-            raise control.ControlError(str(exc), code=self._refusal_code(request, exc)) from None
+            raise control.ControlError(str(exc), code=_refusal_code(exc)) from None
         self._unfinished.add(rid)
         send, receive = anyio.create_memory_object_stream[RequestOutput](float("inf"))
         self._streams[rid] = send
@@ -338,18 +347,6 @@ class GenNode:
                     "does not match): pass the prefill reply's kv_sources unchanged", code="invalid_request")
             out.append(KVSource(peer, h0, h1, None, blocks, epoch))
         return tuple(out)
-
-    def _refusal_code(self, request: GenRequest, exc: Exception) -> str:
-        """What kind of refusal ``submit``'s ``exc`` is: about the node (``unavailable``: another GEN may
-        take it), or about the request (no GEN of this configuration can: a front must not retry it
-        elsewhere nor hold it against this node)."""
-        if isinstance(exc, Unavailable):
-            return UNAVAILABLE
-        limit = self.config.max_model_len
-        need = kv_blocks_needed(self.config.layout, request.prompt_len, request.max_tokens)
-        if request.prompt_len + request.max_tokens > limit or need > self.config.num_blocks:
-            return "context_length_exceeded"
-        return "invalid_request"
 
     async def _stream_tokens(self, rid: str, receive: Any, stream: control.JsonStream) -> bool:
         """Forward ``rid``'s outputs; True once "done" was sent."""
