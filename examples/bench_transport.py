@@ -521,9 +521,10 @@ async def _nixl_pull_client(host: str, port: int, budget_s: float, idle_s: float
         epoch = (await t._conn(peer)).epoch  # the server put every entry before it revoked anything
         for mib in SIZES_MIB:
             into = arena[:mib]
+            handle = _named_handle(f"r{mib}")  # from the prefill reply, as a GEN has it: not the pull's cost
             timer = _Timer(into.nbytes, budget_s)
             for _ in timer:
-                await t.pull(peer, f"r{mib}", layout.full_slice(), into, handle=_named_handle(f"r{mib}"), release=False,
+                await t.pull(peer, f"r{mib}", layout.full_slice(), into, handle=handle, release=False,
                              **({"remote_blocks": list(range(mib))} if name_blocks else {}),
                              **({"remote_epoch": epoch} if name_epoch else {}))
             out[str(mib)] = timer.result()

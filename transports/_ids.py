@@ -97,7 +97,7 @@ def blocks_tag(key: bytes, request_id: str, handle: str, peer: str, heads: tuple
                blocks: list[int] | tuple[int, ...], epoch: int | None) -> str:
     """The tag a CTX gives the block ids (and store epoch) it names for one source of a request."""
     text = f"kvo-blocks-v1|{request_id}|{handle}|{peer}|{heads[0]}:{heads[1]}|{','.join(map(str, blocks))}|{epoch}"
-    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()[:32]
+    return hmac.digest(key, text.encode(), "sha256").hex()[:32]
 
 
 def blocks_tag_ok(tag: object, key: bytes, request_id: str, handle: str, peer: str, heads: tuple[int, int],
@@ -108,7 +108,8 @@ def blocks_tag_ok(tag: object, key: bytes, request_id: str, handle: str, peer: s
 
 
 def _tag(key: bytes, nonce: bytes, request_id: str) -> bytes:
-    return hmac.new(key, nonce + request_id.encode(), hashlib.sha256).digest()[:HANDLE_LEN // 4]
+    # the one-shot form: OpenSSL's HMAC without a Python object (a handle is checked on every pull)
+    return hmac.digest(key, nonce + request_id.encode(), "sha256")[:HANDLE_LEN // 4]
 
 
 def check_handle(handle: object) -> str:

@@ -34,11 +34,14 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unsupported KV dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+_NAMES = {value: name for name, value in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in _DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported KV dtype {dtype}")
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):  # TypeError: not hashable, so not a dtype
+        raise ValueError(f"unsupported KV dtype {dtype}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,10 @@ class KVLayout:
         return kv_slice.num_layers == self.num_layers and kv_slice.num_heads == self.num_kv_heads
 
     def full_slice(self) -> KVSlice:
+        return self._full_slice
+
+    @functools.cached_property
+    def _full_slice(self) -> KVSlice:  # one instance (a KVSlice is frozen): compared on every pull's path
         return KVSlice(0, self.num_layers, 0, self.num_kv_heads)
 
     def check_slice(self, kv_slice: KVSlice) -> None:

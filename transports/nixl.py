@@ -530,7 +530,8 @@ class NIXLTransport:
         try:
             blocks = self._check_blocks(conn, raw_blocks, kv_slice, into, blame_peer=blame_peer)
             pool = conn.info["pool"]
-            whole = kv_slice == conn.remote.full_slice()  # whole blocks: their size says it all
+            full = conn.remote.full_slice()
+            whole = kv_slice is full or kv_slice == full  # whole blocks: their size says it all
             pieces = None if whole else segments(conn.remote, blocks, kv_slice)  # the CTX's pool, its head numbering
             if (len(blocks) * conn.remote.block_bytes if pieces is None else int(pieces[2].sum())) != nbytes:
                 raise ProtocolViolation(f"{peer} answered blocks that do not fit `into`", peer=peer)
@@ -561,8 +562,12 @@ class NIXLTransport:
         first = min(step, len(blocks)) if step else len(blocks)
         # posted and accounted for with no await in between: cancellation cannot split them
         try:
-            xfer = self._prepped_xfer(conn, blocks[:first], into[:first],
-                                      notif if first == len(blocks) else b"") if whole else None
+            if not whole:
+                xfer = None
+            elif first == len(blocks):  # one READ (no slicing: a tensor view costs ~2 µs)
+                xfer = self._prepped_xfer(conn, blocks, into, notif)
+            else:
+                xfer = self._prepped_xfer(conn, blocks[:first], into[:first], b"")
             if xfer is None:  # descriptors built for this READ (one READ: no pieces)
                 step = 0
                 remote, local, lengths = pieces if pieces is not None else segments(conn.remote, blocks, kv_slice)
