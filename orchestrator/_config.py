@@ -74,6 +74,11 @@ class OrchestratorConfig:
     kv_head_offset: int = 0
     """Tensor parallelism: the model-wide index of this rank's first KV head. The pool holds
     ``layout.num_kv_heads`` heads from there; requests pull that head range from their CTX."""
+    total_kv_heads: int | None = None
+    """Tensor parallelism: the model's KV heads, every rank's together. Set, ``submit`` refuses a
+    request whose sources leave one of them unheld (each rank's heads, not only this rank's);
+    None: only this rank's are checked there, and a rank whose heads no source holds fails the
+    request on every rank after it took budget and blocks."""
     device: str = "cpu"
     kv_transport: str = "ucx"
     """The KV data plane the node builds its transport with: ``ucx`` (ucxx tag messages; the default:
@@ -98,6 +103,12 @@ class OrchestratorConfig:
             _int("max_prefetch_seqs", self.max_prefetch_seqs, 1)
         _int("max_model_len", self.max_model_len, 2, MAX_MODEL_LEN)  # a prompt token and an output token
         _int("kv_head_offset", self.kv_head_offset, 0)
+        if self.total_kv_heads is not None:
+            _int("total_kv_heads", self.total_kv_heads, 1)
+            if self.kv_head_offset + self.layout.num_kv_heads > self.total_kv_heads:
+                raise ValueError(f"this rank's KV heads ({self.kv_head_offset}:"
+                                 f"{self.kv_head_offset + self.layout.num_kv_heads}) are not among the model's "
+                                 f"total_kv_heads ({self.total_kv_heads})")
         _seconds("kv_transfer_timeout_ms", self.kv_transfer_timeout_ms)
         _seconds("kv_hold_interval_s", self.kv_hold_interval_s)
         _seconds("inline_reserve_timeout_s", self.inline_reserve_timeout_s, zero=True)

@@ -74,6 +74,8 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
             _check_blocks(src.kv_blocks, prompt_blocks, f"kv_blocks of {src.peer!r}")
             _check_epoch(src.kv_epoch, f"kv_epoch of {src.peer!r}")
         plan_sources(sources, kv_slice.head_start, kv_slice.head_end)  # this rank's heads are all held
+        if cfg.total_kv_heads is not None:  # and every other rank's: else the request fails after admission
+            plan_sources(sources, 0, cfg.total_kv_heads)
     except (ValueError, InvalidRequestId) as exc:
         raise InvalidRequest(f"{r.request_id}: {exc}") from None
     if requires_handle and (missing := [s.peer for s in sources if s.kv_handle is None]):

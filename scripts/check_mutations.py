@@ -569,6 +569,9 @@ M = [
   ("CTX: a prompt its pool cannot hold is refused as about the request", "examples/two_node/ctx.py", "            raise control.ControlError(f\"prompt needs {n} KV blocks, the CTX pool has {self.pool.num_blocks}\",\n                                       code=\"context_length_exceeded\")", "            raise control.ControlError(f\"prompt needs {n} KV blocks, the CTX pool has {self.pool.num_blocks}\")", "tests/test_control.py -k ctx_refusal_codes"),
   ("17 NIXL GEN keeps nothing on a connection whose CTX revokes nothing", "transports/_nixl_conn.py", "        if self.epoch is None:  # nothing is vouched for on this connection: nothing to remember\n            return\n", "", "tests/test_nixl_conn.py -k another_store"),
   ("engine: a request too long for the model or the pool is refused as ContextTooLong", "orchestrator/_validate.py", "        raise ContextTooLong(f\"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}\")", "        raise InvalidRequest(f\"{r.request_id}: needs {need} KV blocks, the pool has {cfg.num_blocks}\")", "tests/test_gen_node.py -k refusal_says"),
+ ("TP: submit checks every rank's heads are held (total_kv_heads)", "orchestrator/_validate.py",
+  "        if cfg.total_kv_heads is not None:  # and every other rank's: else the request fails after admission\n",
+  "        if False:\n", "tests/test_fan_in.py -k 'model_heads or total_kv_heads'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

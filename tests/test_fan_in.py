@@ -258,6 +258,31 @@ async def test_a_tp_rank_whose_heads_no_source_holds_fails_the_request_on_every_
     ctx.stores["ctx-1"].release("half")  # never named to GEN: only its lease could free it
 
 
+async def test_with_the_model_heads_known_a_source_list_that_leaves_another_ranks_heads_unheld_is_refused_at_submit(
+        make_gen) -> None:
+    ctx = ShardedCtx([(0, 2), (2, 4)])
+    g = await make_gen(ctx, 2, total_kv_heads=4)
+    handle, sources = ctx.prefill("half", 9)
+    with pytest.raises(InvalidRequest, match="no KV source holds KV head 2"):  # rank 1's heads
+        g.engines[0].submit(GenRequest("half", prompt_len=9, first_token=1, max_tokens=2, kv_handle=handle,
+                                       kv_sources=sources[:1]))
+    assert g.engines[0].budget.statistics().in_use == 0 and not g.engines[0].scheduler.num_waiting
+    g.engines[0].submit(GenRequest("half", prompt_len=9, first_token=1, max_tokens=2, kv_handle=handle,
+                                   kv_sources=sources))  # the id is free again: nothing was queued
+    await g.run_until_idle()
+    assert g.final("half").state is RequestState.FINISHED
+
+
+def test_total_kv_heads_must_hold_this_ranks_heads() -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=4, block_size=4)
+    with pytest.raises(ValueError, match="total_kv_heads"):
+        OrchestratorConfig(layout=layout, num_blocks=8, transfer_budget_bytes=1 << 20, kv_head_offset=2,
+                           total_kv_heads=3)
+    with pytest.raises(ValueError, match="total_kv_heads"):
+        OrchestratorConfig(layout=layout, num_blocks=8, transfer_budget_bytes=1 << 20, total_kv_heads=0)
+    OrchestratorConfig(layout=layout, num_blocks=8, transfer_budget_bytes=1 << 20, kv_head_offset=2, total_kv_heads=4)
+
+
 @pytest.mark.parametrize("mode", [Mode.INLINE])
 async def test_inline_mode_fans_in_too(make_gen, mode: Mode) -> None:
     ctx = ShardedCtx([(0, 2), (2, 4)])

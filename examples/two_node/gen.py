@@ -112,6 +112,7 @@ class GenNode:
             max_model_len=self.model.config.max_seq_len,
             kv_hold_interval_s=args.kv_hold_interval_s,
             kv_head_offset=self.model.kv_head_range().start,
+            total_kv_heads=self.model.config.num_kv_heads,
             device=str(self.model.device),
             **gen_tp.blocking_wait_bound(args),
         )
