@@ -8,6 +8,7 @@ from ._config import Mode, OrchestratorConfig
 from ._errors import ContextTooLong, InvalidRequest
 from ._receiver import plan_chunks, shift_heads
 from ._requests import GenRequest, kv_blocks_needed, plan_sources
+from ._sampling import SamplingParams
 
 MAX_TOKEN_ID = 1 << 31
 """Token ids are below this: a step word's bit 31 is its FINISH flag, and the tensor-parallel step
@@ -33,6 +34,15 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
         value = getattr(r, name)
         if (value is not None or name == "first_token") and (type(value) is not int or not 0 <= value < MAX_TOKEN_ID):
             raise InvalidRequest(f"{r.request_id}: {name} must be an int in [0, 2**31), got {value!r}")
+    if r.sampling is not None:  # it crosses a tensor-parallel step in its wire form: what that form refuses
+        # broke the group's step (every live request failed), so it is refused here, at every size
+        if not isinstance(r.sampling, SamplingParams):
+            raise InvalidRequest(f"{r.request_id}: sampling must be a SamplingParams or None, "
+                                 f"not {type(r.sampling).__name__}")
+        try:
+            SamplingParams.from_wire(r.sampling.to_wire())
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(f"{r.request_id}: {exc}") from None
     if r.prompt_len + r.max_tokens > cfg.max_model_len:
         raise ContextTooLong(f"{r.request_id}: prompt_len + max_tokens exceeds max_model_len {cfg.max_model_len}")
     if world_size > 1 and (r.kv_slice is not None or r.local_kv is not None):

@@ -572,6 +572,7 @@ M = [
  ("TP: submit checks every rank's heads are held (total_kv_heads)", "orchestrator/_validate.py",
   "        if cfg.total_kv_heads is not None:  # and every other rank's: else the request fails after admission\n",
   "        if False:\n", "tests/test_fan_in.py -k 'model_heads or total_kv_heads'"),
+ ("engine: sampling the step exchange refuses is refused at submit", "orchestrator/_validate.py", "            SamplingParams.from_wire(r.sampling.to_wire())\n", "            pass\n", "tests/test_admission_review2.py -k sampling_the_step_exchange"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:
