@@ -26,6 +26,9 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
             check_handle(r.kv_handle)
     except InvalidRequestId as exc:
         raise InvalidRequest(str(exc)) from None
+    if r.peer is not None and type(r.peer) is not str:  # a tensor-parallel step carries peers as text: any
+        # other type broke the group's step (every live request failed), so it is refused here at every size
+        raise InvalidRequest(f"{r.request_id}: peer must be a str (the CTX node's address), not {type(r.peer).__name__}")
     for name in ("prompt_len", "max_tokens"):
         value = getattr(r, name)
         if type(value) is not int or value < 1:  # a float or bool breaks the step, not the submit
@@ -77,6 +80,8 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
             twice = sorted({p for p in peers if peers.count(p) > 1})
             raise ValueError(f"KV source {twice[0]!r} is named more than once (one source per peer)")
         for src in r.kv_sources:
+            if type(src.peer) is not str:
+                raise ValueError(f"a KV source's peer must be a str (a CTX rank's address), not {type(src.peer).__name__}")
             if not src.peer or src.head_start < 0 or (src.head_end is not None and src.head_end <= src.head_start):
                 raise ValueError(f"bad KV source {src.peer!r} heads {src.head_start}:{src.head_end}")
             if src.kv_handle is not None:

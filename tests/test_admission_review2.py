@@ -30,3 +30,24 @@ async def test_sampling_the_step_exchange_refuses_is_refused_at_submit_and_the_g
     assert g.lead.health() is None
     assert g.final("innocent").state is RequestState.FINISHED and g.final("good").state is RequestState.FINISHED
     g.ctx.store.release("bad", handle=g.ctx.handles["bad"])  # (never submitted: its CTX copy goes here)
+
+
+# -- 2. a peer that is not a str ---------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("where", ["peer", "kv_sources"])
+async def test_a_peer_that_is_not_a_str_is_refused_at_submit_and_the_group_lives(make_group, world: int,
+                                                                                  where: str) -> None:
+    # a peer of 123 was accepted: a lone GEN failed it at the pull, but a group's step, which carries
+    # the peers as text, could not be encoded and the group broke (every live request failed INTERNAL)
+    from orchestrator import KVSource
+
+    g = await make_group(world)
+    g.submit("innocent", max_tokens=6)
+    await g.step()
+    where_kw = {"peer": 123} if where == "peer" else {"peer": None, "kv_sources": (KVSource(123),)}  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="peer"):
+        g.lead.submit(GenRequest("bad", prompt_len=8, first_token=7, max_tokens=4, kv_handle=g.ctx.prefill("bad", 8),
+                                 **where_kw))  # type: ignore[arg-type]
+    await g.run_until_idle()
+    assert g.lead.health() is None and g.final("innocent").state is RequestState.FINISHED
+    g.ctx.store.release("bad", handle=g.ctx.handles["bad"])
