@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from transports import InvalidRequestId, check_handle, check_request_id
+from transports import InvalidRequestId, KVSlice, check_handle, check_request_id
 
 from ._config import Mode, OrchestratorConfig
 from ._errors import ContextTooLong, InvalidRequest
 from ._receiver import plan_chunks, shift_heads
-from ._requests import GenRequest, kv_blocks_needed, plan_sources
+from ._requests import GenRequest, KVSource, kv_blocks_needed, plan_sources
 from ._sampling import SamplingParams
 
 MAX_TOKEN_ID = 1 << 31
@@ -37,6 +37,10 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
         value = getattr(r, name)
         if (value is not None or name == "first_token") and (type(value) is not int or not 0 <= value < MAX_TOKEN_ID):
             raise InvalidRequest(f"{r.request_id}: {name} must be an int in [0, 2**31), got {value!r}")
+    if r.kv_slice is not None and not isinstance(r.kv_slice, KVSlice):  # (else an AttributeError left submit)
+        raise InvalidRequest(f"{r.request_id}: kv_slice must be a KVSlice or None, not {type(r.kv_slice).__name__}")
+    if not isinstance(r.kv_sources, (tuple, list)) or not all(isinstance(s, KVSource) for s in r.kv_sources):
+        raise InvalidRequest(f"{r.request_id}: kv_sources must be a tuple of KVSource, got {r.kv_sources!r:.80}")
     if r.sampling is not None:  # it crosses a tensor-parallel step in its wire form: what that form refuses
         # broke the group's step (every live request failed), so it is refused here, at every size
         if not isinstance(r.sampling, SamplingParams):
@@ -82,6 +86,9 @@ def validate_request(cfg: OrchestratorConfig, r: GenRequest, world_size: int = 1
         for src in r.kv_sources:
             if type(src.peer) is not str:
                 raise ValueError(f"a KV source's peer must be a str (a CTX rank's address), not {type(src.peer).__name__}")
+            if type(src.head_start) is not int or (src.head_end is not None and type(src.head_end) is not int):
+                raise ValueError(f"KV source {src.peer!r}: head_start and head_end must be ints, got "
+                                 f"{src.head_start!r}:{src.head_end!r}")
             if not src.peer or src.head_start < 0 or (src.head_end is not None and src.head_end <= src.head_start):
                 raise ValueError(f"bad KV source {src.peer!r} heads {src.head_start}:{src.head_end}")
             if src.kv_handle is not None:

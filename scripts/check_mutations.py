@@ -574,6 +574,7 @@ M = [
   "        if False:\n", "tests/test_fan_in.py -k 'model_heads or total_kv_heads'"),
  ("engine: sampling the step exchange refuses is refused at submit", "orchestrator/_validate.py", "            SamplingParams.from_wire(r.sampling.to_wire())\n", "            pass\n", "tests/test_admission_review2.py -k sampling_the_step_exchange"),
  ("engine: a peer that is not a str is refused at submit", "orchestrator/_validate.py", "    if r.peer is not None and type(r.peer) is not str:", "    if False:", "tests/test_admission_review2.py -k peer_that"),
+ ("engine: kv_sources of the wrong type is an InvalidRequest at submit", "orchestrator/_validate.py", "    if not isinstance(r.kv_sources, (tuple, list)) or not all(isinstance(s, KVSource) for s in r.kv_sources):", "    if False:", "tests/test_admission_review2.py -k wrong_type"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import GenRequest, InvalidRequest, RequestState
+from orchestrator import GenRequest, InvalidRequest, KVSource, RequestState
 from orchestrator._sampling import SamplingParams
 from tests.group_harness import PEER
 
@@ -39,8 +39,6 @@ async def test_a_peer_that_is_not_a_str_is_refused_at_submit_and_the_group_lives
                                                                                   where: str) -> None:
     # a peer of 123 was accepted: a lone GEN failed it at the pull, but a group's step, which carries
     # the peers as text, could not be encoded and the group broke (every live request failed INTERNAL)
-    from orchestrator import KVSource
-
     g = await make_group(world)
     g.submit("innocent", max_tokens=6)
     await g.step()
@@ -51,3 +49,19 @@ async def test_a_peer_that_is_not_a_str_is_refused_at_submit_and_the_group_lives
     await g.run_until_idle()
     assert g.lead.health() is None and g.final("innocent").state is RequestState.FINISHED
     g.ctx.store.release("bad", handle=g.ctx.handles["bad"])
+
+
+# -- 3. fields of the wrong type are an InvalidRequest, not whatever the first use of them raised -----
+@pytest.mark.parametrize("fields", [
+    {"kv_slice": (0, 1, 0, 1)},  # was AttributeError: 'tuple' object has no attribute 'layer_start'
+    {"peer": None, "kv_sources": "ctx-0"},  # was AttributeError: 'str' object has no attribute 'kv_handle'
+    {"peer": None, "kv_sources": (("ctx-0", 0, None),)},
+    {"peer": None, "kv_sources": (KVSource("ctx-0", 0, "4"),)},  # was TypeError: '<=' between str and int
+], ids=["kv_slice", "sources_str", "sources_tuples", "source_head_end_str"])
+async def test_request_fields_of_the_wrong_type_are_an_invalid_request(harness_factory, fields: dict) -> None:
+    h = await harness_factory()
+    h.submit("before", max_tokens=3)
+    with pytest.raises(InvalidRequest, match="(?i)kv.s"):
+        h.engine.submit(h.request("bad", prefill=False, **fields))
+    await h.run_until_idle()
+    assert h.engine.health() is None and h.final("before").state is RequestState.FINISHED
