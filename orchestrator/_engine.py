@@ -250,6 +250,10 @@ class GenEngine:
             raise Unavailable(f"GEN engine unavailable: {why}")
         validate_request(self.config, request, self.world_size, requires_handle=self._requires_handle)
         with self._live_lock:
+            if (why := self.health()) is not None:  # again, under the lock: a node stopping while this
+                # request was validated may have stepped to rest already (EngineThreads' exit) and
+                # would never step it; one that stops later sees it live and steps it to an end
+                raise Unavailable(f"GEN engine unavailable: {why}")
             if request.request_id in self._live:
                 held = self._by_id.get(request.request_id)  # (a read of the execution thread's dict: atomic)
                 if held is not None and held.state.terminal:  # ended for its client, blocks quarantined
@@ -258,7 +262,7 @@ class GenEngine:
                         "blocks are quarantined until that receive's landing stops): retry later")
                 raise InvalidRequest(f"request id {request.request_id!r} is already live")
             self._live.add(request.request_id)
-        self._inbox.put(request)
+            self._inbox.put(request)
         self.wakeup.set()
 
     def abort(self, request_id: str) -> None:

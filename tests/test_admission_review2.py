@@ -65,3 +65,31 @@ async def test_request_fields_of_the_wrong_type_are_an_invalid_request(harness_f
         h.engine.submit(h.request("bad", prefill=False, **fields))
     await h.run_until_idle()
     assert h.engine.health() is None and h.final("before").state is RequestState.FINISHED
+
+
+# -- 4. a submit that races the node's shutdown --------------------------------------------------------
+def test_a_submit_that_passed_its_health_check_as_the_threads_exited_is_refused_not_lost(monkeypatch) -> None:
+    # submit read health() (None), then validated while EngineThreads' exit stopped the engine and
+    # stepped it to rest; the request was then queued and held live in an engine nobody steps any
+    # more: accepted, yet never answered
+    import orchestrator._engine as engine_module
+    from orchestrator import EngineThreads, GenEngine, Unavailable
+    from tests.harness import CheckingStep, CtxPeer, make_config
+    from transports.inproc import InProcTransport
+
+    ctx = CtxPeer()
+    engine = GenEngine(make_config(), InProcTransport({"ctx-0": ctx.store}), CheckingStep({"ctx-0": ctx}))
+    threads = EngineThreads(engine)
+    threads.__enter__()
+    validate = engine_module.validate_request
+
+    def validate_while_the_threads_exit(*args, **kw):  # noqa: ANN002, ANN003
+        threads.__exit__(None, None, None)
+        return validate(*args, **kw)
+
+    monkeypatch.setattr(engine_module, "validate_request", validate_while_the_threads_exit)
+    with pytest.raises(Unavailable, match="threads exited"):
+        engine.submit(GenRequest("late", prompt_len=8, first_token=7, max_tokens=3, peer="ctx-0",
+                                 kv_handle=ctx.prefill("late", 8)))
+    assert engine.live_requests == 0 and not engine.rest_problems()
+    ctx.store.release("late", handle=ctx.handles["late"])
