@@ -246,6 +246,9 @@ class GenEngine:
         duplicate request) or ``Unavailable`` (the engine is unhealthy, see ``health()``). Never blocks."""
         if not self.leads_steps:
             raise InvalidRequest("requests enter a tensor-parallel group at rank 0")
+        if not isinstance(request, GenRequest):  # checked here: the step drops anything else, which then
+            # stayed live with no output (a look-alike passed validation)
+            raise TypeError(f"submit takes a GenRequest, not {type(request).__name__}")
         if (why := self.health()) is not None:
             raise Unavailable(f"GEN engine unavailable: {why}")
         validate_request(self.config, request, self.world_size, requires_handle=self._requires_handle)

@@ -93,3 +93,24 @@ def test_a_submit_that_passed_its_health_check_as_the_threads_exited_is_refused_
                                  kv_handle=ctx.prefill("late", 8)))
     assert engine.live_requests == 0 and not engine.rest_problems()
     ctx.store.release("late", handle=ctx.handles["late"])
+
+
+# -- 5. submit of something that is not a GenRequest -------------------------------------------------
+async def test_submit_of_what_is_not_a_gen_request_is_a_type_error_and_nothing_stays_live(harness_factory) -> None:
+    # a look-alike (every field, and sources()) passed validation, was queued, and the step dropped
+    # it (``inbox_item_dropped``): no output ever, its id live for good, the engine never at rest;
+    # None or a dict left submit as an AttributeError
+    import dataclasses
+    import types
+
+    h = await harness_factory()
+    real = h.request("real")
+    look_alike = types.SimpleNamespace(**{f.name: getattr(real, f.name) for f in dataclasses.fields(real)},
+                                       sources=real.sources)
+    for bad in (look_alike, None, {"request_id": "real"}):
+        with pytest.raises(TypeError, match="GenRequest"):
+            h.engine.submit(bad)  # type: ignore[arg-type]
+    assert h.engine.live_requests == 0
+    h.engine.submit(real)
+    await h.run_until_idle()
+    assert h.final("real").state is RequestState.FINISHED
