@@ -157,13 +157,21 @@ class EngineThreads:
         self.engine.wakeup.set()
         if self._thread is not None:
             self._thread.join()
+        # what is still live ends now, aborted (its clients hear), while the receive group still runs:
+        # the CTXs are told to free their copies and the receives cancelled end as aborts, which tell
+        # them too (a receive group closed first dropped those releases: each CTX held the KV until
+        # its lease ran out)
+        self.engine.stop("the engine's threads exited")  # a stop, not a failure: live requests end ABORTED
+        deadline = time.monotonic() + _REST_WAIT_S
+        self.engine.step()
+        while self.engine.receiver is not None and self.engine.receiver.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self.engine.step()
         self.engine.close()
         if self.engine.receiver is not None:
             self._receiver_future.result(timeout=30)
-        # what is still live ends now, aborted (its clients hear), and results published during shutdown
-        # free their blocks: step until at rest (bounded: a landing a transport never ends stays)
-        self.engine.stop("the engine's threads exited")  # a stop, not a failure: live requests end ABORTED
-        deadline = time.monotonic() + _REST_WAIT_S
+        # results published during shutdown free their blocks: step until at rest (bounded: a landing
+        # a transport never ends stays)
         self.engine.step()
         while self.engine.rest_problems() and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -577,6 +577,7 @@ M = [
  ("engine: kv_sources of the wrong type is an InvalidRequest at submit", "orchestrator/_validate.py", "    if not isinstance(r.kv_sources, (tuple, list)) or not all(isinstance(s, KVSource) for s in r.kv_sources):", "    if False:", "tests/test_admission_review2.py -k wrong_type"),
  ("engine: a submit racing the threads' exit is refused, not lost", "orchestrator/_engine.py", "            if (why := self.health()) is not None:  # again, under the lock", "            if False:  # again, under the lock", "tests/test_admission_review2.py -k threads_exited"),
  ("engine: submit of what is not a GenRequest is a TypeError", "orchestrator/_engine.py", "        if not isinstance(request, GenRequest):  # checked here", "        if False:  # checked here", "tests/test_admission_review2.py -k not_a_gen_request"),
+ ("EngineThreads' exit stops the engine while its receive group runs (CTX copies freed)", "orchestrator/_loop.py", "        self.engine.stop(\"the engine's threads exited\")  # a stop, not a failure", "        self.engine.close()\n        self._receiver_future.result(timeout=30)\n        self.engine.stop(\"the engine's threads exited\")  # a stop, not a failure", "tests/test_admission_review2.py -k frees_the_ctx"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import GenRequest, InvalidRequest, KVSource, RequestState
+from orchestrator import DeferReason, GenRequest, InvalidRequest, KVSource, RequestState
 from orchestrator._sampling import SamplingParams
 from tests.group_harness import PEER
 
@@ -114,3 +114,32 @@ async def test_submit_of_what_is_not_a_gen_request_is_a_type_error_and_nothing_s
     h.engine.submit(real)
     await h.run_until_idle()
     assert h.final("real").state is RequestState.FINISHED
+
+
+# -- 6. EngineThreads' exit tells the CTX to free what it aborts ----------------------------------------
+def test_engine_threads_exit_frees_the_ctx_copy_of_every_request_it_aborts() -> None:
+    # the exit closed the receive group before it stopped the engine: the stop's releases of the
+    # requests still waiting (the group was gone) were dropped, and each CTX held their KV until
+    # its lease ran out (30 s by default), for every restart of an embedding engine
+    import time
+
+    from orchestrator import EngineThreads, GenEngine
+    from tests.harness import BLOCK, CheckingStep, CtxPeer, make_config
+    from transports.inproc import InProcTransport
+
+    ctx = CtxPeer()
+    transport = InProcTransport({"ctx": ctx.store})
+    engine = GenEngine(make_config(transfer_budget_bytes=2 * BLOCK), transport, CheckingStep({"ctx": ctx}))
+    transport.stall("stuck")
+    rids = ("stuck", "waiting-0", "waiting-1")
+    with EngineThreads(engine):
+        for rid in rids:  # 2 blocks each: the stalled one holds the whole budget, the others wait
+            engine.submit(GenRequest(rid, prompt_len=8, first_token=7, max_tokens=3, peer="ctx",
+                                     kv_handle=ctx.prefill(rid, 8)))
+        deadline = time.monotonic() + 10
+        while engine.statistics().deferral_episodes[DeferReason.BACKPRESSURE] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finals = {o.request_id: o.state for o in engine.poll() if o.finished}
+    assert finals == {rid: RequestState.ABORTED for rid in rids}
+    assert engine.rest_problems() == []
+    assert [rid for rid in rids if ctx.store.holds(rid)] == []
