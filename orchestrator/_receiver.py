@@ -524,13 +524,14 @@ class ReceiveGroup:
             if result is None:  # cancelled from outside (shutdown, or the group dying) before a result
                 result = self._failed(job, moved, started, *self._stopped_reason())
             self._finish(job, result, landing)  # first: the execution thread learns of it now
-        if job.release and result.failure not in _NO_RELEASE:  # then the peer may free its copy
-            peers = _distinct_peers(job.all_parts())
-            if len(peers) == 1:  # here: this task has published its result already (no task of its own)
-                await self._release(peers[0].peer, rid, peers[0].handle)
-            else:  # side by side: a slow peer does not hold up the others' releases
-                for part in peers:
-                    self._spawn(self._release, part.peer, rid, part.handle)
+            if job.release and result.failure not in _NO_RELEASE:  # then the peer may free its copy, also
+                # when the cancellation goes on from here (the group closing): _release is shielded, bounded
+                peers = _distinct_peers(job.all_parts())
+                if len(peers) == 1:  # here: this task has published its result already (no task of its own)
+                    await self._release(peers[0].peer, rid, peers[0].handle)
+                else:  # side by side: a slow peer does not hold up the others' releases
+                    for part in peers:
+                        self._spawn(self._release, part.peer, rid, part.handle)
 
     async def _receive_part(self, job: ReceiveJob, part: ReceivePart, ids: torch.Tensor, landing: Landing,
                             keep: list[torch.Tensor], box: list[int]) -> None:

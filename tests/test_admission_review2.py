@@ -143,3 +143,20 @@ def test_engine_threads_exit_frees_the_ctx_copy_of_every_request_it_aborts() -> 
     assert finals == {rid: RequestState.ABORTED for rid in rids}
     assert engine.rest_problems() == []
     assert [rid for rid in rids if ctx.store.holds(rid)] == []
+
+
+# -- 7. a receive the closing group cancels still frees the CTX copy --------------------------------
+async def test_a_receive_cancelled_by_the_group_closing_frees_its_ctx_copy(harness_factory) -> None:
+    # a receive ended by an abort or a timeout tells its CTX to free the KV; one the closing group
+    # cancelled ended ABORTED ("shutting down") but skipped that release (the cancellation went on past
+    # it), so the CTX held the KV until its lease ran out
+    h = await harness_factory()
+    h.transport.stall("stuck")
+    h.submit("stuck")
+    await h.step()
+    assert h.engine.statistics().receiving == 1
+    h.engine.close()
+    await h.settle()
+    await h.step()
+    assert h.final("stuck").state is RequestState.ABORTED
+    assert not h.peer.store.holds("stuck")
