@@ -85,7 +85,8 @@ from ._stats import (
     Histogram,
     StepReport,
 )
-from ._step import FINISH, Abort, Agreement, GroupBroken, Outcome, SoloAgreement, StepMessage, Submit, chain_crc, rows_crc
+from ._step import (CONFIG_FIELDS, FINISH, Abort, Agreement, GroupBroken, Outcome, SoloAgreement, StepMessage, Submit,
+                    chain_crc, config_digest, rows_crc)
 from ._validate import validate_request
 
 _TOKEN = ~FINISH  # a step word's token bits
@@ -167,6 +168,7 @@ class GenEngine:
         self.rank = self.agreement.rank
         self.world_size = self.agreement.world_size
         self._everyone = (1 << self.world_size) - 1
+        self._config_digest = config_digest(config)
         self._pull_releases = self.world_size == 1
         """A lone rank's last pull lets the CTX free its copy; a group's rank 0 tells the CTX once
         every rank has its slice."""
@@ -319,6 +321,9 @@ class GenEngine:
             await task_group.start(self.receiver.run)  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        """Close the receive group (any receive still running is cancelled). To shut down without
+        leaving each CTX holding KV until its lease ends, ``stop()`` and step until no receive is in
+        flight first, as ``EngineThreads`` does on exit: the aborts then reach the CTXs."""
         if self.receiver is not None:
             self.receiver.close()
 
@@ -379,6 +384,7 @@ class GenEngine:
         c0 = time.thread_time()
         why = self.health()  # before the stop flag: stop() sets the flag, then the reason, so a reason
         msg = StepMessage(admitted=self._admitted, stop=self._stop_requested)  # read here comes with its flag
+        msg.config = self._config_digest
         if why is not None and not self.stopped:
             msg.broken = why
         if self.leads_steps:
@@ -477,6 +483,9 @@ class GenEngine:
                 return m.broken if self.world_size == 1 else f"GEN rank {rank}: {m.broken}"
         lead = messages[0]
         for rank, m in enumerate(messages):
+            if m.config != lead.config:  # at the first step, not at the first request where it shows
+                return (f"tensor-parallel rank {rank} runs other settings than rank 0: every rank must share "
+                        f"{', '.join(CONFIG_FIELDS)} and the KV layout (but for its head offset)")
             if m.admitted != lead.admitted:
                 return (f"tensor-parallel ranks admitted different requests: rank {rank} {m.admitted[0]} "
                         f"admissions, rank 0 {lead.admitted[0]} (digests {m.admitted[1]:08x} / {lead.admitted[1]:08x})")

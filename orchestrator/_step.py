@@ -85,6 +85,8 @@ class StepMessage:
     """CRC32 over the last decoded batch on this rank: sequence numbers, input and sampled tokens."""
     admitted: tuple[int, int] = (0, 0)
     """(count, CRC32 chained over sequence numbers) of every admission on this rank so far."""
+    config: int = 0
+    """CRC32 of the settings every rank must share to admit alike (``config_digest``)."""
     commands: list[Any] = dataclasses.field(default_factory=list)
     """Rank 0: JSON-able payloads every rank's ``on_command`` runs at this step (``broadcast``)."""
     stop: bool = False
@@ -112,10 +114,10 @@ class SoloAgreement:
 
 
 # -- wire form -------------------------------------------------------------------------------------
-_HEADER = struct.Struct("<IHBBIIIIIIIIII")
-# total length, version, flags, pad, admitted count, admitted crc, batch digest,
+_HEADER = struct.Struct("<IHBBIIIIIIIIIII")
+# total length, version, flags, pad, admitted count, admitted crc, batch digest, config digest,
 # n outcomes, n quiet, n tokens, events bytes, n events, commands bytes, broken bytes
-_VERSION = 1
+_VERSION = 2
 _STOP, _BROKEN = 1, 2
 _REASONS = list(FailureReason)
 _CODE = {r: i + 1 for i, r in enumerate(_REASONS)}
@@ -319,14 +321,14 @@ def encode(m: StepMessage) -> bytes:
                      np.asarray(m.tokens, dtype="<u4").tobytes(), events, commands, broken))
     flags = (_STOP if m.stop else 0) | (_BROKEN if m.broken else 0)
     header = _HEADER.pack(_HEADER.size + len(body), _VERSION, flags, 0, m.admitted[0] & 0xFFFFFFFF, m.admitted[1],
-                          m.batch_digest, len(m.outcomes), len(m.quiet), len(m.tokens), len(events), len(m.events),
+                          m.batch_digest, m.config, len(m.outcomes), len(m.quiet), len(m.tokens), len(events), len(m.events),
                           len(commands), len(broken))
     return header + body
 
 
 def decode(data: bytes | memoryview) -> StepMessage:
     buf = memoryview(data)
-    (total, version, flags, _, count, crc, digest, n_out, n_quiet, n_tok, ev_len, n_ev, cmd_len,
+    (total, version, flags, _, count, crc, digest, config, n_out, n_quiet, n_tok, ev_len, n_ev, cmd_len,
      broken_len) = _HEADER.unpack_from(buf, 0)
     if version != _VERSION or total > len(buf):
         raise ValueError(f"step message version {version}, {total} bytes of {len(buf)}: not this build's")
@@ -351,8 +353,23 @@ def decode(data: bytes | memoryview) -> StepMessage:
     commands = json.loads(bytes(buf[at : at + cmd_len])) if cmd_len else []
     at += cmd_len
     broken = bytes(buf[at : at + broken_len]).decode()
-    return StepMessage(events, outcomes, quiet, tokens, digest, (count, crc), commands,
+    return StepMessage(events, outcomes, quiet, tokens, digest, (count, crc), config, commands,
                        stop=bool(flags & _STOP), broken=broken)
+
+
+CONFIG_FIELDS = ("mode", "num_blocks", "transfer_budget_bytes", "max_num_seqs", "prefetch_seqs", "max_model_len",
+                 "total_kv_heads")
+"""The settings every rank of a group must share (with its layout's but for the head offset): a
+rank that differs in one admits, defers or refuses differently, and the group would break at the
+first request where it shows (``config_digest``)."""
+
+
+def config_digest(config: Any) -> int:
+    """CRC32 over ``CONFIG_FIELDS`` of an ``OrchestratorConfig`` and its layout's shape and dtype."""
+    lay = config.layout
+    values = [getattr(config, name) for name in CONFIG_FIELDS]
+    values += [lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, str(lay.dtype)]
+    return zlib.crc32(repr(values).encode())
 
 
 def chain_crc(crc: int, *values: int) -> int:

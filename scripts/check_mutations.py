@@ -579,6 +579,9 @@ M = [
  ("engine: submit of what is not a GenRequest is a TypeError", "orchestrator/_engine.py", "        if not isinstance(request, GenRequest):  # checked here", "        if False:  # checked here", "tests/test_admission_review2.py -k not_a_gen_request"),
  ("EngineThreads' exit stops the engine while its receive group runs (CTX copies freed)", "orchestrator/_loop.py", "        self.engine.stop(\"the engine's threads exited\")  # a stop, not a failure", "        self.engine.close()\n        self._receiver_future.result(timeout=30)\n        self.engine.stop(\"the engine's threads exited\")  # a stop, not a failure", "tests/test_admission_review2.py -k frees_the_ctx"),
  ("receiver: a receive the closing group cancels still frees its CTX copy", "orchestrator/_receiver.py", "            self._finish(job, result, landing)  # first: the execution thread learns of it now\n            if job.release and result.failure not in _NO_RELEASE:  # then the peer may free its copy, also\n", "            self._finish(job, result, landing)  # first: the execution thread learns of it now\n        if True:\n            if job.release and result.failure not in _NO_RELEASE:  # then the peer may free its copy, also\n", "tests/test_admission_review2.py -k cancelled_by_the_group"),
+ ("TP: ranks with other settings break the group at its first step", "orchestrator/_engine.py",
+  "            if m.config != lead.config:  # at the first step, not at the first request where it shows\n",
+  "            if False:\n", "tests/test_tp_engine.py -k other_settings"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -13,6 +13,7 @@ from orchestrator import (
     GenRequest,
     Mode,
     RequestState,
+    Unavailable,
 )
 from tests.group_harness import PEER
 from transports import KVLayout, PeerClosed
@@ -32,6 +33,17 @@ async def test_every_rank_receives_its_head_slice_and_decodes_in_lockstep(make_g
     assert sum(t.counters.releases for t in g.transports) == 6
     for e in g.engines[1:]:
         assert e.poll() == []  # only rank 0 speaks to clients
+
+
+@pytest.mark.parametrize("differs", [{"num_blocks": 32}, {"max_num_seqs": 4}, {"transfer_budget_bytes": 1 << 20}])
+async def test_ranks_with_other_settings_break_the_group_at_its_first_step_not_at_a_request(make_group, differs) -> None:
+    g = await make_group(2, rank1=differs)  # e.g. a pool half the size on rank 1: the first request that fits
+    await g.step()  # one rank and not the other broke the group then, failing every live request
+    for e in g.engines:
+        assert "rank 1 runs other settings than rank 0" in (e.health() or ""), e.health()
+    with pytest.raises(Unavailable, match="other settings"):
+        g.submit("r0")
+    g.ctx.store.release("r0")  # prefilled by the harness before the refusal
 
 
 async def test_a_request_decodes_only_when_every_rank_has_its_slice(make_group) -> None:
