@@ -582,6 +582,9 @@ M = [
  ("TP: ranks with other settings break the group at its first step", "orchestrator/_engine.py",
   "            if m.config != lead.config:  # at the first step, not at the first request where it shows\n",
   "            if False:\n", "tests/test_tp_engine.py -k other_settings"),
+ ("TP: the group forms again beside an abandoned rendezvous", "examples/two_node/tp_group.py",
+  "        distributed_c10d._world.group_count = 0  # what destroy_process_group does for a formed group", "        pass",
+  "tests/test_tp_heal_units.py -k 'forms_again and beside'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

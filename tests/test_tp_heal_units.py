@@ -625,17 +625,75 @@ sys.exit(peer.wait(30))
 '''
 
 
-def test_a_group_forms_again_after_a_failed_attempt() -> None:
+REFORM_WHILE_AN_ABANDONED_ATTEMPT_WAITS = r'''
+import datetime, socket, subprocess, sys, threading, time
+import torch.distributed as dist
+from examples.two_node import tp_group
+
+
+def port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+box = {}
+
+
+def first():  # attempt 1 in its own thread, as join_watching runs it; its other rank never joins
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port()}", rank=0, world_size=2,
+                                timeout=datetime.timedelta(seconds=3))
+        box["r"] = "formed"
+    except Exception as exc:
+        box["r"] = type(exc).__name__
+
+
+thread = threading.Thread(target=first, daemon=True)
+thread.start()
+time.sleep(0.5)  # abandoned inside its rendezvous (join_watching saw its rank die): it ends on its own
+tp_group.leave()
+
+
+def form(n):
+    init = f"tcp://127.0.0.1:{port()}"
+    peer = subprocess.Popen([sys.executable, "-c", "import datetime, torch.distributed as d; "
+                             f"d.init_process_group('gloo', init_method='{init}', rank=1, world_size=2, "
+                             "timeout=datetime.timedelta(seconds=20)); d.barrier(); d.barrier(); d.destroy_process_group()"])
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=2, timeout=datetime.timedelta(seconds=20))
+    dist.barrier()
+    print(f"attempt {n} formed", flush=True)
+    return peer
+
+
+peer = form(2)  # while attempt 1 still waits
+thread.join(20)
+print("attempt 1 failed:", box.get("r"), flush=True)
+dist.barrier()  # the group formed beside it still works once it ended
+tp_group.leave()
+assert peer.wait(30) == 0
+peer = form(3)  # and the next heal forms too
+dist.barrier()
+tp_group.leave()
+sys.exit(peer.wait(30))
+'''
+
+
+@pytest.mark.parametrize("script", ["after", "beside"])
+def test_a_group_forms_again_after_a_failed_attempt(script: str) -> None:
     """torch names the default group from a counter that init_process_group raises before its
     rendezvous and only destroy_process_group of a formed group resets: after one failed attempt
     rank 0 named its next group default_pg/1, every fresh rank default_pg/0, and the node never
     healed (each attempt waited out the join timeout; an outside drill: "regrouping" for 4 minutes).
     Rank 0 (a fresh interpreter here: torch's state is process-wide) forms a group after a failed
-    attempt."""
-    r = subprocess.run([sys.executable, "-c", REFORM_AFTER_A_FAILED_ATTEMPT], capture_output=True, text=True,
+    attempt; ``beside``: while that attempt's rendezvous, abandoned in its thread, still waits (it
+    ends on its own later), and again after it ended."""
+    code = REFORM_AFTER_A_FAILED_ATTEMPT if script == "after" else REFORM_WHILE_AN_ABANDONED_ATTEMPT_WAITS
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0 and "attempt 1 failed" in r.stdout and "attempt 2 formed" in r.stdout, \
         r.stdout + r.stderr[-2000:]
+    assert script == "after" or "attempt 3 formed" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
 def test_a_group_that_cannot_form_at_start_is_one_line_and_exit_1(monkeypatch, capsys) -> None:
