@@ -594,7 +594,7 @@ def test_a_lost_connection_waits_for_the_rank_on_its_way_out() -> None:
     assert still == "a GEN rank stopped answering: no step exchange for 4 s" and time.monotonic() - started < 2
 
 
-REFORM_AFTER_A_FAILED_ATTEMPT = r'''
+_REFORM_HEAD = r'''
 import datetime, socket, subprocess, sys, time
 import torch.distributed as dist
 from examples.two_node import tp_group
@@ -606,6 +606,21 @@ def port():
         return s.getsockname()[1]
 
 
+def form(n, barriers=1):
+    """Rank 0 here and a fresh rank 1 form a group at a new address; rank 1 meets ``barriers`` barriers."""
+    init = f"tcp://127.0.0.1:{port()}"
+    peer = subprocess.Popen([sys.executable, "-c", "import datetime, torch.distributed as d; "
+                             f"d.init_process_group('gloo', init_method='{init}', rank=1, world_size=2, "
+                             "timeout=datetime.timedelta(seconds=20)); " + "d.barrier(); " * barriers
+                             + "d.destroy_process_group()"])
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=2, timeout=datetime.timedelta(seconds=20))
+    dist.barrier()
+    print(f"attempt {n} formed", flush=True)
+    return peer
+'''
+
+REFORM_AFTER_A_FAILED_ATTEMPT = _REFORM_HEAD + r'''
+
 try:  # attempt 1: its other rank never joins (killed before it could)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port()}", rank=0, world_size=2,
                             timeout=datetime.timedelta(seconds=1))
@@ -613,28 +628,14 @@ try:  # attempt 1: its other rank never joins (killed before it could)
 except Exception as exc:
     print("attempt 1 failed:", type(exc).__name__, flush=True)
 tp_group.leave()  # what form() does before every attempt
-init = f"tcp://127.0.0.1:{port()}"
-peer = subprocess.Popen([sys.executable, "-c", "import datetime, torch.distributed as d; "
-                         f"d.init_process_group('gloo', init_method='{init}', rank=1, world_size=2, "
-                         "timeout=datetime.timedelta(seconds=20)); d.barrier(); d.destroy_process_group()"])
-dist.init_process_group("gloo", init_method=init, rank=0, world_size=2, timeout=datetime.timedelta(seconds=20))
-dist.barrier()
-print("attempt 2 formed", flush=True)
+peer = form(2)
 tp_group.leave()
 sys.exit(peer.wait(30))
 '''
 
 
-REFORM_WHILE_AN_ABANDONED_ATTEMPT_WAITS = r'''
-import datetime, socket, subprocess, sys, threading, time
-import torch.distributed as dist
-from examples.two_node import tp_group
-
-
-def port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+REFORM_WHILE_AN_ABANDONED_ATTEMPT_WAITS = _REFORM_HEAD + r'''
+import threading
 
 
 box = {}
@@ -653,26 +654,14 @@ thread = threading.Thread(target=first, daemon=True)
 thread.start()
 time.sleep(0.5)  # abandoned inside its rendezvous (join_watching saw its rank die): it ends on its own
 tp_group.leave()
-
-
-def form(n):
-    init = f"tcp://127.0.0.1:{port()}"
-    peer = subprocess.Popen([sys.executable, "-c", "import datetime, torch.distributed as d; "
-                             f"d.init_process_group('gloo', init_method='{init}', rank=1, world_size=2, "
-                             "timeout=datetime.timedelta(seconds=20)); d.barrier(); d.barrier(); d.destroy_process_group()"])
-    dist.init_process_group("gloo", init_method=init, rank=0, world_size=2, timeout=datetime.timedelta(seconds=20))
-    dist.barrier()
-    print(f"attempt {n} formed", flush=True)
-    return peer
-
-
-peer = form(2)  # while attempt 1 still waits
+peer = form(2, barriers=2)  # while attempt 1 still waits
 thread.join(20)
-print("attempt 1 failed:", box.get("r"), flush=True)
+assert box.get("r") not in (None, "formed"), box
+print("attempt 1 failed:", box["r"], flush=True)
 dist.barrier()  # the group formed beside it still works once it ended
 tp_group.leave()
 assert peer.wait(30) == 0
-peer = form(3)  # and the next heal forms too
+peer = form(3, barriers=2)  # and the next heal forms too
 dist.barrier()
 tp_group.leave()
 sys.exit(peer.wait(30))
