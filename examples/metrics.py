@@ -12,11 +12,15 @@ path) from the same dict the node's control ``stats`` answers, so the two views 
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import structlog
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -186,11 +190,75 @@ class NodeCollector(Collector):
         yield from node_families([(self.role, {}, snapshot)])
 
 
-def serve_node_metrics(role: str, stats: Callable[[], Stats], *, host: str, port: int) -> int:
-    """Serve a node's series over HTTP (prometheus_client's server, a daemon thread); returns the port."""
+METRICS_IDLE_TIMEOUT_S = 10.0
+"""A scrape connection that sends nothing this long is closed (its thread ends)."""
+METRICS_MAX_CONNECTIONS = 64
+"""Scrape connections served at once; one more is closed as soon as it is accepted."""
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_IDLE_TIMEOUT_S  # the socket's timeout: prometheus_client's handler has none
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """prometheus_client's thread-per-connection server, with a bound on the threads: its own
+    started a thread for every connection and kept it while the client sent nothing, for good
+    (the port takes no secret: anyone who reached it could grow the node by a thread a connection)."""
+
+    max_connections = METRICS_MAX_CONNECTIONS
+
+    def server_activate(self) -> None:
+        self._open = 0
+        self._open_lock = threading.Lock()
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            full = self._open >= self.max_connections
+            if not full:
+                self._open += 1
+        if full:
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: nothing will count it out
+            with self._open_lock:
+                self._open -= 1
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open -= 1
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that went quiet (timed out) or away: nothing to print on the node's stderr
+
+
+def start_metrics_server(role: str, stats: Callable[[], Stats], *, host: str, port: int,
+                         idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
+                         max_connections: int = METRICS_MAX_CONNECTIONS) -> ThreadingWSGIServer:
+    """A started metrics server (a daemon thread serves it); ``server.shutdown()`` stops it."""
     registry = CollectorRegistry()
     registry.register(NodeCollector(role, stats))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    handler = type("_Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
+    server_cls = type("_Server", (_BoundedServer,), {"address_family": family, "max_connections": max_connections})
+    server = make_server(host, port, make_wsgi_app(registry), server_cls, handler_class=handler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
+def serve_node_metrics(role: str, stats: Callable[[], Stats], *, host: str, port: int) -> int:
+    """Serve a node's series over HTTP (a daemon thread; a thread per scrape connection, at most
+    ``METRICS_MAX_CONNECTIONS``, each closed after ``METRICS_IDLE_TIMEOUT_S`` of silence); returns the port."""
+    server = start_metrics_server(role, stats, host=host, port=port)
     bound = int(server.server_address[1])
     log.info("metrics_serving", role=role, host=host, port=bound)
     return bound

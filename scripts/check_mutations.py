@@ -585,6 +585,8 @@ M = [
  ("TP: the group forms again beside an abandoned rendezvous", "examples/two_node/tp_group.py",
   "        distributed_c10d._world.group_count = 0  # what destroy_process_group does for a formed group", "        pass",
   "tests/test_tp_heal_units.py -k 'forms_again and beside'"),
+  ("metrics port: connections over its cap closed at once", "examples/metrics.py", "            full = self._open >= self.max_connections", "            full = False", "tests/test_node_metrics.py"),
+  ("metrics port: an idle scrape connection times out", "examples/metrics.py", "    handler = type(\"_Handler\", (_QuietHandler,), {\"timeout\": idle_timeout_s})", "    handler = type(\"_Handler\", (_QuietHandler,), {\"timeout\": None})", "tests/test_node_metrics.py"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:
