@@ -250,7 +250,10 @@ def start_metrics_server(role: str, stats: Callable[[], Stats], *, host: str, po
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     handler = type("_Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
     server_cls = type("_Server", (_BoundedServer,), {"address_family": family, "max_connections": max_connections})
-    server = make_server(host, port, make_wsgi_app(registry), server_cls, handler_class=handler)
+    try:
+        server = make_server(host, port, make_wsgi_app(registry), server_cls, handler_class=handler)
+    except OSError as exc:  # which port: a node binds two or three ("Address already in use" alone said none)
+        raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
 

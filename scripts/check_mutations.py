@@ -587,6 +587,7 @@ M = [
   "tests/test_tp_heal_units.py -k 'forms_again and beside'"),
   ("metrics port: connections over its cap closed at once", "examples/metrics.py", "            full = self._open >= self.max_connections", "            full = False", "tests/test_node_metrics.py"),
   ("metrics port: an idle scrape connection times out", "examples/metrics.py", "    handler = type(\"_Handler\", (_QuietHandler,), {\"timeout\": idle_timeout_s})", "    handler = type(\"_Handler\", (_QuietHandler,), {\"timeout\": None})", "tests/test_node_metrics.py"),
+  ("metrics port: a port in use is named in the error", "examples/metrics.py", "        raise OSError(exc.errno, f\"cannot serve metrics on {host}:{port}: {exc.strerror or exc}\") from exc", "        raise", "tests/test_node_metrics.py -k in_use"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import socket
 import time
 import urllib.request
+
+import pytest
 
 from examples import metrics
 
@@ -45,3 +47,17 @@ def test_the_metrics_port_refuses_connections_over_its_cap_and_closes_idle_ones(
             s.close()
         server.shutdown()
         server.server_close()
+
+
+def test_a_metrics_port_in_use_is_named_in_the_error() -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(OSError) as caught:
+            metrics.start_metrics_server("ctx", lambda: CTX_STATS, host="127.0.0.1", port=port)
+        assert caught.value.errno == errno.EADDRINUSE  # the node's one line: "ctx: cannot start: [Errno 98] ..."
+        assert f"metrics on 127.0.0.1:{port}" in str(caught.value), str(caught.value)
+    finally:
+        taken.close()
