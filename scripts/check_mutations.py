@@ -588,6 +588,7 @@ M = [
   ("metrics port: connections over its cap closed at once", "examples/metrics.py", "            full = self._open >= self.max_connections", "            full = False", "tests/test_node_metrics.py"),
   ("metrics port: an idle scrape connection times out", "examples/metrics.py", "    handler = type(\"_Handler\", (_QuietHandler,), {\"timeout\": idle_timeout_s})", "    handler = type(\"_Handler\", (_QuietHandler,), {\"timeout\": None})", "tests/test_node_metrics.py"),
   ("metrics port: a port in use is named in the error", "examples/metrics.py", "        raise OSError(exc.errno, f\"cannot serve metrics on {host}:{port}: {exc.strerror or exc}\") from exc", "        raise", "tests/test_node_metrics.py -k in_use"),
+  ("client: a connection reset mid-request names the node and the cause", "examples/two_node/client.py", "            rec.message = f\"{where}: the connection broke\" + (f\" ({type(why).__name__}: {why})\" if why else \"\")", "            rec.message = f\"{type(exc).__name__}: {exc}\"", "tests/test_client.py -k reset_mid_request"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

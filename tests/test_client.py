@@ -6,8 +6,11 @@ from __future__ import annotations
 import array
 import functools
 import math
+import socket
+import struct
 
 import anyio
+import anyio.abc
 import numpy as np
 import pytest
 
@@ -176,6 +179,28 @@ async def test_run_load_unreachable_gen_and_timeout(anyio_backend: str) -> None:
     nobody = await run_load(ctx=["127.0.0.1:1"], gen="127.0.0.1:2", secret=SECRET, prompts=prompts[:1],
                             max_tokens=3, concurrency=1, progress=False, timeout_s=5)
     assert nobody.records[0].failure == "prefill_error" and nobody.records[0].message.startswith("127.0.0.1:1: ")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_connection_reset_mid_request_names_the_node_and_why(anyio_backend: str) -> None:
+    """A CTX killed while a client talks to it resets the connection: the record said only
+    "BrokenResourceError: " (anyio's exception has no text), neither which node nor what broke."""
+    async def reset_after_hello(conn: anyio.abc.SocketStream) -> None:  # hello, read the auth, then RST
+        await conn.send(b'{"kvo": 1, "nonce": "' + b"00" * 32 + b'", "insecure": false}\n')
+        await conn.receive()
+        conn.extra(anyio.abc.SocketAttribute.raw_socket).setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                                    struct.pack("ii", 1, 0))
+        await conn.aclose()
+
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, reset_after_hello)
+        ctx = f"127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        res = await run_load(ctx=[ctx], gen="127.0.0.1:1", secret=SECRET, prompts=make_prompts(2, 6, seed=1),
+                             max_tokens=3, concurrency=2, progress=False, timeout_s=5)
+        tg.cancel_scope.cancel()
+    for r in res.records:
+        assert r.failure == "prefill_error", (r.failure, r.message)
+        assert r.message.startswith(f"{ctx}: the connection broke (ConnectionResetError"), r.message
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

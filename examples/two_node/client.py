@@ -297,7 +297,11 @@ async def run_load(
         except OSError as exc:  # which node could not be reached (a wrong --ctx or --gen), not only why
             where = ctx_addr if phase == "prefill" else gen
             rec.state, rec.failure, rec.message = "error", f"{phase}_error", f"{where}: {type(exc).__name__}: {exc}"
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, KeyError, ValueError, TypeError) as exc:
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:  # reset mid-request: a node killed
+            where, why = (ctx_addr if phase == "prefill" else gen), exc.__cause__  # (its own text is empty)
+            rec.state, rec.failure = "error", f"{phase}_error"
+            rec.message = f"{where}: the connection broke" + (f" ({type(why).__name__}: {why})" if why else "")
+        except (KeyError, ValueError, TypeError) as exc:
             rec.state, rec.failure, rec.message = "error", f"{phase}_error", f"{type(exc).__name__}: {exc}"
         if handle is not None and (release or not rec.ok):
             # asked for, or the request failed after its prefill: the CTX need not hold the KV
