@@ -589,6 +589,9 @@ M = [
   ("metrics port: an idle scrape connection times out", "examples/metrics.py", "    handler = type(\"_Handler\", (_QuietHandler,), {\"timeout\": idle_timeout_s})", "    handler = type(\"_Handler\", (_QuietHandler,), {\"timeout\": None})", "tests/test_node_metrics.py"),
   ("metrics port: a port in use is named in the error", "examples/metrics.py", "        raise OSError(exc.errno, f\"cannot serve metrics on {host}:{port}: {exc.strerror or exc}\") from exc", "        raise", "tests/test_node_metrics.py -k in_use"),
   ("client: a connection reset mid-request names the node and the cause", "examples/two_node/client.py", "            rec.message = f\"{where}: the connection broke\" + (f\" ({type(why).__name__}: {why})\" if why else \"\")", "            rec.message = f\"{type(exc).__name__}: {exc}\"", "tests/test_client.py -k reset_mid_request"),
+ ("TP: a GEN stopping its own group is not a break to heal", "examples/two_node/gen_tp.py",
+  "        if engine is None or self.node.ending:  # the node stops its group itself: not a break to heal\n",
+  "        if engine is None:\n", "tests/test_tp_heal_units.py -k own_group"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

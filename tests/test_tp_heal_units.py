@@ -722,3 +722,24 @@ def test_a_rank_s_stderr_is_still_drained_when_rank_0_s_own_stderr_is_gone() -> 
         assert child.stderr_tail.reason() == "the last word"  # type: ignore[attr-defined]
     finally:
         os.close(w)
+
+
+def test_a_gen_stopping_its_own_group_is_not_a_break_to_heal() -> None:
+    """Rank 0 of a GEN group stops its group on SIGTERM; the healer, still polling, read the
+    stopped engine as broken and, in the few ms before it was cancelled, killed the ranks it was
+    stopping and began forming a new group during the shutdown (an outside drill: 2 of 9 SIGTERMs
+    logged tp_group_healing). Once the node is ending, its own stop is not a break."""
+
+    class Engine:
+        def health(self) -> str:
+            return "the tensor-parallel group was stopped"
+
+    class Node:
+        engine = Engine()
+        ending = False
+
+    node = Node()
+    rank0 = gen_tp.GenRank0(node, None)
+    assert rank0.broken() == "the tensor-parallel group was stopped"  # a stop the node did not make: heal
+    node.ending = True
+    assert rank0.broken() is None

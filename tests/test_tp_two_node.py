@@ -210,6 +210,8 @@ def test_sigterm_to_a_tp_gen_s_process_group_is_a_graceful_stop_of_the_whole_gro
         tokens, final, refused, pids = anyio.run(drive)
         gen.proc.wait(30)
         assert gen.proc.returncode == 0, gen.log_tail()
+        # its own stop is not a break: no heal killed the ranks it was stopping (an outside drill)
+        assert "tp_group_healing" not in gen.log_path.read_text(errors="replace"), gen.log_tail()
     assert final["state"] == "finished", final
     assert len(tokens) == 80 - 1  # the first token came from the CTX
     assert "shutting down" in refused.get("error", ""), refused

@@ -124,6 +124,7 @@ class GenNode:
         self._streams: dict[str, Any] = {}
         self._unfinished: set[str] = set()  # ids submitted whose final output is not pumped yet
         self.shutting_down = False  # SIGTERM without --etcd: no new request; the live ones end (graceful stop)
+        self.ending = False  # rank 0 stops its group for good: the healer reads the stop as the node's own
         self._pending: collections.deque[RequestOutput] = collections.deque()
         self._pump_flag = threading.Event()
         self._call: Any = None
@@ -509,6 +510,8 @@ class GenNode:
                         tg.start_soon(self._stop_on_sigterm, drained.set)
                     await drained.wait()
                 finally:
+                    self.ending = True  # before the group stops: a healer polling now saw a break and
+                    # killed the ranks it was stopping, then formed a new group during the shutdown
                     with anyio.CancelScope(shield=True):
                         await self.end_generation(tell_group=True)
                 tg.cancel_scope.cancel()  # drained: the control server and the engine's tasks stop too

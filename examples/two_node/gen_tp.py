@@ -311,7 +311,9 @@ class GenRank0:
 
     def broken(self) -> str | None:
         engine = self.node.engine
-        return engine.health() if engine is not None else None
+        if engine is None or self.node.ending:  # the node stops its group itself: not a break to heal
+            return None
+        return engine.health()
 
     async def fail(self, cause: str) -> None:
         """Every client fails with ``cause`` (the engine, once its execution thread leaves the
