@@ -592,6 +592,19 @@ M = [
  ("TP: a GEN stopping its own group is not a break to heal", "examples/two_node/gen_tp.py",
   "        if engine is None or self.node.ending:  # the node stops its group itself: not a break to heal\n",
   "        if engine is None:\n", "tests/test_tp_heal_units.py -k own_group"),
+ ("CTX: SIGTERM without etcd is a graceful stop", "examples/two_node/ctx.py",
+  "                tg.start_soon(self._stop_on_sigterm, tg.cancel_scope.cancel)\n", "                pass\n",
+  "tests/test_faults.py -k 'ctx_sigterm and ucx'"),
+ ("CTX: no new prefill while it shuts down", "examples/two_node/ctx.py",
+  "        if self.shutting_down or (self.registration is not None and self.registration.refuses_new_work()):\n",
+  "        if False:\n", "tests/test_faults.py -k 'ctx_sigterm and ucx'"),
+ ("CTX: a second SIGTERM exits at once", "examples/two_node/ctx.py",
+  "                        log.warning(\"sigterm_again_exiting_now\", busy=self.busy())\n                        raise SystemExit(143)\n",
+  "                        log.warning(\"sigterm_again_exiting_now\", busy=self.busy())\n",
+  "tests/test_faults.py -k second_sigterm_stops_a_ctx"),
+ ("CTX: a drain past the fronts' grace refuses new prefills", "examples/two_node/ctx.py",
+  "        if self.shutting_down or (self.registration is not None and self.registration.refuses_new_work()):\n",
+  "        if self.shutting_down:\n", "tests/test_tp_heal_units.py -k checksums_off"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -451,6 +451,66 @@ def test_gen_sigterm_without_etcd_ends_every_stream_and_frees_the_ctx_s_kv(backe
         assert gen_node.proc.returncode == 0, gen_node.log_tail()
 
 
+def test_ctx_sigterm_without_etcd_takes_no_new_prefill_lets_its_kv_be_pulled_then_exits(backend: str) -> None:
+    """A CTX without --etcd got SIGTERM and exited at once (143): prefills in flight and the GENs'
+    pulls of the KV it held failed (an outside drill: 4 to 26 of 64 requests survived). Now it
+    refuses new prefills (``unavailable``: a front sends them to another CTX), lets the GEN pull
+    what it holds, and exits 0 once nothing is held; a second SIGTERM still exits at once."""
+    env = node_env()
+    kv = ["--kv-transport", backend]
+    with NodeProcess.start(["ctx", "--num-blocks", "256", "--graceful-shutdown-timeout-s", "30", *kv], env=env) as ctx, \
+            NodeProcess.start(["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "256", *kv], env=env) as gen_node:
+
+        async def prefill(rid: str) -> dict:
+            return await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid,
+                                                         "prompt_ids": list(range(40, 80)), "max_tokens": 4},
+                                      secret=ctx.secret)
+
+        async def scenario() -> tuple[dict, dict, float]:
+            held = await prefill("held")  # its KV waits on the CTX for its GEN
+            ctx.proc.send_signal(signal.SIGTERM)
+            with anyio.fail_after(5):
+                while not (await control.call(ctx.info["ctrl"], {"op": "ping"}, secret=ctx.secret))["shutting_down"]:
+                    await anyio.sleep(0.02)
+            with pytest.raises(control.ControlError) as refused:
+                await prefill("late")
+            assert refused.value.code == control.UNAVAILABLE and "shutting down" in str(refused.value)
+            stream = await control.connect(gen_node.info["ctrl"], secret=gen_node.secret)
+            await stream.send({"op": "generate", "request_id": "held", "prompt_len": held["prompt_len"],
+                               "first_token": held["first_token"], "max_tokens": 4, "kv_peer": held["kv_peer"],
+                               "kv_handle": held["kv_handle"]})
+            with anyio.fail_after(10):
+                while not (msg := await stream.receive()).get("done"):
+                    assert "error" not in msg, msg
+            return msg, refused.value, time.monotonic()
+
+        final, _, pulled_at = anyio.run(scenario, backend="asyncio")
+        assert final["state"] == "finished", final
+        ctx.proc.wait(10)  # nothing held any more: it stops, well before its 30 s of grace
+        assert ctx.proc.returncode == 0 and time.monotonic() - pulled_at < 10, ctx.log_tail()
+        assert "sigterm_shutting_down" in ctx.log_path.read_text(errors="replace")
+
+
+def test_a_second_sigterm_stops_a_ctx_that_still_holds_kv_at_once() -> None:
+    env = node_env()
+    with NodeProcess.start(["ctx", "--num-blocks", "64", "--graceful-shutdown-timeout-s", "60"], env=env) as ctx:
+        anyio.run(lambda: control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": "kept",
+                                                          "prompt_ids": [1, 2, 3], "max_tokens": 2}, secret=ctx.secret))
+        ctx.proc.send_signal(signal.SIGTERM)
+
+        async def until_shutting_down() -> None:
+            with anyio.fail_after(5):
+                while not (await control.call(ctx.info["ctrl"], {"op": "ping"}, secret=ctx.secret))["shutting_down"]:
+                    await anyio.sleep(0.02)
+
+        anyio.run(until_shutting_down)
+        time.sleep(0.3)
+        assert ctx.proc.poll() is None  # it waits for the KV it holds to be pulled
+        ctx.proc.send_signal(signal.SIGTERM)
+        ctx.proc.wait(10)
+        assert ctx.proc.returncode == 143, ctx.log_tail()
+
+
 def test_a_hand_off_whose_kv_blocks_were_altered_is_refused(backend: str) -> None:
     """A CTX tags the block ids (and epoch) it names with a prefill; a NIXL GEN READs them unasked.
     Before, a generate with the request's own valid handle but another held request's block ids,

@@ -424,9 +424,22 @@ async def test_a_ctx_computes_its_kv_checksums_off_the_event_loop(monkeypatch) -
     node._prefills, node._call, node._freed = 0, loop_caller(), anyio.Event()
     node._exec, node._prefilling = anyio.CapacityLimiter(1), set()
     node.handle_key = b"k" * 32  # (tags the block ids its prefill names)
+    node.shutting_down, node.registration = False, None
     reply = await node._prefill({"op": "prefill", "request_id": "r1", "prompt_ids": [1, 2, 3, 4, 5], "max_tokens": 2})
     assert reply["block_checksums"] and reply["head_checksums"]
     assert len(threads) == 2 and threading.current_thread().name not in threads
+    # registered in etcd and draining past the fronts' grace: a new prefill is refused (before, a CTX
+    # took prefills for its whole drain: a client that kept sending kept the drain from ending)
+    import time
+
+    from examples.two_node import control, membership
+
+    reg = membership.Registration.__new__(membership.Registration)
+    reg.draining_since = time.monotonic() - membership.ACCEPT_WHILE_DRAINING_S - 0.1
+    node.registration = reg
+    with pytest.raises(control.ControlError, match="shutting down") as refused:
+        await node._prefill({"op": "prefill", "request_id": "r2", "prompt_ids": [1, 2, 3], "max_tokens": 2})
+    assert refused.value.code == control.UNAVAILABLE and node.pool.statistics().used_blocks == 2  # r1's only
 
 
 def test_rank_0_s_own_stall_is_the_cause_not_the_rank_that_gave_up_on_it() -> None:

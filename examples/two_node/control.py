@@ -95,6 +95,11 @@ _CLIENT_LABEL = b"kvo-ctl-v1-client"
 _SERVER_LABEL = b"kvo-ctl-v1-server"
 
 
+UNAVAILABLE = "unavailable"
+"""The ``code`` of a request a node refuses for itself (starting, stopping, draining, unhealthy):
+another node of its role may take it."""
+
+
 class ControlError(Exception):
     """A malformed control message, or a peer that answered with ``ok: false``.
 

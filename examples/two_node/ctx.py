@@ -18,6 +18,8 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -69,6 +71,7 @@ class CtxNode:
         self._abandoned = 0  # prefills whose client closed the connection before the answer (KV released)
         self._prefilling: set[str] = set()  # request ids between their checks and their put (duplicates refused)
         self.registration: membership.Registration | None = None  # --etcd: this node's entry
+        self.shutting_down = False  # SIGTERM without --etcd: no new prefill; held KV may still be pulled
         self.group: ctx_tp.CtxGroup | None = None
         self.healer: tp_group.Healer | None = None  # rank 0 of a group: re-forms it when it breaks
         self.group_copies: dict[str, str] = {}  # rank 0: request id -> handle of what the group holds
@@ -146,7 +149,7 @@ class CtxNode:
             await stream.send(reg.request_drain() if reg is not None else
                               {"ok": False, "error": "this node is not registered in etcd (--etcd)"})
         elif op == "ping":
-            await stream.send({"ok": True, "role": "ctx", **self._health(),
+            await stream.send({"ok": True, "role": "ctx", **self._health(), "shutting_down": self.shutting_down,
                                **({"tp": self.healer.statistics()} if self.healer is not None else {})})
         else:
             raise control.ControlError(f"unknown op {op!r}")
@@ -236,6 +239,10 @@ class CtxNode:
                                        code="context_length_exceeded")
         if self.group is not None and self.group.broken is not None:
             raise control.ControlError(f"CTX unavailable: {self.group.broken}")
+        if self.shutting_down or (self.registration is not None and self.registration.refuses_new_work()):
+            # stopping, or draining past the fronts' grace: a prefill taken now would extend the stop
+            raise control.ControlError("this CTX node is shutting down: send the prefill to another CTX",
+                                       code=control.UNAVAILABLE)
         if rid in self._prefilling or rid in self.group_copies or self.store.holds(rid):  # before blocks are taken
             raise control.ControlError(f"duplicate request id {rid!r}: its KV is held here (or being prefilled)")
         self._prefilling.add(rid)
@@ -353,11 +360,46 @@ class CtxNode:
                 await tg.start(functools.partial(
                     membership.serve_registration, self.args.etcd, prefix=self.args.etcd_prefix, role="ctx",
                     ctrl=f"{self.args.host}:{port}", ttl_s=self.args.etcd_ttl_s, stop=tg.cancel_scope.cancel,
-                    busy=lambda: (self.store.statistics().held_requests + self._exec.statistics().borrowed_tokens
-                                  + self._exec.statistics().tasks_waiting),
+                    busy=self.busy,
                     meta={"tp": self.args.tp, "ucx": self.ucx_addr, "backend": backend(self.args), "model": "tiny",
                           "capacity_blocks": self.args.num_blocks},
                     on_registration=self._set_registration))
+            else:  # SIGTERM: a graceful stop (no new prefill, held KV may still be pulled), then stop
+                tg.start_soon(self._stop_on_sigterm, tg.cancel_scope.cancel)
+
+    def busy(self) -> int:
+        """Work that a stop would lose: requests whose KV is held here, prefills running or waiting."""
+        ex = self._exec.statistics()
+        return self.store.statistics().held_requests + ex.borrowed_tokens + ex.tasks_waiting
+
+    async def _stop_on_sigterm(self, stop: Any) -> None:
+        """Without etcd, SIGTERM stops the node gracefully: it takes no new prefill (a front sends it
+        to another CTX), lets the prefills running finish and the GENs pull (and release) what it
+        holds for ``--graceful-shutdown-timeout-s``, then ``stop()`` (what is still held is lost: its
+        GEN's pull fails at once). A second SIGTERM exits at once (status 143)."""
+        if sys.platform == "win32":  # pragma: no cover
+            return
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+            self.shutting_down = True
+            grace = self.args.graceful_shutdown_timeout_s
+            log.info("sigterm_shutting_down", busy=self.busy(), grace_s=grace)
+            async with anyio.create_task_group() as tg:
+
+                async def again() -> None:
+                    async for _ in signals:
+                        log.warning("sigterm_again_exiting_now", busy=self.busy())
+                        raise SystemExit(143)
+
+                tg.start_soon(again)
+                with anyio.move_on_after(grace):
+                    while self.busy():
+                        await anyio.sleep(0.02)
+                if self.busy():
+                    log.warning("shutdown_dropping", busy=self.busy(), grace_s=grace)
+                tg.cancel_scope.cancel()
+        stop()
 
     def start_execution(self) -> threading.Thread:
         """This rank's execution thread for the current group (rank 0 leads it)."""
@@ -394,6 +436,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alloc-wait-s", type=cli.non_negative_float, default=30.0,
                    help="how long a prefill waits for free KV blocks")
     p.add_argument("--metrics-port", type=cli.port, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
+    p.add_argument("--graceful-shutdown-timeout-s", type=cli.non_negative_float, default=10.0,
+                   help="without --etcd: on SIGTERM, how long GENs may still pull the KV held here and running "
+                        "prefills finish (no new prefill is taken) before the node stops; a second SIGTERM exits "
+                        "at once. With --etcd, SIGTERM drains instead")
     p.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
                    help="CRC32 of each prefilled KV block in the prefill reply (a parity check; costs CPU per request)")
     ctx_tp.add_args(p)
@@ -401,4 +447,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # a drain (--etcd) lasts until no KV is held: a lease, unless a GEN renews it
-    return gen_tp.run_in_group(args, lambda: CtxNode(args).run(), sigterm_wait_s=args.lease_s + 10)
+    # (without etcd, a graceful stop lasts at most --graceful-shutdown-timeout-s)
+    return gen_tp.run_in_group(args, lambda: CtxNode(args).run(),
+                               sigterm_wait_s=max(args.lease_s, args.graceful_shutdown_timeout_s) + 10)

@@ -51,7 +51,7 @@ from orchestrator._sampling import logprobs as token_logprobs
 
 log = structlog.get_logger("examples.gen")
 
-UNAVAILABLE = "unavailable"
+UNAVAILABLE = control.UNAVAILABLE
 """The ``code`` of a ``generate`` this node refuses for itself (starting, stopping, draining, unhealthy):
 another GEN may take the request. The codes about the request are ``_refusal_code``'s."""
 
