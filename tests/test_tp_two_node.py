@@ -261,4 +261,4 @@ def test_sigterm_to_a_tp_ctx_s_process_group_stops_its_ranks_in_order_not_as_a_b
             time.sleep(0.1)
         log = ctx.log_tail(400)
     assert "tp_group_broken" not in log and "SIGKILL" not in log, log
-    assert ctx.proc.returncode == 143, log
+    assert ctx.proc.returncode == 0, log  # a graceful stop (nothing held: at once)
