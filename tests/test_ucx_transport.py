@@ -850,13 +850,15 @@ async def test_peers_are_bounded(peer: Peer, backend: str) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # ucxx tag messages (NIXL: test_nixl_transport)
-@pytest.mark.parametrize("corrupt", ["short", "short1", "short7", "short-told", "whole-foreign", "long", "foreign"])
+@pytest.mark.parametrize("corrupt", ["short", "short1", "short7", "short-told", "whole-foreign", "long", "foreign",
+                                     "long-reply"])
 async def test_a_wrong_kv_message_fails_its_pull_only(transport: UCXTransport, corrupt: str) -> None:
     """Invariant 12: a CTX that answers a PULL with a short KV message (ucxx completes it into the
     larger receive without a word: half the KV, or all but its last byte or 7, with no reply; or all
     but the last byte, ending in the probe, with a PULL_WHOLE naming its length, or the whole length
     and another pull), a long one, or no
-    KV and a PULL_ERR that names another pull fails that pull with ProtocolViolation; `into` is as
+    KV and a PULL_ERR that names another pull or a reply longer than a frame (which ucxx fails as
+    truncated: it once cost the endpoint and every pull on it) fails that pull with ProtocolViolation; `into` is as
     it was but for what the short message wrote, its landing ends, the endpoint and the other pulls
     go on."""
     bad = Peer("--corrupt", corrupt)

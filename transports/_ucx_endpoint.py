@@ -19,7 +19,7 @@ import torch
 from . import wire
 from ._errors import PeerClosed, ProtocolViolation, TransportError
 from ._protocol import Landing
-from ._ucx_common import CONTROL_TAG, _ucx_buffer, post_recv, post_send
+from ._ucx_common import CONTROL_TAG, _ucx_buffer, post_recv, post_send, ucx_truncated
 
 log = structlog.get_logger("transports.ucx")
 
@@ -87,8 +87,9 @@ class _Endpoint:
 
     def _settled(self, req: Any, buf: Any) -> asyncio.Future[Any]:
         """A future that ends with the ucxx request ``req``, a ucxx error mapped (the endpoint
-        fails); its outcome is always retrieved. ``req`` and its buffer ``buf`` stay referenced until
-        then (ucxx keeps neither)."""
+        fails; but a message longer than the receive's frame fails that receive alone, with
+        ``ProtocolViolation``: UCX drops it and the endpoint is fine); its outcome is always
+        retrieved. ``req`` and its buffer ``buf`` stay referenced until then (ucxx keeps neither)."""
         out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         def done(fut: asyncio.Future[Any], req: Any = req, buf: Any = buf) -> None:
@@ -99,6 +100,9 @@ class _Endpoint:
                 out.set_exception(self._broke(RuntimeError("request cancelled")))
             elif exc is None:
                 out.set_result(None)
+            elif isinstance(exc, ucx_truncated()):
+                out.set_exception(ProtocolViolation(f"{self.peer} sent a message longer than its {len(buf)}-byte frame",
+                                                    peer=self.peer))
             else:
                 out.set_exception(self._broke(exc))
 

@@ -31,8 +31,9 @@ Life cycle of a GEN endpoint::
     be withdrawn), so its ``Landing`` stays busy until UCX ends that: the CTX answers every PULL
     with one data message, and a pull whose KV receive has not ended ``cancel_grace_s`` later
     costs the endpoint (closing it cancels what is posted).
-    a short or long KV message fails its pull alone (ProtocolViolation); the endpoint stays (unless
-    more than ``MAX_UNANSWERED`` short messages came without a PULL_ERR).
+    a short or long KV message, or a reply longer than a frame, fails its pull alone
+    (ProtocolViolation); the endpoint stays (unless more than ``MAX_UNANSWERED`` short messages came
+    without a PULL_ERR).
 
 ucxx reads its settings from the environment when its context is created, so ``apply_ucx_defaults``
 (called by both constructors) sets measured defaults with ``os.environ.setdefault``; a user's
