@@ -9,11 +9,12 @@ serves without one. ``--gather-delay S`` makes every gather sleep S seconds (to 
 ``--send-delay S`` sleeps before it sends (to cancel a pull whose receive is posted). ``--runs`` holds
 each request in one ascending run of blocks, which the UCX server sends from a zero-copy view of its
 pool in its read loop (the scattered default takes its gather path).
-``--corrupt short|short1|short7|short-told|whole-foreign|long|foreign|long-reply`` (UCX only) answers pulls of
+``--corrupt short|short1|short7|short-told|whole-foreign|long|foreign|long-reply|garbage-reply``
+(UCX only) answers pulls of
 ``req-1`` with half the KV, the KV less its last byte or its last 7, the KV less its last byte and
 a PULL_WHOLE that names that length (its probe forced into the byte it ends in) or the whole
 length but another pull, the KV and 64 more bytes, or no KV (the empty message) and a PULL_ERR
-that names another pull or a reply longer than a frame: a CTX bug that GEN must catch.
+that names another pull, a reply longer than a frame or a frame of garbage: a CTX bug that GEN must catch.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ async def _main(args: argparse.Namespace) -> None:
             from transports._ucx_common import _ucx_buffer, post_send
 
             flat = staged.reshape(-1)
-            if args.corrupt == "long-reply":  # no KV, and a reply longer than a frame
-                reply = post_send(ep, bytearray(2 * wire.FRAME_BYTES), 2 * msg.txid)
+            if args.corrupt in ("long-reply", "garbage-reply"):  # no KV, and a reply longer than a frame, or garbage
+                junk = bytearray(2 * wire.FRAME_BYTES) if args.corrupt == "long-reply" else bytearray(b"\xab" * wire.FRAME_BYTES)
+                reply = post_send(ep, junk, 2 * msg.txid)
                 await asyncio.shield(reply.future)
                 sent = flat[:0]
             elif args.corrupt == "foreign":  # no KV, and a PULL_ERR that names another pull
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-releases", action="store_true", help="never answer a RELEASE (it still frees)")
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--corrupt", choices=["short", "short1", "short7", "short-told", "whole-foreign", "long", "foreign",
-                                         "long-reply"], default=None)
+                                         "long-reply", "garbage-reply"], default=None)
     p.add_argument("--runs", action="store_true", help="hold each request in one ascending run of blocks (zero-copy sends)")
     p.add_argument("--backend", choices=["ucx", "nixl"], default="ucx", help="serve with UCXKVServer or NIXLKVServer")
     args = p.parse_args(argv)

@@ -851,22 +851,24 @@ async def test_peers_are_bounded(peer: Peer, backend: str) -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # ucxx tag messages (NIXL: test_nixl_transport)
 @pytest.mark.parametrize("corrupt", ["short", "short1", "short7", "short-told", "whole-foreign", "long", "foreign",
-                                     "long-reply"])
+                                     "long-reply", "garbage-reply"])
 async def test_a_wrong_kv_message_fails_its_pull_only(transport: UCXTransport, corrupt: str) -> None:
     """Invariant 12: a CTX that answers a PULL with a short KV message (ucxx completes it into the
     larger receive without a word: half the KV, or all but its last byte or 7, with no reply; or all
     but the last byte, ending in the probe, with a PULL_WHOLE naming its length, or the whole length
     and another pull), a long one, or no
     KV and a PULL_ERR that names another pull or a reply longer than a frame (which ucxx fails as
-    truncated: it once cost the endpoint and every pull on it) fails that pull with ProtocolViolation; `into` is as
+    truncated: it once cost the endpoint and every pull on it) or a frame of garbage fails that pull
+    with ProtocolViolation, whose message names the peer; `into` is as
     it was but for what the short message wrote, its landing ends, the endpoint and the other pulls
     go on."""
     bad = Peer("--corrupt", corrupt)
     try:
         with anyio.fail_after(20):
             into, landing = empty().fill_(3.0), Landing()
-            with pytest.raises(ProtocolViolation, match="shorter|longer|unexpected reply|its PULL asked"):
+            with pytest.raises(ProtocolViolation, match="shorter|longer|unexpected reply|its PULL asked|malformed") as err:
                 await transport.pull(bad.address, "req-1", LAYOUT.full_slice(), into, landing=landing)
+            assert err.value.peer == bad.address and str(err.value).startswith(bad.address)  # one line, naming the peer
             await wait_idle(landing)
             before = empty().fill_(3.0).reshape(-1).view(torch.uint8)[-1]
             assert into.reshape(-1).view(torch.uint8)[-1] == before  # the byte the probe replaced, put back

@@ -145,7 +145,14 @@ class _Endpoint:
         frame = bytearray(wire.FRAME_BYTES)
         fut = self.post(frame, tag)
         await asyncio.shield(fut)  # a cancelled caller leaves it posted: the peer answers every request
-        return wire.decode_frame(frame, self.limits)
+        return self.decode(frame)
+
+    def decode(self, frame: bytearray) -> wire.Message:
+        """A frame the peer sent; a malformed one is a ``ProtocolViolation`` whose message names the peer."""
+        try:
+            return wire.decode_frame(frame, self.limits)
+        except ProtocolViolation as exc:
+            raise ProtocolViolation(f"{self.peer} sent a malformed frame: {exc}", peer=self.peer) from None
 
     def unanswered_release(self, answered: asyncio.Future[Any]) -> None:
         """A RELEASE given up on (its timeout, or its caller cancelled) whose reply receive is still
@@ -292,7 +299,7 @@ class _PullIO:
             return
         assert self._frame is not None
         try:
-            reply = wire.decode_frame(self._frame, self.conn.limits)
+            reply = self.conn.decode(self._frame)
         except ProtocolViolation as err:
             self._finish(err)
             return
@@ -306,7 +313,8 @@ class _PullIO:
             self.refusal = reply
             self._finish()
         else:
-            self._finish(ProtocolViolation(f"unexpected reply to PULL {self.txid}: {reply!r}", peer=self.conn.peer))
+            self._finish(ProtocolViolation(f"{self.conn.peer} sent an unexpected reply to PULL {self.txid}: {reply!r}",
+                                           peer=self.conn.peer))
 
     def _unanswered(self) -> None:
         """No PULL_ERR or PULL_WHOLE ``grace`` seconds after a receive that ended without the whole

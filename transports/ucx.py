@@ -408,9 +408,9 @@ class UCXTransport:
                 answered = conn.post(frame, 2 * txid)
                 conn.post_send(wire.Release(txid, request_id, handle))  # type: ignore[arg-type]
                 await asyncio.shield(answered)
-            reply = wire.decode_frame(frame, self.config.limits)
+            reply = conn.decode(frame)
             if not isinstance(reply, wire.ReleaseOk) or reply.txid != txid:
-                raise ProtocolViolation(f"unexpected reply to RELEASE: {reply!r}", peer=peer)
+                raise ProtocolViolation(f"{peer} sent an unexpected reply to RELEASE: {reply!r}", peer=peer)
             log.debug("ucx_released", peer=peer, request_id=request_id, held=reply.released)
         except (TransportError, TimeoutError) as exc:
             log.warning("ucx_release_failed", peer=peer, request_id=request_id, reason=str(exc) or type(exc).__name__)
