@@ -607,6 +607,7 @@ M = [
   "        if self.shutting_down:\n", "tests/test_tp_heal_units.py -k checksums_off"),
  ("ucx GEN: a reply longer than a frame fails its pull, not the endpoint", "transports/_ucx_endpoint.py", "            elif isinstance(exc, ucx_truncated()):\n", "            elif False:\n", "tests/test_ucx_transport.py -k 'wrong_kv_message and reply'"),
  ("ucx GEN: a malformed reply fails its pull with an error that names the CTX", "transports/_ucx_endpoint.py", "            reply = self.conn.decode(self._frame)\n", "            reply = wire.decode_frame(self._frame, self.conn.limits)\n", "tests/test_ucx_transport.py -k 'wrong_kv_message and garbage'"),
+ ("ucx GEN: a bad HOLD item is dropped before the wire", "transports/ucx.py", "                valid.append((check_request_id(rid), check_handle(h)))\n", "                valid.append((rid, h))\n", "tests/test_ucx_transport.py -k bad_hold_item"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -698,6 +698,28 @@ async def test_a_bad_request_id_never_reaches_the_wire_and_release_does_not_rais
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("backend", ["ucx"], indirect=True)  # UCX wire frames
+async def test_a_bad_hold_item_is_dropped_before_the_wire_and_costs_nothing_else(peer: Peer, transport: UCXTransport) -> None:
+    """``hold`` is best effort like ``release``: an item with a bad request id or handle is dropped
+    (logged) here. Before, one that could not be encoded failed the endpoint (every pull in flight on
+    it), and one the CTX could not decode made it drop the whole HOLD frame, renewing none of the
+    other leases in it."""
+    with anyio.fail_after(20):
+        await transport.connect(peer.address)
+        conn = transport._eps[peer.address]
+        before = (await peer.astats())["malformed_frames"]
+        with structlog_capture() as logs:
+            for bad in [("a b", handle_for("a b")), ("req-32", "0" * 31), ("é", handle_for("é")), ("x" * 300, handle_for("x"))]:
+                await transport.hold(peer.address, [bad, ("req-33", handle_for("req-33"))])
+        assert conn.error is None and transport._eps[peer.address] is conn
+        assert sum(e["event"] == "ucx_hold_item_dropped" for e in logs) == 4
+        into = empty()  # after the HOLDs on the same endpoint: the CTX has read them
+        await transport.pull(peer.address, "req-38", LAYOUT.full_slice(), into)
+        assert torch.equal(into, expected(38))
+        assert (await peer.astats())["malformed_frames"] == before
+
+
+@pytest.mark.anyio
 async def test_a_layout_mismatch_fails_the_connection_once_with_a_clear_error(peer: Peer, backend: str) -> None:
     from transports import IncompatiblePeer, KVLayout
 

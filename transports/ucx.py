@@ -419,8 +419,17 @@ class UCXTransport:
                 conn.unanswered_release(answered)
 
     async def hold(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
-        """Best effort: ask ``peer`` to renew these requests' leases (no reply is awaited)."""
-        valid = [(rid, h) for rid, h in items if h is not None]
+        """Best effort: ask ``peer`` to renew these requests' leases (no reply is awaited). An item
+        with a bad request id or handle is dropped here (logged): one that cannot be encoded would
+        fail the endpoint, one the peer cannot decode would cost the whole HOLD frame."""
+        valid = []
+        for rid, h in items:
+            if h is None:
+                continue
+            try:
+                valid.append((check_request_id(rid), check_handle(h)))
+            except (InvalidRequestId, ValueError) as exc:
+                log.warning("ucx_hold_item_dropped", peer=peer, request_id=str(rid)[:40], reason=str(exc))
         if not valid:
             return
         try:
