@@ -85,7 +85,7 @@ M = [
  ("10 nixl the CTX's model heads", "transports/nixl.py", 'total = int(info.get("total_kv_heads", remote.num_kv_heads))', "total = remote.num_kv_heads", "tests/test_nixl_transport.py -k head_slices"),
  ("10 nixl READ offsets in the CTX's layout", "transports/nixl.py", "pieces = None if whole else segments(conn.remote, blocks, kv_slice)", "pieces = None if whole else segments(self.layout or conn.remote, blocks, kv_slice)", "tests/test_nixl_transport.py -k head_slices"),
  ("10 nixl landing busy until the READ ends", "transports/nixl.py", "        state = await (posting if posting is not None else self._poller.wait(xfer, timeout))\n        if state == \"PROC\":\n            log.warning", "        state = \"DONE\"\n        if state == \"PROC\":\n            log.warning", "tests/test_nixl_transport.py -k cancelled_read"),
- ("10 nixl holds renew leases", "transports/nixl.py", "        valid = [(rid, h) for rid, h in items if h is not None]\n", "        valid = []\n", "tests/test_nixl_transport.py -k hold_renews"),
+ ("10 nixl holds renew leases", "transports/nixl.py", "        valid = hold_items(items, peer, log, \"nixl_hold_item_dropped\")\n", "        valid = []\n", "tests/test_nixl_transport.py -k hold_renews"),
  ("10 nixl release checks the handle", "transports/_nixl_server.py", 'ok = self.store.release(check_request_id(msg.get("rid")), handle=check_handle(msg.get("handle")),', 'ok = self.store.release(check_request_id(msg.get("rid")),', "tests/test_ucx_transport.py -k 'wrong_handle and nixl'"),
  ("10 nixl CTX verifies the secret", "transports/_nixl_server.py", "                    secret is not None and not _auth.verify(", "                    False and not _auth.verify(", "tests/test_ucx_transport.py -k 'wrong_or_missing_secret and nixl'"),
  ("10 nixl GEN pool registered once", "orchestrator/_engine.py", "        if callable(register):  # a one-sided", "        if False:  # a one-sided", "tests/test_nixl_transport.py -k engine_registers"),
@@ -607,7 +607,8 @@ M = [
   "        if self.shutting_down:\n", "tests/test_tp_heal_units.py -k checksums_off"),
  ("ucx GEN: a reply longer than a frame fails its pull, not the endpoint", "transports/_ucx_endpoint.py", "            elif isinstance(exc, ucx_truncated()):\n", "            elif False:\n", "tests/test_ucx_transport.py -k 'wrong_kv_message and reply'"),
  ("ucx GEN: a malformed reply fails its pull with an error that names the CTX", "transports/_ucx_endpoint.py", "            reply = self.conn.decode(self._frame)\n", "            reply = wire.decode_frame(self._frame, self.conn.limits)\n", "tests/test_ucx_transport.py -k 'wrong_kv_message and garbage'"),
- ("ucx GEN: a bad HOLD item is dropped before the wire", "transports/ucx.py", "                valid.append((check_request_id(rid), check_handle(h)))\n", "                valid.append((rid, h))\n", "tests/test_ucx_transport.py -k bad_hold_item"),
+ ("ucx GEN: a bad HOLD item is dropped before the wire", "transports/_ids.py", "            valid.append((check_request_id(rid), check_handle(h)))\n", "            valid.append((rid, h))\n", "tests/test_ucx_transport.py -k bad_hold_item"),
+ ("nixl GEN: a bad HOLD item is dropped, not the batch", "transports/_ids.py", "            valid.append((check_request_id(rid), check_handle(h)))\n", "            valid.append((check_request_id(rid), check_handle(h) if len(valid) < 0 else h))\n", "tests/test_ucx_transport.py -k bad_nixl_hold"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

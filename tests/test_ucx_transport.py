@@ -720,6 +720,27 @@ async def test_a_bad_hold_item_is_dropped_before_the_wire_and_costs_nothing_else
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("backend", ["nixl"], indirect=True)
+async def test_a_bad_nixl_hold_item_is_dropped_not_the_batch_with_it(peer: Peer, transport) -> None:
+    """NIXL's ``hold`` checked every item while it built the batch: one bad item raised, and the
+    whole batch (every other request's lease renewal) was dropped with it. It drops that item."""
+    with anyio.fail_after(20):
+        await transport.connect(peer.address)
+        conn = await transport._conn(peer.address)
+        sent: list[dict] = []
+        real_send = conn.send
+        conn.send = lambda msg: (sent.append(msg), real_send(msg))[1]
+        with structlog_capture() as logs:
+            for bad in [("a b", handle_for("a b")), ("req-32", "0" * 31), ("x" * 300, handle_for("x"))]:
+                await transport.hold(peer.address, [bad, ("req-33", handle_for("req-33"))])
+        assert sum(e["event"] == "nixl_hold_item_dropped" for e in logs) == 3
+        assert [m["items"] for m in sent] == [[["req-33", handle_for("req-33")]]] * 3
+        into = empty()
+        await transport.pull(peer.address, "req-38", LAYOUT.full_slice(), into)
+        assert torch.equal(into, expected(38))
+
+
+@pytest.mark.anyio
 async def test_a_layout_mismatch_fails_the_connection_once_with_a_clear_error(peer: Peer, backend: str) -> None:
     from transports import IncompatiblePeer, KVLayout
 

@@ -28,6 +28,8 @@ import hashlib
 import hmac
 import re
 import secrets
+from collections.abc import Iterable
+from typing import Any
 
 MAX_REQUEST_ID_LEN = 128
 REQUEST_ID_CHARS = "A-Za-z0-9._:-"
@@ -110,6 +112,21 @@ def blocks_tag_ok(tag: object, key: bytes, request_id: str, handle: str, peer: s
 def _tag(key: bytes, nonce: bytes, request_id: str) -> bytes:
     # the one-shot form: OpenSSL's HMAC without a Python object (a handle is checked on every pull)
     return hmac.digest(key, nonce + request_id.encode(), "sha256")[:HANDLE_LEN // 4]
+
+
+def hold_items(items: Iterable[tuple[object, object]], peer: str, log: Any, event: str) -> list[tuple[str, str]]:
+    """The ``(request id, handle)`` pairs of a HOLD worth sending: items without a handle are
+    skipped; one with a bad id or handle is dropped (logged as ``event``): sent, it could not be
+    encoded (failing the connection) or decoded by the CTX (costing every item sent with it)."""
+    valid = []
+    for rid, h in items:
+        if h is None:
+            continue
+        try:
+            valid.append((check_request_id(rid), check_handle(h)))
+        except InvalidRequestId as exc:
+            log.warning(event, peer=peer, request_id=str(rid)[:40], reason=str(exc))
+    return valid
 
 
 def check_handle(handle: object) -> str:

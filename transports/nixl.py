@@ -85,7 +85,7 @@ from ._errors import (
     TransportError,
     UnknownRequest,
 )
-from ._ids import InvalidRequestId, check_handle, check_request_id, handle_key, handle_names
+from ._ids import InvalidRequestId, check_handle, check_request_id, handle_key, handle_names, hold_items
 from ._layout import KVLayout, KVSlice, dtype_from_name, dtype_name
 from ._nixl_common import (
     _MAX_MESSAGE_BYTES,
@@ -775,13 +775,14 @@ class NIXLTransport:
             log.warning("nixl_release_failed", peer=peer, request_id=str(request_id)[:40], reason=str(exc))
 
     async def hold(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
-        """Best effort: ask ``peer`` to renew these requests' leases (no reply is awaited)."""
-        valid = [(rid, h) for rid, h in items if h is not None]
+        """Best effort: ask ``peer`` to renew these requests' leases (no reply is awaited). An item
+        with a bad request id or handle is dropped here (logged), not the whole batch with it."""
+        valid = hold_items(items, peer, log, "nixl_hold_item_dropped")
         if not valid:
             return
         try:
             conn = await self._conn(peer)
-            conn.send({"t": "hold", "items": [[check_request_id(r), check_handle(h)] for r, h in valid]})
+            conn.send({"t": "hold", "items": [[r, h] for r, h in valid]})
         except Exception as exc:
             log.warning("nixl_hold_failed", peer=peer, requests=len(valid), reason=str(exc))
 

@@ -65,7 +65,7 @@ from ._errors import (
     TransportError,
     UnknownRequest,
 )
-from ._ids import InvalidRequestId, check_handle, check_request_id
+from ._ids import InvalidRequestId, check_handle, check_request_id, hold_items
 from ._layout import KVLayout, KVSlice, dtype_name
 from ._peers import PeerConnections, check_layout
 from ._protocol import Landing, parse_peer
@@ -422,14 +422,7 @@ class UCXTransport:
         """Best effort: ask ``peer`` to renew these requests' leases (no reply is awaited). An item
         with a bad request id or handle is dropped here (logged): one that cannot be encoded would
         fail the endpoint, one the peer cannot decode would cost the whole HOLD frame."""
-        valid = []
-        for rid, h in items:
-            if h is None:
-                continue
-            try:
-                valid.append((check_request_id(rid), check_handle(h)))
-            except (InvalidRequestId, ValueError) as exc:
-                log.warning("ucx_hold_item_dropped", peer=peer, request_id=str(rid)[:40], reason=str(exc))
+        valid = hold_items(items, peer, log, "ucx_hold_item_dropped")
         if not valid:
             return
         try:
