@@ -217,7 +217,9 @@ def test_drain_under_load_loses_nothing(tmp_path: Path, etcd_url: str, model: Ti
     refs = [model.generate_reference(TOK.encode(p), LONG) for p in PROMPTS]
     with cluster(tmp_path, etcd_url) as (nodes, fronts):
         front = fronts[0]
-        gen2, ctx2 = nodes.start("gen"), nodes.start("ctx")
+        # one request decoded at a time: the drained GEN's live work (its running request and those queued
+        # behind it) outlasts the drain's quiet period (0.5 s) by far, however fast this machine decodes
+        gen2, ctx2 = nodes.start("gen", "--max-num-seqs", "1"), nodes.start("ctx")
         wait_for(lambda: len(members(front)) == 4 and all(n["up"] for n in members(front).values()), 10, "4 nodes")
         with Load(fronts, refs, n=6) as load:
             wait_for(lambda: load.ok >= 6 and gen_finished(gen2) > 0 and gen_running(gen2) > 0, 60,
