@@ -1,11 +1,12 @@
 """Fault drill against the node CLIs: SIGKILL the CTX while the GEN pulls, restart it, again.
 
     .venv/bin/python scripts/drill_ctx_kill.py [--kv-transport nixl|ucx] [--rounds 6] [--requests 48]
-                                               [--isl 192] [--concurrency 8] [--seed 0] [--json PATH]
+                                               [--isl 320] [--concurrency 8] [--seed 0] [--json PATH]
 
 Starts a CTX and a GEN node (``python -m examples.two_node ctx|gen``, one shared secret, a model
-whose KV is 16 KiB a token, so a 192-token prompt is a 3 MiB pull: over NIXL such a READ is posted
-by the GEN's poller thread, not the event loop). Each round drives ``--requests`` requests at
+whose KV is 16 KiB a token, so a 320-token prompt is a 5 MiB pull: over NIXL, above its 4 MiB
+``inline_copy_bytes``, such a READ is posted by the GEN's poller thread, not the event loop, until the GEN
+has learnt that the CTX copies inline, then in pieces on the loop). Each round drives ``--requests`` requests at
 ``--concurrency`` through them and SIGKILLs the CTX's process group at a random moment of the load
 (uniform in 0.3-2.0 s, from ``--seed``), lets the client finish (the killed CTX's requests fail),
 then waits (bounded, 40 s) until the GEN is at rest: budget full, no receive in flight, no KV block
@@ -57,7 +58,7 @@ async def _round(ctx: NodeProcess, gen: NodeProcess, secret: bytes | None, promp
         await anyio.sleep(0.2)
 
 
-def run_drill(*, kv_transport: str = "nixl", rounds: int = 6, requests: int = 48, isl: int = 192,
+def run_drill(*, kv_transport: str = "nixl", rounds: int = 6, requests: int = 48, isl: int = 320,
               concurrency: int = 8, seed: int = 0, out: Any = sys.stdout) -> dict[str, Any]:
     """The drill; returns ``{"rounds": [...], "ok": bool}`` (ok: the GEN at rest after every round)."""
     rng = random.Random(seed)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-transport", choices=["nixl", "ucx"], default="nixl")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--requests", type=int, default=48, help="requests per round")
-    p.add_argument("--isl", type=int, default=192, help="prompt tokens (16 KiB of KV each)")
+    p.add_argument("--isl", type=int, default=320, help="prompt tokens (16 KiB of KV each)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="kill moments and prompts")
     p.add_argument("--json", type=Path, help="write the per-round report here")

@@ -376,7 +376,7 @@ def test_clients_resetting_mid_stream_do_not_kill_gen(backend: str) -> None:
 
 
 def test_drill_ctx_killed_mid_load_then_restarted_gen_at_rest_every_round(backend: str) -> None:
-    # The node-CLI drill (scripts/drill_ctx_kill.py) in small: 3 MiB pulls (over NIXL, READs the
+    # The node-CLI drill (scripts/drill_ctx_kill.py) in small: 5 MiB pulls (over NIXL, READs the
     # GEN's poller thread posts), the CTX SIGKILLed at a random moment of each round's load.
     import io
 
