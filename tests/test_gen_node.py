@@ -74,7 +74,7 @@ async def test_a_request_id_is_refused_until_its_previous_request_s_last_output_
         for _ in range(2):
             engine.step()  # the abort applied, the id let go, the final output not delivered yet
         assert engine.live_requests == 0
-        with pytest.raises(control.ControlError, match="already live"):
+        with anyio.fail_after(5), pytest.raises(control.ControlError, match="already live"):  # (taken: it would wait)
             await node._generate(dict(msg, max_tokens=5), b)
         await _run_held(held)  # the loop delivers A's last output: the id is free
         tg.start_soon(node._generate, dict(msg, max_tokens=5), c)

@@ -272,7 +272,7 @@ async def test_a_cancelled_read_keeps_its_landing_busy_until_the_data_is_in(monk
     handle = store.put("big", ids, num_tokens=8 * 256, lease_s=60)
     want = gather(store.pool, ids, big.full_slice())
     config = NIXLConfig(secret=SECRET)
-    async with NIXLKVServer(store, config, host="127.0.0.1") as server:
+    async with asyncio.timeout(60), NIXLKVServer(store, config, host="127.0.0.1") as server:  # (a hang fails)
         peer = f"127.0.0.1:{server.port}"
         async with NIXLTransport(config, layout=big) as t:
             into = torch.zeros(big.wire_shape(len(ids)), dtype=big.dtype)
