@@ -436,7 +436,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alloc-wait-s", type=cli.non_negative_float, default=30.0,
                    help="how long a prefill waits for free KV blocks")
     p.add_argument("--metrics-port", type=cli.port, default=None, help="serve Prometheus metrics on this port (0: pick one; default: off)")
-    p.add_argument("--graceful-shutdown-timeout-s", type=cli.non_negative_float, default=10.0,
+    p.add_argument("--graceful-shutdown-timeout-s", type=cli.non_negative_float, default=5.0,
                    help="without --etcd: on SIGTERM, how long GENs may still pull the KV held here and running "
                         "prefills finish (no new prefill is taken) before the node stops; a second SIGTERM exits "
                         "at once. With --etcd, SIGTERM drains instead")

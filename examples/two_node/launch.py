@@ -152,8 +152,8 @@ def wait_ready(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
 
 
 def _stop(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` (a GEN ends live requests for its
-    ``--graceful-shutdown-timeout-s``, 5 s, first)."""
+    """SIGTERM, then SIGKILL after ``grace`` (a node's graceful stop, ``--graceful-shutdown-timeout-s``,
+    5 s by default on a GEN and a CTX, comes first)."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
