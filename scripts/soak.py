@@ -64,7 +64,7 @@ class SoakConfig:
     """GEN staging budget in tokens of KV: 16 prompts of 128 tokens, far below the concurrency, so
     admission backpressures during the whole soak."""
     max_num_seqs: int = 256
-    """GEN requests receiving or decoding at once (the node's default)."""
+    """GEN requests decoding at once, the decode batch (the node's default)."""
     gen_num_blocks: int = 0
     """GEN KV pool; 0: enough for ``max_num_seqs`` requests of ``isl + osl`` tokens (+ 1/8)."""
     ctx_num_blocks: int = 0
@@ -548,7 +548,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--osl", type=int, default=d.osl, help="output tokens per request (public case 1024, scaled / 64)")
     p.add_argument("--sample-s", type=float, default=d.sample_s, help="RSS sampling period, seconds")
     p.add_argument("--max-tokens-in-buffer", type=int, default=d.max_tokens_in_buffer, help="GEN staging budget, tokens")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="GEN requests receiving or decoding at once")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="GEN requests decoding at once (the decode batch)")
     p.add_argument("--gen-num-blocks", type=int, default=0, help="GEN KV pool (0: fits max-num-seqs requests)")
     p.add_argument("--ctx-num-blocks", type=int, default=0, help="CTX KV pool (0: fits concurrency prompts)")
     p.add_argument("--warmup-requests", type=int, default=0, help="RSS start after this many requests ended (0: concurrency)")
