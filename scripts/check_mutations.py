@@ -609,6 +609,10 @@ M = [
  ("ucx GEN: a malformed reply fails its pull with an error that names the CTX", "transports/_ucx_endpoint.py", "            reply = self.conn.decode(self._frame)\n", "            reply = wire.decode_frame(self._frame, self.conn.limits)\n", "tests/test_ucx_transport.py -k 'wrong_kv_message and garbage'"),
  ("ucx GEN: a bad HOLD item is dropped before the wire", "transports/_ids.py", "            valid.append((check_request_id(rid), check_handle(h)))\n", "            valid.append((rid, h))\n", "tests/test_ucx_transport.py -k bad_hold_item"),
  ("nixl GEN: a bad HOLD item is dropped, not the batch", "transports/_ids.py", "            valid.append((check_request_id(rid), check_handle(h)))\n", "            valid.append((check_request_id(rid), check_handle(h) if len(valid) < 0 else h))\n", "tests/test_ucx_transport.py -k bad_nixl_hold"),
+ ("ucx GEN: a bad HOLD item is dropped before the wire", "transports/ucx.py", "                valid.append((check_request_id(rid), check_handle(h)))\n", "                valid.append((rid, h))\n", "tests/test_ucx_transport.py -k bad_hold_item"),
+ ("CTX: a graceful stop waits for the prefills it took (a group's too)", "examples/two_node/ctx.py",
+  "held_requests + len(self._prefilling) + ex.borrowed_tokens", "held_requests + ex.borrowed_tokens",
+  "tests/test_tp_two_node.py -k lets_the_prefills"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -262,3 +262,39 @@ def test_sigterm_to_a_tp_ctx_s_process_group_stops_its_ranks_in_order_not_as_a_b
         log = ctx.log_tail(400)
     assert "tp_group_broken" not in log and "SIGKILL" not in log, log
     assert ctx.proc.returncode == 0, log  # a graceful stop (nothing held: at once)
+
+
+def test_sigterm_to_a_tp_ctx_lets_the_prefills_it_took_finish() -> None:
+    """A CTX group's prefill runs on its execution thread, not in the executor that ``busy()``
+    counted: a TP CTX that got SIGTERM with prefills running (nothing held yet) read itself idle and
+    stopped at once, and every one of them lost its connection with no answer. Now each prefill
+    taken before the SIGTERM is answered, and the node stops at its grace (their KV is never pulled)."""
+    env = node_env()
+    with NodeProcess.start(["ctx", "--tp", "2", "--num-blocks", "256", "--graceful-shutdown-timeout-s", "2"],
+                           env=env) as ctx:
+
+        async def one(rid: str, out: dict[str, str]) -> None:
+            try:
+                await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": rid, "prompt_ids":
+                                                      [i % 200 for i in range(400)], "max_tokens": 4},
+                                   secret=ctx.secret)
+                out[rid] = "ok"
+            except control.ControlError as exc:  # taken after the SIGTERM: refused (another CTX takes it)
+                out[rid] = exc.code or str(exc)
+            except Exception as exc:  # noqa: BLE001 (the bug: the connection closed with no answer)
+                out[rid] = f"lost: {type(exc).__name__} {exc}"
+
+        async def scenario() -> dict[str, str]:
+            out: dict[str, str] = {}
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, f"r{i}", out)
+                await anyio.sleep(0.03)  # the prefills are in (the group runs them one by one)
+                ctx.proc.send_signal(signal.SIGTERM)
+            return out
+
+        out = anyio.run(scenario, backend="asyncio")
+        ctx.proc.wait(20)
+        assert ctx.proc.returncode == 0, ctx.log_tail()
+    assert out and all(v in ("ok", control.UNAVAILABLE) for v in out.values()), out
+    assert "ok" in out.values(), out

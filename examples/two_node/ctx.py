@@ -368,9 +368,12 @@ class CtxNode:
                 tg.start_soon(self._stop_on_sigterm, tg.cancel_scope.cancel)
 
     def busy(self) -> int:
-        """Work that a stop would lose: requests whose KV is held here, prefills running or waiting."""
+        """Work that a stop would lose: requests whose KV is held here, prefills running or waiting
+        (``_prefilling``: also one waiting for KV blocks, or run by a group's execution thread, which
+        the executor's counts do not see)."""
         ex = self._exec.statistics()
-        return self.store.statistics().held_requests + ex.borrowed_tokens + ex.tasks_waiting
+        return (self.store.statistics().held_requests + len(self._prefilling) + ex.borrowed_tokens
+                + ex.tasks_waiting)
 
     async def _stop_on_sigterm(self, stop: Any) -> None:
         """Without etcd, SIGTERM stops the node gracefully: it takes no new prefill (a front sends it
