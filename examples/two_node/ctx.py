@@ -72,6 +72,7 @@ class CtxNode:
         self._prefilling: set[str] = set()  # request ids between their checks and their put (duplicates refused)
         self.registration: membership.Registration | None = None  # --etcd: this node's entry
         self.shutting_down = False  # SIGTERM without --etcd: no new prefill; held KV may still be pulled
+        self.exit_status = 0  # 143: a second SIGTERM cut the graceful stop short
         self.group: ctx_tp.CtxGroup | None = None
         self.healer: tp_group.Healer | None = None  # rank 0 of a group: re-forms it when it breaks
         self.group_copies: dict[str, str] = {}  # rank 0: request id -> handle of what the group holds
@@ -393,7 +394,12 @@ class CtxNode:
                 async def again() -> None:
                     async for _ in signals:
                         log.warning("sigterm_again_exiting_now", busy=self.busy())
-                        raise SystemExit(143)
+                        # the status comes out of main(): a SystemExit raised in this task left the
+                        # event loop at once and asyncio logged the node's main task, still running,
+                        # as "unhandled exception during asyncio.run() shutdown" with a traceback
+                        self.exit_status = 143
+                        tg.cancel_scope.cancel()
+                        return
 
                 tg.start_soon(again)
                 with anyio.move_on_after(grace):
@@ -451,5 +457,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     # a drain (--etcd) lasts until no KV is held: a lease, unless a GEN renews it
     # (without etcd, a graceful stop lasts at most --graceful-shutdown-timeout-s)
-    return gen_tp.run_in_group(args, lambda: CtxNode(args).run(),
-                               sigterm_wait_s=max(args.lease_s, args.graceful_shutdown_timeout_s) + 10)
+    nodes: list[CtxNode] = []
+
+    def run() -> Any:
+        nodes.append(CtxNode(args))
+        return nodes[0].run()
+
+    status = gen_tp.run_in_group(args, run, sigterm_wait_s=max(args.lease_s, args.graceful_shutdown_timeout_s) + 10)
+    return nodes[0].exit_status if nodes and nodes[0].exit_status else status
