@@ -617,6 +617,10 @@ M = [
   "                        self.exit_status = 143\n                        tg.cancel_scope.cancel()\n                        return\n",
   "                        raise SystemExit(143)\n",
   "tests/test_faults.py -k second_sigterm_stops_a_ctx"),
+ ("TP CTX: a graceful stop waits for every rank's copy, not rank 0's only", "examples/two_node/ctx.py",
+  "                    while self.busy() or await self._other_ranks_hold():\n",
+  "                    while self.busy():\n",
+  "tests/test_tp_two_node.py -k every_rank_s_copy"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

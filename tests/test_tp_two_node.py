@@ -298,3 +298,51 @@ def test_sigterm_to_a_tp_ctx_lets_the_prefills_it_took_finish() -> None:
         assert ctx.proc.returncode == 0, ctx.log_tail()
     assert out and all(v in ("ok", control.UNAVAILABLE) for v in out.values()), out
     assert "ok" in out.values(), out
+
+
+def test_a_tp_ctx_s_graceful_stop_waits_for_every_rank_s_copy_to_be_pulled() -> None:
+    """A GEN TP1 pulls each CTX rank's heads on its own and frees each rank's copy with its pull (the
+    parts one after the other when its budget does not fit them at once). A TP CTX stopping on
+    SIGTERM counted only rank 0's copies: once rank 0's part was pulled it stopped the group, and
+    the pull of rank 1's heads was refused (PeerUnreachable). Now it waits for every rank's copy,
+    then stops at once (well before its grace)."""
+    import torch
+
+    from transports import KVLayout, KVSlice
+    from transports.ucx import UCXConfig, UCXTransport
+
+    env = node_env()
+    layout = KVLayout(2, 2, 32, 16, torch.float32)  # the tiny model's (a GEN TP1's pool: both heads)
+    with NodeProcess.start(["ctx", "--tp", "2", "--num-blocks", "64", "--graceful-shutdown-timeout-s", "20"],
+                           env=env) as ctx:
+
+        async def scenario() -> tuple[list[str], float]:
+            held = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": "held",
+                                                         "prompt_ids": list(range(40, 80)), "max_tokens": 4},
+                                      secret=ctx.secret)
+            os.killpg(ctx.proc.pid, signal.SIGTERM)
+            with anyio.fail_after(5):
+                while not (await control.call(ctx.info["ctrl"], {"op": "ping"}, secret=ctx.secret))["shutting_down"]:
+                    await anyio.sleep(0.02)
+            transport = UCXTransport(UCXConfig(secret=env["KVO_SHARED_SECRET"].encode()), layout=layout,
+                                     total_kv_heads=2)
+            outcomes: list[str] = []
+            try:
+                for source in held["kv_sources"]:  # rank 0's heads, then rank 1's, as a GEN TP1 may
+                    part = KVSlice(0, 2, 0, source["head_end"] - source["head_start"])  # the rank's own numbering
+                    into = torch.empty(layout.wire_shape(layout.blocks_for(held["prompt_len"]), part))
+                    try:
+                        with anyio.fail_after(10):
+                            await transport.pull(source["peer"], "held", part, into, handle=held["kv_handle"])
+                        outcomes.append("ok")
+                    except Exception as exc:  # noqa: BLE001 (the bug: rank 1 had left)
+                        outcomes.append(f"{type(exc).__name__}: {exc}")
+                    await anyio.sleep(0.3)  # the next part waits (the GEN's budget, its other work)
+            finally:
+                await transport.aclose()
+            return outcomes, time.monotonic()
+
+        outcomes, pulled_at = anyio.run(scenario, backend="asyncio")
+        ctx.proc.wait(15)
+        assert ctx.proc.returncode == 0 and time.monotonic() - pulled_at < 10, ctx.log_tail()
+    assert outcomes == ["ok", "ok"], outcomes

@@ -376,6 +376,19 @@ class CtxNode:
         return (self.store.statistics().held_requests + len(self._prefilling) + ex.borrowed_tokens
                 + ex.tasks_waiting)
 
+    async def _other_ranks_hold(self) -> int:
+        """Rank 0 of a group: requests whose heads the other ranks still hold. A GEN TP1 pulls each
+        rank's heads on its own and frees each copy with its pull: rank 0's copy can be gone while
+        another rank's part is still to be pulled (the parts one after the other when the GEN's
+        budget does not fit them at once), and rank 0 alone read that as nothing held."""
+        if self.group is None or self.group.broken is not None:
+            return 0
+        try:
+            ranks = await self._in_group(("stats",))
+        except control.ControlError:  # the group broke: what the other ranks held is gone
+            return 0
+        return sum(r["store"]["held_requests"] for r in ranks[1:])
+
     async def _stop_on_sigterm(self, stop: Any) -> None:
         """Without etcd, SIGTERM stops the node gracefully: it takes no new prefill (a front sends it
         to another CTX), lets the prefills running finish and the GENs pull (and release) what it
@@ -403,7 +416,7 @@ class CtxNode:
 
                 tg.start_soon(again)
                 with anyio.move_on_after(grace):
-                    while self.busy():
+                    while self.busy() or await self._other_ranks_hold():
                         await anyio.sleep(0.02)
                 if self.busy():
                     log.warning("shutdown_dropping", busy=self.busy(), grace_s=grace)
