@@ -621,6 +621,9 @@ M = [
   "                    while self.busy() or await self._other_ranks_hold():\n",
   "                    while self.busy():\n",
   "tests/test_tp_two_node.py -k every_rank_s_copy"),
+ ("client: a node that closes mid-request is named", "examples/two_node/client.py",
+  "f\"{where}: the node closed the connection\"", "\"the node closed the connection\"",
+  "tests/test_client.py -k closes_mid_request"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -204,6 +204,27 @@ async def test_a_connection_reset_mid_request_names_the_node_and_why(anyio_backe
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_node_that_closes_mid_request_is_named(anyio_backend: str) -> None:
+    """A node that exits mid-request (a CTX stopped, a SIGKILLed process: the kernel closes its
+    sockets, an end of stream rather than a reset) was reported as "the node closed the
+    connection": which node, the record did not say (a reset names it)."""
+    async def close_after_hello(conn: anyio.abc.SocketStream) -> None:  # hello, read the auth, then FIN
+        await conn.send(b'{"kvo": 1, "nonce": "' + b"00" * 32 + b'", "insecure": false}\n')
+        await conn.receive()
+        await conn.aclose()
+
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, close_after_hello)
+        ctx = f"127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        res = await run_load(ctx=[ctx], gen="127.0.0.1:1", secret=SECRET, prompts=make_prompts(2, 6, seed=1),
+                             max_tokens=3, concurrency=2, progress=False, timeout_s=5)
+        tg.cancel_scope.cancel()
+    for r in res.records:
+        assert r.failure == "prefill_closed", (r.failure, r.message)
+        assert r.message == f"{ctx}: the node closed the connection", r.message
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_request_that_fails_after_its_prefill_releases_the_ctx_kv(anyio_backend: str) -> None:
     """Without --release too: a GEN that failed (or could not be reached) after the prefill leaves
     the CTX holding the KV until its lease, unless the client releases it with the handle."""

@@ -292,8 +292,9 @@ async def run_load(
             rec.state, rec.failure, rec.message = "error", "timeout", f"no answer within {timeout_s} s ({phase})"
         except ControlError as exc:
             rec.state, rec.failure, rec.message = "error", f"{phase}_rejected", str(exc)
-        except anyio.EndOfStream:
-            rec.state, rec.failure, rec.message = "error", f"{phase}_closed", "the node closed the connection"
+        except anyio.EndOfStream:  # the node went away mid-request (stopped, killed): which one, as a reset says
+            where = ctx_addr if phase == "prefill" else gen
+            rec.state, rec.failure, rec.message = "error", f"{phase}_closed", f"{where}: the node closed the connection"
         except OSError as exc:  # which node could not be reached (a wrong --ctx or --gen), not only why
             where = ctx_addr if phase == "prefill" else gen
             rec.state, rec.failure, rec.message = "error", f"{phase}_error", f"{where}: {type(exc).__name__}: {exc}"
