@@ -491,6 +491,43 @@ def test_ctx_sigterm_without_etcd_takes_no_new_prefill_lets_its_kv_be_pulled_the
         assert "sigterm_shutting_down" in ctx.log_path.read_text(errors="replace")
 
 
+def test_a_ctx_stopping_gracefully_answers_a_prefill_that_waited_for_kv_blocks() -> None:
+    """A prefill waiting for KV blocks is in no count of the executor: a CTX stopping on SIGTERM
+    read itself idle once the KV it held was released, and stopped under that prefill (lost, no
+    answer), though the release had just made room for it. It is taken work: it is answered."""
+    env = node_env()
+    with NodeProcess.start(["ctx", "--num-blocks", "4", "--graceful-shutdown-timeout-s", "1"], env=env) as ctx:
+
+        def prefill(rid: str) -> dict:
+            return {"op": "prefill", "request_id": rid, "prompt_ids": list(range(40, 80)), "max_tokens": 4}
+
+        async def scenario() -> str:
+            first = await control.call(ctx.info["ctrl"], prefill("first"), secret=ctx.secret)  # 3 of 4 blocks
+            out: list[str] = []
+
+            async def waiting() -> None:
+                try:
+                    await control.call(ctx.info["ctrl"], prefill("waits"), secret=ctx.secret)
+                    out.append("ok")
+                except Exception as exc:  # noqa: BLE001 (the bug: the connection closed with no answer)
+                    out.append(f"{type(exc).__name__}: {exc}")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiting)
+                await anyio.sleep(0.3)  # it waits for blocks
+                ctx.proc.send_signal(signal.SIGTERM)
+                with anyio.fail_after(5):
+                    while not (await control.call(ctx.info["ctrl"], {"op": "ping"}, secret=ctx.secret))["shutting_down"]:
+                        await anyio.sleep(0.02)
+                await control.call(ctx.info["ctrl"], {"op": "release", "request_id": "first",
+                                                      "kv_handle": first["kv_handle"]}, secret=ctx.secret)
+            return out[0]
+
+        assert anyio.run(scenario, backend="asyncio") == "ok"
+        ctx.proc.wait(10)
+        assert ctx.proc.returncode == 0, ctx.log_tail()
+
+
 def test_a_second_sigterm_stops_a_ctx_that_still_holds_kv_at_once() -> None:
     env = node_env()
     with NodeProcess.start(["ctx", "--num-blocks", "64", "--graceful-shutdown-timeout-s", "60"], env=env) as ctx:
