@@ -623,6 +623,9 @@ M = [
  ("client: a node that closes mid-request is named", "examples/two_node/client.py",
   "f\"{where}: the node closed the connection\"", "\"the node closed the connection\"",
   "tests/test_client.py -k closes_mid_request"),
+ ("GEN: a second SIGTERM's status comes out of main, no asyncio shutdown traceback", "examples/two_node/gen.py",
+  "                        self.exit_status = 143\n                        tg.cancel_scope.cancel()\n                        return\n",
+  "                        raise SystemExit(143)\n", "tests/test_faults.py -k second_sigterm_stops_a_gen"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

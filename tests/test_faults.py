@@ -9,6 +9,7 @@ nixl skips only when ``nixl_cu12`` cannot be imported).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -550,6 +551,39 @@ def test_a_second_sigterm_stops_a_ctx_that_still_holds_kv_at_once() -> None:
         # asyncio logged the node's main task as "unhandled exception during asyncio.run() shutdown"
         log = ctx.log_path.read_text(errors="replace")
         assert "Traceback" not in log and "unhandled exception" not in log, log[-3000:]
+
+
+def test_a_second_sigterm_stops_a_gen_at_once_with_143_and_no_traceback() -> None:
+    """A second SIGTERM cut a GEN's graceful stop short by raising SystemExit(143) in a task: the exit
+    status was right, but the event loop was left at once and asyncio logged a 40-line exception
+    group ("unhandled exception during asyncio.run() shutdown") on the node's stderr."""
+    env = node_env()
+    with NodeProcess.start(["ctx", "--num-blocks", "256"], env=env) as ctx, \
+            NodeProcess.start(["gen", "--num-blocks", "256", "--step", "device", "--device-step-ms", "20",
+                               "--graceful-shutdown-timeout-s", "60"], env=env) as gen_node:
+
+        async def scenario() -> None:
+            r = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": "long", "prompt_ids":
+                                                      list(range(40, 80)), "max_tokens": 1500}, secret=ctx.secret)
+            stream = await control.connect(gen_node.info["ctrl"], secret=gen_node.secret)
+            await stream.send({"op": "generate", "request_id": "long", "prompt_len": r["prompt_len"],
+                               "first_token": r["first_token"], "max_tokens": 1500, "kv_peer": r["kv_peer"],
+                               "kv_handle": r["kv_handle"]})
+            assert "tokens" in await stream.receive()
+            gen_node.proc.send_signal(signal.SIGTERM)
+            with anyio.fail_after(5):
+                while not (await control.call(gen_node.info["ctrl"], {"op": "ping"}, secret=gen_node.secret)
+                           )["shutting_down"]:
+                    await anyio.sleep(0.02)
+            gen_node.proc.send_signal(signal.SIGTERM)  # the live request would run 30 s more: cut short
+            with anyio.fail_after(10), contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                while not (await stream.receive()).get("done"):
+                    pass
+
+        anyio.run(scenario, backend="asyncio")
+        gen_node.proc.wait(10)
+        assert gen_node.proc.returncode == 143, gen_node.log_tail()
+        assert "Traceback" not in gen_node.log_path.read_text(errors="replace"), gen_node.log_tail(60)
 
 
 def test_a_hand_off_whose_kv_blocks_were_altered_is_refused(backend: str) -> None:

@@ -470,11 +470,4 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     # a drain (--etcd) lasts until no KV is held: a lease, unless a GEN renews it
     # (without etcd, a graceful stop lasts at most --graceful-shutdown-timeout-s)
-    nodes: list[CtxNode] = []
-
-    def run() -> Any:
-        nodes.append(CtxNode(args))
-        return nodes[0].run()
-
-    status = gen_tp.run_in_group(args, run, sigterm_wait_s=max(args.lease_s, args.graceful_shutdown_timeout_s) + 10)
-    return nodes[0].exit_status if nodes and nodes[0].exit_status else status
+    return gen_tp.run_node(args, CtxNode, sigterm_wait_s=max(args.lease_s, args.graceful_shutdown_timeout_s) + 10)

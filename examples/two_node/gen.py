@@ -125,6 +125,7 @@ class GenNode:
         self._unfinished: set[str] = set()  # ids submitted whose final output is not pumped yet
         self.shutting_down = False  # SIGTERM without --etcd: no new request; the live ones end (graceful stop)
         self.ending = False  # rank 0 stops its group for good: the healer reads the stop as the node's own
+        self.exit_status = 0  # 143: a second SIGTERM cut the graceful stop short
         self._pending: collections.deque[RequestOutput] = collections.deque()
         self._pump_flag = threading.Event()
         self._call: Any = None
@@ -571,7 +572,12 @@ class GenNode:
                 async def again() -> None:
                     async for _ in signals:
                         log.warning("sigterm_again_exiting_now", live=self.engine.live_requests if self.engine else 0)
-                        raise SystemExit(143)
+                        # the status comes out of main(), the wind-down cut short (what is live is aborted
+                        # now): a SystemExit raised in this task left the event loop at once and asyncio
+                        # logged a 40-line "unhandled exception during asyncio.run() shutdown"
+                        self.exit_status = 143
+                        tg.cancel_scope.cancel()
+                        return
 
                 tg.start_soon(again)
                 await self._wind_down(grace)
@@ -685,5 +691,4 @@ def main(args: argparse.Namespace) -> int:
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     # rank 0's graceful stop: the grace, 2 s for the final outputs, 5 s to stop the group
-    return gen_tp.run_in_group(args, lambda: GenNode(args).run(), notes=True,
-                               sigterm_wait_s=args.graceful_shutdown_timeout_s + 10)
+    return gen_tp.run_node(args, GenNode, notes=True, sigterm_wait_s=args.graceful_shutdown_timeout_s + 10)

@@ -72,6 +72,20 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("error: --tp-reform-backoff-max-s must be >= 1 and --tp-reform-attempts >= 0")
 
 
+def run_node(args: Any, make_node: Callable[[Any], Any], **kw: Any) -> int:
+    """``run_in_group`` of ``make_node(args).run()``, with the node's own ``exit_status`` when it set
+    one (143: a second SIGTERM cut its graceful stop short; raised as SystemExit in a task, it left
+    the event loop at once and asyncio logged a 40-line traceback at shutdown)."""
+    nodes: list[Any] = []
+
+    def run() -> Any:
+        nodes.append(make_node(args))
+        return nodes[-1].run()
+
+    status = run_in_group(args, run, **kw)
+    return nodes[0].exit_status if nodes and nodes[0].exit_status else status
+
+
 def run_in_group(args: argparse.Namespace, node_main: Any, *, notes: bool = False,
                  sigterm_wait_s: float = 10.0) -> int:
     """Run ``node_main()`` (a node's async main) as this process's rank: alone with ``--tp 1``; with
