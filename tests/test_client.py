@@ -182,46 +182,32 @@ async def test_run_load_unreachable_gen_and_timeout(anyio_backend: str) -> None:
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_connection_reset_mid_request_names_the_node_and_why(anyio_backend: str) -> None:
-    """A CTX killed while a client talks to it resets the connection: the record said only
-    "BrokenResourceError: " (anyio's exception has no text), neither which node nor what broke."""
-    async def reset_after_hello(conn: anyio.abc.SocketStream) -> None:  # hello, read the auth, then RST
+@pytest.mark.parametrize(("reset", "failure", "said"), [
+    (True, "prefill_error", "the connection broke (ConnectionResetError"),
+    (False, "prefill_closed", "the node closed the connection"),
+], ids=["reset", "closed"])
+async def test_a_connection_lost_mid_request_names_the_node_and_why(anyio_backend: str, reset: bool, failure: str,
+                                                                    said: str) -> None:
+    """A CTX killed while a client talks to it resets the connection (or, exiting, closes it: an
+    end of stream): the record said only "BrokenResourceError: " (anyio's exception has no text) or
+    "the node closed the connection", never which node."""
+    async def lost_after_hello(conn: anyio.abc.SocketStream) -> None:  # hello, read the auth, then RST or FIN
         await conn.send(b'{"kvo": 1, "nonce": "' + b"00" * 32 + b'", "insecure": false}\n')
         await conn.receive()
-        conn.extra(anyio.abc.SocketAttribute.raw_socket).setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                                                    struct.pack("ii", 1, 0))
+        if reset:
+            conn.extra(anyio.abc.SocketAttribute.raw_socket).setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                                        struct.pack("ii", 1, 0))
         await conn.aclose()
 
     async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, reset_after_hello)
+        tg.start_soon(listener.serve, lost_after_hello)
         ctx = f"127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
         res = await run_load(ctx=[ctx], gen="127.0.0.1:1", secret=SECRET, prompts=make_prompts(2, 6, seed=1),
                              max_tokens=3, concurrency=2, progress=False, timeout_s=5)
         tg.cancel_scope.cancel()
     for r in res.records:
-        assert r.failure == "prefill_error", (r.failure, r.message)
-        assert r.message.startswith(f"{ctx}: the connection broke (ConnectionResetError"), r.message
-
-
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_node_that_closes_mid_request_is_named(anyio_backend: str) -> None:
-    """A node that exits mid-request (a CTX stopped, a SIGKILLed process: the kernel closes its
-    sockets, an end of stream rather than a reset) was reported as "the node closed the
-    connection": which node, the record did not say (a reset names it)."""
-    async def close_after_hello(conn: anyio.abc.SocketStream) -> None:  # hello, read the auth, then FIN
-        await conn.send(b'{"kvo": 1, "nonce": "' + b"00" * 32 + b'", "insecure": false}\n')
-        await conn.receive()
-        await conn.aclose()
-
-    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, close_after_hello)
-        ctx = f"127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
-        res = await run_load(ctx=[ctx], gen="127.0.0.1:1", secret=SECRET, prompts=make_prompts(2, 6, seed=1),
-                             max_tokens=3, concurrency=2, progress=False, timeout_s=5)
-        tg.cancel_scope.cancel()
-    for r in res.records:
-        assert r.failure == "prefill_closed", (r.failure, r.message)
-        assert r.message == f"{ctx}: the node closed the connection", r.message
+        assert r.failure == failure, (r.failure, r.message)
+        assert r.message.startswith(f"{ctx}: {said}"), r.message
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
