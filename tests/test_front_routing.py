@@ -103,6 +103,18 @@ def test_a_503_leaves_no_node_load_behind() -> None:
     assert [n.inflight for n in c.nodes] == [0, 0, 0]
 
 
+def test_health_shows_no_stale_load_for_a_down_node() -> None:
+    """Review 6: a GEN that exited (SIGTERM, exit 0: not restarted) under load kept the live
+    requests of its last stats in /health's ``load`` for good, with nothing in flight."""
+    c = _cluster(1, 1)
+    g = _up(c.of("gen")[0], load=2)
+    assert c.health()["nodes"][1]["load"] == 2
+    c.mark_down(g, "OSError: All connection attempts failed")
+    assert c.health()["nodes"][1]["load"] == 0
+    g.inflight = 1  # this front's own requests on it still count
+    assert c.health()["nodes"][1]["load"] == 1
+
+
 def test_describe_never_gives_an_empty_reason() -> None:
     assert describe(anyio.EndOfStream()) == "the node closed the connection (EndOfStream)"
     assert describe(ConnectionResetError()) == "ConnectionResetError"

@@ -79,7 +79,9 @@ class Node:
         return self.stats.get("mode") if self.stats else None
 
     def load(self) -> int:
-        return self.inflight + (_live_requests(self.role, self.stats) if self.stats is not None else 0)
+        """This front's requests on the node, plus what the node last reported while it is up (a
+        down node's last figures are not current: a node that exited would show them forever)."""
+        return self.inflight + (_live_requests(self.role, self.stats) if self.stats is not None and self.up else 0)
 
     def live_blocks(self) -> int:
         """KV blocks in use on the node (the live bytes, in blocks), from its last stats."""
