@@ -204,6 +204,36 @@ async def test_a_drain_the_node_refused_leaves_it_serving() -> None:
         assert (await http.post("/v1/completions", json=completion())).status_code == 200
 
 
+# -- a CTX that stops (SIGTERM without etcd) -------------------------------------------------------
+
+class StoppingCtx(FakeCtx):
+    """A CTX after SIGTERM without etcd: it refuses every new prefill with code ``unavailable``."""
+
+    async def handle(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
+        if msg.get("op") == "prefill":
+            self.prefills.append(msg["request_id"])
+            raise control.ControlError("this CTX node is shutting down: send the prefill to another CTX",
+                                       code=control.UNAVAILABLE)
+        await super().handle(msg, stream)
+
+
+async def test_a_ctx_that_refuses_as_stopping_takes_no_further_prefill() -> None:
+    """Review 6 (SIGTERM on a CTX under load): its refusal with code ``unavailable`` left it routable,
+    so every other request paid a refused prefill and a retry until it exited (with max_retries 0,
+    a 503 each); like a refusing GEN it is down until a later poll succeeds."""
+    stopping, good = StoppingCtx(), FakeCtx()
+    async with front_on([stopping, good], [FakeGen(ctx=good)], router={"ctx": "round_robin", "gen": "round_robin"},
+                        routing={"stats_interval_s": 30, "retry_after_s": 1, "connect_timeout_s": 2},
+                        max_retries=1) as (front, http):
+        await wait_until(front.cluster.ready)
+        for _ in range(4):
+            r = await http.post("/v1/completions", json=completion())
+            assert r.status_code == 200
+        assert len(stopping.prefills) == 1 and len(good.prefills) == 4
+        assert not front.cluster.find(stopping.addr).up  # type: ignore[union-attr]
+        assert front.metrics.retries.labels("ctx")._value.get() == 1
+
+
 # -- a GEN that refuses or dies before it pulled ------------------------------------------------
 
 async def refuse(msg: dict[str, Any], stream: control.JsonStream, gen: FakeGen) -> None:

@@ -123,6 +123,8 @@ class Flight:
                     raise request_refused(f"CTX {ctx.addr}", exc.code, exc) from None
                 self._last_error = ApiError(503, f"CTX {ctx.addr} refused the prefill: {exc}", code="ctx_refused",
                                             retry_after=retry)
+                if exc.code == control.UNAVAILABLE:  # stopping (SIGTERM) or draining: no further prefill there
+                    cluster.mark_down(ctx, f"prefill refused: {exc}"[:200])
             except CONTROL_ERRORS as exc:
                 cluster.mark_down(ctx, f"prefill: {describe(exc)}")
                 self._last_error = ApiError(503, f"CTX {ctx.addr} is unreachable: {describe(exc)}",
