@@ -628,6 +628,7 @@ M = [
   "                        raise SystemExit(143)\n", "tests/test_faults.py -k second_sigterm_stops_a_gen"),
  ("review6: /health load of a down node is not its stale stats", "examples/serve/cluster.py", "if self.stats is not None and self.up else 0)", "if self.stats is not None else 0)", "tests/test_front_routing.py -k stale_load"),
  ("review6: a CTX refusing as stopping is marked down", "examples/serve/_flight.py", "                if exc.code == control.UNAVAILABLE:  # stopping", "                if False:  # stopping", "tests/test_front_faults.py -k stopping"),
+ ("review6: a stopping CTX says unhealthy in stats", "examples/two_node/ctx.py", "        if self.shutting_down:  # a front's poll", "        if False:  # a front's poll", "tests/test_faults.py -k stopping_ctx_says"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -10,6 +10,7 @@ nixl skips only when ``nixl_cu12`` cannot be imported).
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import time
 
@@ -527,6 +528,26 @@ def test_a_ctx_stopping_gracefully_answers_a_prefill_that_waited_for_kv_blocks()
         assert anyio.run(scenario, backend="asyncio") == "ok"
         ctx.proc.wait(10)
         assert ctx.proc.returncode == 0, ctx.log_tail()
+def test_a_stopping_ctx_says_unhealthy_in_its_stats() -> None:
+    """Review 6: a CTX stopping after SIGTERM still said healthy in ``stats``, so a front's poll put
+    back in routing the node that refuses every new prefill, one refusal and retry per poll."""
+    env = node_env()
+    with NodeProcess.start(["ctx", "--num-blocks", "64", "--graceful-shutdown-timeout-s", "60"], env=env) as ctx:
+        call = functools.partial(control.call, ctx.info["ctrl"], secret=ctx.secret)
+        assert anyio.run(call, {"op": "stats"})["healthy"] is True
+        anyio.run(call, {"op": "prefill", "request_id": "kept", "prompt_ids": [1, 2, 3], "max_tokens": 2})
+        ctx.proc.send_signal(signal.SIGTERM)
+
+        async def until_shutting_down() -> dict:
+            with anyio.fail_after(5):
+                while not (await call({"op": "ping"}))["shutting_down"]:
+                    await anyio.sleep(0.02)
+            return await call({"op": "stats"})
+
+        stats = anyio.run(until_shutting_down)
+        assert stats["healthy"] is False and "shutting down" in stats["health"], stats
+        ctx.proc.send_signal(signal.SIGTERM)
+        ctx.proc.wait(10)
 
 
 def test_a_second_sigterm_stops_a_ctx_that_still_holds_kv_at_once() -> None:

@@ -159,6 +159,8 @@ class CtxNode:
         why = self.group.broken if self.group is not None else None
         if self.healer is not None and self.healer.regrouping:
             why = f"regrouping after: {self.healer.last_cause}"
+        if self.shutting_down:  # a front's poll then keeps it out (its prefills would only be refused)
+            why = "shutting down (SIGTERM): no new prefill"
         return {"healthy": why is None, "health": why}
 
     async def stats(self) -> dict[str, Any]:
