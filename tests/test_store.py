@@ -166,3 +166,20 @@ def test_a_named_handle_names_its_request_and_prompt_length() -> None:
     assert handle_tokens(h, "r1", handle_key(b"x" * 32)) is None  # another cluster's key
     plain = KVStore(LAYOUT, torch.zeros(8, *LAYOUT.block_shape, dtype=LAYOUT.dtype))
     assert handle_tokens(plain.put("r1", torch.tensor([0]), num_tokens=20, lease_s=60), "r1", key) is None
+
+
+def test_a_handle_s_tag_is_hmac_sha256_of_its_nonce_and_request_id_for_any_key() -> None:
+    """The tag is computed from the key's padded states, hashed once per key (a pull checks a
+    handle each time): it is HMAC-SHA256 exactly, for keys shorter than, as long as and longer than
+    SHA-256's block, so a handle made by an older build (or another language) checks the same."""
+    import hmac
+    import random
+
+    from transports._ids import HANDLE_LEN, _tag
+
+    rng = random.Random(7)
+    for key_len in (0, 1, 32, 63, 64, 65, 200):
+        for _ in range(20):
+            key, nonce = rng.randbytes(key_len), rng.randbytes(HANDLE_LEN // 4)
+            rid = "".join(rng.choice("abc-._:0129XYZ") for _ in range(rng.randint(1, 128)))
+            assert _tag(key, nonce, rid) == hmac.digest(key, nonce + rid.encode(), "sha256")[:HANDLE_LEN // 4]
