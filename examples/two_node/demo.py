@@ -218,9 +218,12 @@ def parity_lines(detail: dict[str, Any]) -> list[str]:
     return lines
 
 
-async def _ctx_at_rest(addr: str, secret: bytes | None, wait_s: float = 2.0) -> dict[str, Any]:
+async def _ctx_at_rest(addr: str, secret: bytes | None, wait_s: float = 10.0) -> dict[str, Any]:
     """A CTX node's statistics once it holds nothing and no send pins a block (a pull ends on the GEN
-    when its KV lands, a moment before the CTX sees its send end), or as they are after ``wait_s``."""
+    when its KV lands, a moment before the CTX sees its send end), or as they are after ``wait_s``
+    (10 s, a third of the default lease, so a copy only its lease would free still shows: the
+    release of a replicated copy nobody pulls first connects to its CTX rank, which took over 2 s,
+    the bound before, once in a full suite run on this 2-core machine)."""
     deadline = time.monotonic() + wait_s
     while True:
         stats = await control.call(addr, {"op": "stats"}, secret=secret)
