@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import anyio
 
 import structlog
 import torch
@@ -166,3 +170,34 @@ def announce_ready(**fields: object) -> None:
     """The one line a parent process waits for."""
     sys.stdout.write("READY " + json.dumps(fields) + "\n")
     sys.stdout.flush()
+
+
+async def stop_on_sigterm(node: Any, wind_down: Callable[[float], Awaitable[None]], stop: Callable[[], None],
+                          work: Callable[[], dict[str, Any]], log: Any) -> None:
+    """A node without etcd: its first SIGTERM sets ``node.shutting_down`` (it takes no new work) and
+    runs ``wind_down(grace)`` (``--graceful-shutdown-timeout-s``: what is live ends or is given up),
+    then ``stop()``. A second SIGTERM cuts the wind-down short and sets ``node.exit_status`` to 143,
+    which the node's main returns (``gen_tp.run_node``): raised as SystemExit in this task, it left
+    the event loop at once and asyncio logged a 40-line "unhandled exception during asyncio.run()
+    shutdown". ``work()``: the log fields that say what is live."""
+    if sys.platform == "win32":  # pragma: no cover
+        return
+    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            break
+        node.shutting_down = True
+        grace = node.args.graceful_shutdown_timeout_s
+        log.info("sigterm_shutting_down", **work(), grace_s=grace)
+        async with anyio.create_task_group() as tg:
+
+            async def again() -> None:
+                async for _ in signals:
+                    log.warning("sigterm_again_exiting_now", **work())
+                    node.exit_status = 143
+                    tg.cancel_scope.cancel()
+                    return
+
+            tg.start_soon(again)
+            await wind_down(grace)
+            tg.cancel_scope.cancel()
+    stop()

@@ -18,8 +18,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import signal
-import sys
 import threading
 import time
 from typing import Any
@@ -38,6 +36,7 @@ from examples.two_node.common import (
     control_server,
     kv_server,
     node_secret,
+    stop_on_sigterm,
 )
 from examples.two_node.gen_tp import head_checksums
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
@@ -396,34 +395,15 @@ class CtxNode:
         to another CTX), lets the prefills running finish and the GENs pull (and release) what it
         holds for ``--graceful-shutdown-timeout-s``, then ``stop()`` (what is still held is lost: its
         GEN's pull fails at once). A second SIGTERM exits at once (status 143)."""
-        if sys.platform == "win32":  # pragma: no cover
-            return
-        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-            async for _ in signals:
-                break
-            self.shutting_down = True
-            grace = self.args.graceful_shutdown_timeout_s
-            log.info("sigterm_shutting_down", busy=self.busy(), grace_s=grace)
-            async with anyio.create_task_group() as tg:
+        await stop_on_sigterm(self, self._wind_down, stop, lambda: {"busy": self.busy()}, log)
 
-                async def again() -> None:
-                    async for _ in signals:
-                        log.warning("sigterm_again_exiting_now", busy=self.busy())
-                        # the status comes out of main(): a SystemExit raised in this task left the
-                        # event loop at once and asyncio logged the node's main task, still running,
-                        # as "unhandled exception during asyncio.run() shutdown" with a traceback
-                        self.exit_status = 143
-                        tg.cancel_scope.cancel()
-                        return
-
-                tg.start_soon(again)
-                with anyio.move_on_after(grace):
-                    while self.busy() or await self._other_ranks_hold():
-                        await anyio.sleep(0.02)
-                if self.busy():
-                    log.warning("shutdown_dropping", busy=self.busy(), grace_s=grace)
-                tg.cancel_scope.cancel()
-        stop()
+    async def _wind_down(self, grace_s: float) -> None:
+        """Until nothing is held or running here (on any rank), at most ``grace_s``."""
+        with anyio.move_on_after(grace_s):
+            while self.busy() or await self._other_ranks_hold():
+                await anyio.sleep(0.02)
+        if self.busy():
+            log.warning("shutdown_dropping", busy=self.busy(), grace_s=grace_s)
 
     def start_execution(self) -> threading.Thread:
         """This rank's execution thread for the current group (rank 0 leads it)."""

@@ -15,7 +15,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import signal
 import sys
 import threading
 import time
@@ -27,7 +26,8 @@ import torch
 
 from examples.metrics import serve_node_metrics
 from examples.two_node import cli, control, gen_tp, membership, tp_group
-from examples.two_node.common import announce_ready, backend, build_model, control_server, kv_transport, node_secret
+from examples.two_node.common import (announce_ready, backend, build_model, control_server, kv_transport, node_secret,
+                                      stop_on_sigterm)
 from orchestrator import (
     ContextTooLong,
     DecodeBatch,
@@ -558,31 +558,10 @@ class GenNode:
         finish for ``--graceful-shutdown-timeout-s``, aborts the rest (each stream gets its final
         message, each CTX is told to free the request's KV), then ``stop()``. A second SIGTERM
         exits at once (status 143)."""
-        if sys.platform == "win32":  # pragma: no cover
-            return
-        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-            async for _ in signals:
-                break
-            assert self.engine is not None
-            self.shutting_down = True
-            grace = self.args.graceful_shutdown_timeout_s
-            log.info("sigterm_shutting_down", live=self.engine.live_requests, streams=self.streams_open(), grace_s=grace)
-            async with anyio.create_task_group() as tg:
+        await stop_on_sigterm(self, self._wind_down, stop, self._live_work, log)
 
-                async def again() -> None:
-                    async for _ in signals:
-                        log.warning("sigterm_again_exiting_now", live=self.engine.live_requests if self.engine else 0)
-                        # the status comes out of main(), the wind-down cut short (what is live is aborted
-                        # now): a SystemExit raised in this task left the event loop at once and asyncio
-                        # logged a 40-line "unhandled exception during asyncio.run() shutdown"
-                        self.exit_status = 143
-                        tg.cancel_scope.cancel()
-                        return
-
-                tg.start_soon(again)
-                await self._wind_down(grace)
-                tg.cancel_scope.cancel()
-        stop()
+    def _live_work(self) -> dict[str, int]:
+        return {"live": self.engine.live_requests if self.engine else 0, "streams": self.streams_open()}
 
     async def _wind_down(self, grace_s: float) -> None:
         """Until nothing is live here: ``grace_s`` for the live requests to finish, then they are
