@@ -496,21 +496,26 @@ def test_ctx_sigterm_without_etcd_takes_no_new_prefill_lets_its_kv_be_pulled_the
 def test_a_ctx_stopping_gracefully_answers_a_prefill_that_waited_for_kv_blocks() -> None:
     """A prefill waiting for KV blocks is in no count of the executor: a CTX stopping on SIGTERM
     read itself idle once the KV it held was released, and stopped under that prefill (lost, no
-    answer), though the release had just made room for it. It is taken work: it is answered."""
+    answer), though the release had just made room for it. It is taken work: it is answered. (Long
+    prompts: the prefill that gets the blocks runs ~0.5 s, far longer than the stop's 20 ms poll,
+    so a stop that does not count it cannot miss the moment nothing is held.)"""
     env = node_env()
-    with NodeProcess.start(["ctx", "--num-blocks", "4", "--graceful-shutdown-timeout-s", "1"], env=env) as ctx:
+    with NodeProcess.start(["ctx", "--max-seq-len", "4096", "--num-blocks", "200", "--graceful-shutdown-timeout-s", "20"],
+                           env=env) as ctx:
 
-        def prefill(rid: str) -> dict:
-            return {"op": "prefill", "request_id": rid, "prompt_ids": list(range(40, 80)), "max_tokens": 4}
+        def prefill(rid: str) -> dict:  # 125 blocks of 16 tokens: the second waits for the first's
+            return {"op": "prefill", "request_id": rid, "prompt_ids": [i % 200 for i in range(2000)], "max_tokens": 4}
 
         async def scenario() -> str:
-            first = await control.call(ctx.info["ctrl"], prefill("first"), secret=ctx.secret)  # 3 of 4 blocks
+            first = await control.call(ctx.info["ctrl"], prefill("first"), secret=ctx.secret)
             out: list[str] = []
 
             async def waiting() -> None:
                 try:
-                    await control.call(ctx.info["ctrl"], prefill("waits"), secret=ctx.secret)
+                    reply = await control.call(ctx.info["ctrl"], prefill("waits"), secret=ctx.secret)
                     out.append("ok")
+                    await control.call(ctx.info["ctrl"], {"op": "release", "request_id": "waits",
+                                                          "kv_handle": reply["kv_handle"]}, secret=ctx.secret)
                 except Exception as exc:  # noqa: BLE001 (the bug: the connection closed with no answer)
                     out.append(f"{type(exc).__name__}: {exc}")
 
@@ -526,8 +531,10 @@ def test_a_ctx_stopping_gracefully_answers_a_prefill_that_waited_for_kv_blocks()
             return out[0]
 
         assert anyio.run(scenario, backend="asyncio") == "ok"
-        ctx.proc.wait(10)
+        ctx.proc.wait(10)  # nothing held once "waits" is released: well before the 20 s of grace
         assert ctx.proc.returncode == 0, ctx.log_tail()
+
+
 def test_a_stopping_ctx_says_unhealthy_in_its_stats() -> None:
     """Review 6: a CTX stopping after SIGTERM still said healthy in ``stats``, so a front's poll put
     back in routing the node that refuses every new prefill, one refusal and retry per poll."""
