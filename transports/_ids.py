@@ -111,23 +111,17 @@ def blocks_tag_ok(tag: object, key: bytes, request_id: str, handle: str, peer: s
 
 
 def _tag(key: bytes, nonce: bytes, request_id: str) -> bytes:
-    # HMAC-SHA256 from the key's padded inner and outer states, hashed once per key (a handle is
-    # checked on every pull: 0.6 µs against 1.4 µs for hmac.digest, which pads the key each time)
-    inner, outer = _keyed(key)
-    h = inner.copy()
+    # a copy of the key's HMAC, made once per key (a handle is checked on every pull: 0.85 µs against
+    # 1.5 µs for hmac.digest, which pads the key each time)
+    h = _keyed(key).copy()
     h.update(nonce + request_id.encode())
-    o = outer.copy()
-    o.update(h.digest())
-    return o.digest()[:HANDLE_LEN // 4]
+    return h.digest()[:HANDLE_LEN // 4]
 
 
 @functools.lru_cache(maxsize=16)
-def _keyed(key: bytes) -> tuple[Any, Any]:
-    """SHA-256 states after HMAC's inner and outer key pads (RFC 2104; a key of at most one block)."""
-    if len(key) > 64:
-        key = hashlib.sha256(key).digest()
-    key = key.ljust(64, b"\0")
-    return (hashlib.sha256(bytes(b ^ 0x36 for b in key)), hashlib.sha256(bytes(b ^ 0x5C for b in key)))
+def _keyed(key: bytes) -> hmac.HMAC:
+    """HMAC-SHA256 under ``key`` before any message (its padded inner and outer states)."""
+    return hmac.new(key, digestmod=hashlib.sha256)
 
 
 def hold_items(items: Iterable[tuple[object, object]], peer: str, log: Any, event: str) -> list[tuple[str, str]]:
