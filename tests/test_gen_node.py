@@ -200,7 +200,7 @@ async def test_a_refusal_says_whether_it_is_about_the_request_or_the_node() -> N
     node.shutting_down = True
     with anyio.fail_after(5), pytest.raises(control.ControlError, match="shutting down") as caught:
         await node._generate(dict(too_big, request_id="s", max_tokens=3), _Stream())
-    assert caught.value.code == gen.UNAVAILABLE
+    assert caught.value.code == control.UNAVAILABLE
     assert node.engine.live_requests == 0
 
 

@@ -51,17 +51,12 @@ from orchestrator._sampling import logprobs as token_logprobs
 
 log = structlog.get_logger("examples.gen")
 
-UNAVAILABLE = control.UNAVAILABLE
-"""The ``code`` of a ``generate`` this node refuses for itself (starting, stopping, draining, unhealthy):
-another GEN may take the request. The codes about the request are ``_refusal_code``'s."""
-
-
 def _refusal_code(exc: Exception) -> str:
     """What kind of refusal ``submit``'s ``exc`` is: about the node (``unavailable``: another GEN may
     take it), or about the request (no GEN of this configuration can: a front must not retry it
     elsewhere nor hold it against this node)."""
     if isinstance(exc, Unavailable):
-        return UNAVAILABLE
+        return control.UNAVAILABLE
     return "context_length_exceeded" if isinstance(exc, ContextTooLong) else "invalid_request"
 
 
@@ -237,12 +232,12 @@ class GenNode:
 
     async def _generate(self, msg: dict[str, Any], stream: control.JsonStream) -> None:
         if self.engine is None:
-            raise control.ControlError("GEN engine unavailable: starting", code=UNAVAILABLE)
+            raise control.ControlError("GEN engine unavailable: starting", code=control.UNAVAILABLE)
         if self.shutting_down:
             raise control.ControlError("this GEN node is shutting down (SIGTERM): send the request to another GEN",
-                                       code=UNAVAILABLE)
+                                       code=control.UNAVAILABLE)
         if self.registration is not None and self.registration.refuses_new_work():
-            raise control.ControlError("this GEN node is draining: send the request to another GEN", code=UNAVAILABLE)
+            raise control.ControlError("this GEN node is draining: send the request to another GEN", code=control.UNAVAILABLE)
         limit = self.config.max_model_len
         rid = control.request_id(msg)  # before anything is allocated for it
         pulls = self.config.mode is not Mode.IDEAL
