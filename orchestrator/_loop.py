@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 import numpy as np
@@ -163,19 +164,18 @@ class EngineThreads:
         # its lease ran out)
         self.engine.stop("the engine's threads exited")  # a stop, not a failure: live requests end ABORTED
         deadline = time.monotonic() + _REST_WAIT_S
-        self.engine.step()
-        while self.engine.receiver is not None and self.engine.receiver.in_flight and time.monotonic() < deadline:
-            time.sleep(0.01)
+
+        def step_while(busy: Callable[[], object]) -> None:  # bounded: a landing a transport never ends stays
             self.engine.step()
+            while busy() and time.monotonic() < deadline:
+                time.sleep(0.01)
+                self.engine.step()
+
+        step_while(lambda: self.engine.receiver is not None and self.engine.receiver.in_flight)
         self.engine.close()
         if self.engine.receiver is not None:
             self._receiver_future.result(timeout=30)
-        # results published during shutdown free their blocks: step until at rest (bounded: a landing
-        # a transport never ends stays)
-        self.engine.step()
-        while self.engine.rest_problems() and time.monotonic() < deadline:
-            time.sleep(0.01)
-            self.engine.step()
+        step_while(self.engine.rest_problems)  # results published during shutdown free their blocks
         self._stack.close()
         if self.loop.error is not None and exc is None:
             raise RuntimeError("the decode loop crashed") from self.loop.error
