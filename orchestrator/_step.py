@@ -328,6 +328,10 @@ def encode(m: StepMessage) -> bytes:
 
 def decode(data: bytes | memoryview) -> StepMessage:
     buf = memoryview(data)
+    if len(buf) < _HEADER.size:  # an older build's header was shorter: say so, not struct.error
+        version = struct.unpack_from("<H", buf, 4)[0] if len(buf) >= 6 else None
+        raise ValueError(f"step message version {version}, {len(buf)} bytes, shorter than this build's "
+                         f"{_HEADER.size}-byte header: not this build's")
     (total, version, flags, _, count, crc, digest, config, n_out, n_quiet, n_tok, ev_len, n_ev, cmd_len,
      broken_len) = _HEADER.unpack_from(buf, 0)
     if version != _VERSION or total > len(buf):
@@ -410,7 +414,15 @@ class TorchStepSync:
         self._mine = torch.empty(slot_bytes, dtype=torch.uint8)
 
     def agree(self, message: StepMessage) -> list[StepMessage]:
-        return [decode(b) for b in self.exchange_bytes(encode(message))]
+        slots = self.exchange_bytes(encode(message))
+        out = []
+        for rank, data in enumerate(slots):
+            try:
+                out.append(decode(data))
+            except Exception as exc:  # another build's rank, or a corrupt slot: the group cannot go on
+                raise GroupBroken(f"rank {rank}'s step message could not be read at rank {self.rank}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        return out
 
     def exchange_bytes(self, data: bytes) -> list[bytes]:
         torch = self._torch

@@ -257,6 +257,25 @@ def test_a_step_of_many_long_ids_round_trips() -> None:
     assert decode(encode(m)) == m
 
 
+def test_a_rank_of_an_older_build_breaks_the_group_with_a_cause_not_struct_error() -> None:
+    """A step message shorter than this build's header (an older build's rank) is refused by
+    version, and the group's cause names the rank (it was ``struct.error`` from deep in decode)."""
+    import struct
+
+    from orchestrator import TorchStepSync
+    from orchestrator._step import GroupBroken
+
+    old = encode(StepMessage())[:48]
+    old = old[:4] + struct.pack("<H", 1) + old[6:]
+    with pytest.raises(ValueError, match="version 1, 48 bytes.*not this build's"):
+        decode(old)
+    sync = TorchStepSync.__new__(TorchStepSync)  # its exchange without a process group: the slots as read
+    sync.rank = 0
+    sync.exchange_bytes = lambda data: [data, old]
+    with pytest.raises(GroupBroken, match="rank 1's step message could not be read at rank 0: ValueError: step message version 1"):
+        sync.agree(StepMessage())
+
+
 async def test_a_step_whose_agreement_raises_fails_what_it_drained_and_ends_at_rest(make_group) -> None:
     """A step drains its inbox and its receive outcomes before the agreement; an agreement that
     raises anything (not only GroupBroken) breaks the engine, which fails them: none is lost."""
