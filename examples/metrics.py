@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -194,6 +195,9 @@ METRICS_IDLE_TIMEOUT_S = 10.0
 """A scrape connection that sends nothing this long is closed (its thread ends)."""
 METRICS_MAX_CONNECTIONS = 64
 """Scrape connections served at once; one more is closed as soon as it is accepted."""
+METRICS_CONNECTION_DEADLINE_S = 30.0
+"""A scrape connection still open this long after it was accepted is shut (one request a
+connection: a client that trickles a byte every few seconds would keep its thread for good)."""
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -209,10 +213,12 @@ class _BoundedServer(ThreadingWSGIServer):
     (the port takes no secret: anyone who reached it could grow the node by a thread a connection)."""
 
     max_connections = METRICS_MAX_CONNECTIONS
+    connection_deadline_s = METRICS_CONNECTION_DEADLINE_S
 
     def server_activate(self) -> None:
         self._open = 0
         self._open_lock = threading.Lock()
+        self._accepted: dict[Any, float] = {}  # a served connection's socket -> when it was accepted
         super().server_activate()
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -231,11 +237,26 @@ class _BoundedServer(ThreadingWSGIServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._accepted[request] = time.monotonic()
         try:
             super().process_request_thread(request, client_address)
         finally:
             with self._open_lock:
                 self._open -= 1
+                self._accepted.pop(request, None)
+
+    def service_actions(self) -> None:
+        """Every poll of ``serve_forever`` (0.5 s): shut connections past their deadline, which
+        ends their threads' reads and writes (the idle timeout alone let a trickle through)."""
+        now = time.monotonic()
+        with self._open_lock:
+            late = [r for r, t in self._accepted.items() if now - t > self.connection_deadline_s]
+        for request in late:
+            try:
+                request.shutdown(socket.SHUT_RDWR)
+            except OSError:  # its thread closed it meanwhile
+                pass
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a client that went quiet (timed out) or away: nothing to print on the node's stderr
@@ -243,13 +264,15 @@ class _BoundedServer(ThreadingWSGIServer):
 
 def start_metrics_server(role: str, stats: Callable[[], Stats], *, host: str, port: int,
                          idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
-                         max_connections: int = METRICS_MAX_CONNECTIONS) -> ThreadingWSGIServer:
+                         max_connections: int = METRICS_MAX_CONNECTIONS,
+                         connection_deadline_s: float = METRICS_CONNECTION_DEADLINE_S) -> ThreadingWSGIServer:
     """A started metrics server (a daemon thread serves it); ``server.shutdown()`` stops it."""
     registry = CollectorRegistry()
     registry.register(NodeCollector(role, stats))
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     handler = type("_Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
-    server_cls = type("_Server", (_BoundedServer,), {"address_family": family, "max_connections": max_connections})
+    server_cls = type("_Server", (_BoundedServer,), {"address_family": family, "max_connections": max_connections,
+                                                      "connection_deadline_s": connection_deadline_s})
     try:
         server = make_server(host, port, make_wsgi_app(registry), server_cls, handler_class=handler)
     except OSError as exc:  # which port: a node binds two or three ("Address already in use" alone said none)
@@ -260,7 +283,8 @@ def start_metrics_server(role: str, stats: Callable[[], Stats], *, host: str, po
 
 def serve_node_metrics(role: str, stats: Callable[[], Stats], *, host: str, port: int) -> int:
     """Serve a node's series over HTTP (a daemon thread; a thread per scrape connection, at most
-    ``METRICS_MAX_CONNECTIONS``, each closed after ``METRICS_IDLE_TIMEOUT_S`` of silence); returns the port."""
+    ``METRICS_MAX_CONNECTIONS``, each closed after ``METRICS_IDLE_TIMEOUT_S`` of silence or
+    ``METRICS_CONNECTION_DEADLINE_S`` in all); returns the port."""
     server = start_metrics_server(role, stats, host=host, port=port)
     bound = int(server.server_address[1])
     log.info("metrics_serving", role=role, host=host, port=bound)

@@ -49,6 +49,36 @@ def test_the_metrics_port_refuses_connections_over_its_cap_and_closes_idle_ones(
         server.server_close()
 
 
+def test_a_connection_that_trickles_bytes_is_shut_at_its_deadline() -> None:
+    """One byte every 0.3 s never trips the 0.5 s idle timeout; the connection's deadline shuts it
+    (it kept its thread for good before), and the port serves scrapes after."""
+    server = metrics.start_metrics_server("ctx", lambda: CTX_STATS, host="127.0.0.1", port=0,
+                                          idle_timeout_s=0.5, max_connections=4, connection_deadline_s=1.5)
+    port = int(server.server_address[1])
+    s = socket.create_connection(("127.0.0.1", port))
+    try:
+        t0 = time.monotonic()
+        shut = False
+        for ch in b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 40:
+            try:
+                s.sendall(bytes([ch]))
+            except OSError:
+                shut = True
+                break
+            if _closed_by_server(s, 0.3):
+                shut = True
+                break
+        took = time.monotonic() - t0
+        assert shut, "a trickling connection was kept past its deadline"
+        assert 1.4 < took < 4.0, took  # by the deadline, not the idle timeout
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "kvo_ctx_prefills_total 3.0" in body
+    finally:
+        s.close()
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_metrics_port_in_use_is_named_in_the_error() -> None:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
