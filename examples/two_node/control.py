@@ -72,6 +72,7 @@ import errno
 import hashlib
 import hmac
 import json
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -410,10 +411,11 @@ class ControlServer:
                 tg.start_soon(self._accept_loop, one, tg)
             task_status.started(bound)
 
-    async def _accept_loop(self, listener: anyio.abc.Listener[anyio.abc.SocketStream], tg: anyio.abc.TaskGroup) -> None:
+    async def _accept_loop(self, listener: anyio.abc.SocketListener, tg: anyio.abc.TaskGroup) -> None:
+        sock = listener.extra(anyio.abc.SocketAttribute.raw_socket)
         while True:
             try:
-                raw = await listener.accept()
+                raw = await accept(sock)
             except OSError as exc:  # out of descriptors: back off, never stop serving
                 if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED):
                     raise
@@ -481,6 +483,27 @@ class ControlServer:
         await stream.send({"ok": True, "mac": _mac(_SERVER_LABEL, self.secret, server_nonce, client_nonce).hex()})
         stream.max_line = self.limits.max_line
         return await stream.receive()
+
+
+async def accept(sock: socket.socket) -> anyio.abc.SocketStream:
+    """The next connection on a listening socket, as a stream. Not the listener's ``accept()``: on
+    asyncio that is ``loop.sock_accept``, which, when cancelled in the loop iteration in which a
+    connection arrives, accepts it anyway and sets a result on its cancelled future (an
+    ``InvalidStateError`` in a loop callback, and a socket nobody closes: CPython 3.11). Here a
+    cancelled wait leaves the connection in the backlog."""
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except (BlockingIOError, InterruptedError):
+            await anyio.wait_readable(sock)
+            continue
+        try:
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return await anyio.abc.SocketStream.from_socket(conn)
+        except BaseException:
+            conn.close()
+            raise
 
 
 async def serve(host: str, port: int, handler: Handler, *, secret: bytes | None, insecure: bool = False,
