@@ -300,12 +300,10 @@ def test_sigterm_to_a_tp_ctx_lets_the_prefills_it_took_finish() -> None:
     assert "ok" in out.values(), out
 
 
-def test_a_tp_ctx_s_graceful_stop_waits_for_every_rank_s_copy_to_be_pulled() -> None:
-    """A GEN TP1 pulls each CTX rank's heads on its own and frees each rank's copy with its pull (the
-    parts one after the other when its budget does not fit them at once). A TP CTX stopping on
-    SIGTERM counted only rank 0's copies: once rank 0's part was pulled it stopped the group, and
-    the pull of rank 1's heads was refused (PeerUnreachable). Now it waits for every rank's copy,
-    then stops at once (well before its grace)."""
+def _pull_each_rank_s_part_while_the_ctx_stops(extra_args: list[str], gap_s: float,
+                                               wait_stopping: bool) -> list[str]:
+    """A TP2 CTX holding one request gets SIGTERM; a GEN TP1 then pulls rank 0's heads and, ``gap_s``
+    later, rank 1's. Returns each pull's outcome; the CTX must exit 0 soon after the last."""
     import torch
 
     from transports import KVLayout, KVSlice
@@ -313,8 +311,8 @@ def test_a_tp_ctx_s_graceful_stop_waits_for_every_rank_s_copy_to_be_pulled() -> 
 
     env = node_env()
     layout = KVLayout(2, 2, 32, 16, torch.float32)  # the tiny model's (a GEN TP1's pool: both heads)
-    with NodeProcess.start(["ctx", "--tp", "2", "--num-blocks", "64", "--graceful-shutdown-timeout-s", "20"],
-                           env=env) as ctx:
+    with NodeProcess.start(["ctx", "--tp", "2", "--num-blocks", "64", "--graceful-shutdown-timeout-s", "20",
+                            *extra_args], env=env) as ctx:
 
         async def scenario() -> tuple[list[str], float]:
             held = await control.call(ctx.info["ctrl"], {"op": "prefill", "request_id": "held",
@@ -322,8 +320,11 @@ def test_a_tp_ctx_s_graceful_stop_waits_for_every_rank_s_copy_to_be_pulled() -> 
                                       secret=ctx.secret)
             os.killpg(ctx.proc.pid, signal.SIGTERM)
             with anyio.fail_after(5):
-                while not (await control.call(ctx.info["ctrl"], {"op": "ping"}, secret=ctx.secret))["shutting_down"]:
+                while wait_stopping and not (await control.call(ctx.info["ctrl"], {"op": "ping"},
+                                                                secret=ctx.secret))["shutting_down"]:
                     await anyio.sleep(0.02)
+            if not wait_stopping:
+                await anyio.sleep(0.5)  # the drain has begun (it starts on the signal)
             transport = UCXTransport(UCXConfig(secret=env["KVO_SHARED_SECRET"].encode()), layout=layout,
                                      total_kv_heads=2)
             outcomes: list[str] = []
@@ -337,7 +338,7 @@ def test_a_tp_ctx_s_graceful_stop_waits_for_every_rank_s_copy_to_be_pulled() -> 
                         outcomes.append("ok")
                     except Exception as exc:  # noqa: BLE001 (the bug: rank 1 had left)
                         outcomes.append(f"{type(exc).__name__}: {exc}")
-                    await anyio.sleep(0.3)  # the next part waits (the GEN's budget, its other work)
+                    await anyio.sleep(gap_s)  # the next part waits (the GEN's budget, its other work)
             finally:
                 await transport.aclose()
             return outcomes, time.monotonic()
@@ -345,4 +346,25 @@ def test_a_tp_ctx_s_graceful_stop_waits_for_every_rank_s_copy_to_be_pulled() -> 
         outcomes, pulled_at = anyio.run(scenario, backend="asyncio")
         ctx.proc.wait(15)
         assert ctx.proc.returncode == 0 and time.monotonic() - pulled_at < 10, ctx.log_tail()
+    return outcomes
+
+
+def test_a_tp_ctx_s_graceful_stop_waits_for_every_rank_s_copy_to_be_pulled() -> None:
+    """A GEN TP1 pulls each CTX rank's heads on its own and frees each rank's copy with its pull (the
+    parts one after the other when its budget does not fit them at once). A TP CTX stopping on
+    SIGTERM counted only rank 0's copies: once rank 0's part was pulled it stopped the group, and
+    the pull of rank 1's heads was refused (PeerUnreachable). Now it waits for every rank's copy,
+    then stops at once (well before its grace)."""
+    outcomes = _pull_each_rank_s_part_while_the_ctx_stops([], 0.3, wait_stopping=True)
+    assert outcomes == ["ok", "ok"], outcomes
+
+
+def test_a_tp_ctx_s_etcd_drain_waits_for_every_rank_s_copy_to_be_pulled() -> None:
+    """The same with ``--etcd``, where SIGTERM drains: the drain counted rank 0's copies only, so it
+    deregistered and stopped the group 0.5 s after rank 0's part was pulled, and rank 1's pull
+    (1.2 s later) was refused."""
+    from examples.two_node.membership import start_etcd
+
+    with start_etcd() as url:
+        outcomes = _pull_each_rank_s_part_while_the_ctx_stops(["--etcd", url], 1.2, wait_stopping=False)
     assert outcomes == ["ok", "ok"], outcomes

@@ -362,7 +362,7 @@ class CtxNode:
                 await tg.start(functools.partial(
                     membership.serve_registration, self.args.etcd, prefix=self.args.etcd_prefix, role="ctx",
                     ctrl=f"{self.args.host}:{port}", ttl_s=self.args.etcd_ttl_s, stop=tg.cancel_scope.cancel,
-                    busy=self.busy,
+                    busy=self._held_anywhere,
                     meta={"tp": self.args.tp, "ucx": self.ucx_addr, "backend": backend(self.args), "model": "tiny",
                           "capacity_blocks": self.args.num_blocks},
                     on_registration=self._set_registration))
@@ -376,6 +376,11 @@ class CtxNode:
         ex = self._exec.statistics()
         return (self.store.statistics().held_requests + len(self._prefilling) + ex.borrowed_tokens
                 + ex.tasks_waiting)
+
+    async def _held_anywhere(self) -> int:
+        """What a drain (``--etcd``) waits for: ``busy()`` and, at rank 0 of a group, the copies the
+        other ranks hold (the drain counted rank 0's alone, as SIGTERM's stop did)."""
+        return self.busy() + await self._other_ranks_hold()
 
     async def _other_ranks_hold(self) -> int:
         """Rank 0 of a group: requests whose heads the other ranks still hold. A GEN TP1 pulls each
@@ -400,7 +405,7 @@ class CtxNode:
     async def _wind_down(self, grace_s: float) -> None:
         """Until nothing is held or running here (on any rank), at most ``grace_s``."""
         with anyio.move_on_after(grace_s):
-            while self.busy() or await self._other_ranks_hold():
+            while await self._held_anywhere():
                 await anyio.sleep(0.02)
         if self.busy():
             log.warning("shutdown_dropping", busy=self.busy(), grace_s=grace_s)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import inspect
 import json
 import os
 import shutil
@@ -141,11 +142,12 @@ class Registration:
     """A node's entry in etcd, kept alive while the node serves; ``drain`` ends it gracefully.
 
     ``busy()`` is the node's live work (GEN: requests waiting, receiving, ready or running; CTX:
-    requests whose KV it holds); the drain deregisters once it has read 0 for ``quiet_s`` on end
-    (a front that picked the node just before it saw the draining flag still gets served)."""
+    requests whose KV it holds, on any rank of its group: so it may be a coroutine function); the
+    drain deregisters once it has read 0 for ``quiet_s`` on end (a front that picked the node just
+    before it saw the draining flag still gets served)."""
 
     def __init__(self, etcd: Etcd, *, prefix: str, role: str, ctrl: str, meta: dict[str, Any],
-                 busy: Callable[[], int], ttl_s: int = DEFAULT_TTL_S, quiet_s: float = 0.5) -> None:
+                 busy: Callable[[], int | Awaitable[int]], ttl_s: int = DEFAULT_TTL_S, quiet_s: float = 0.5) -> None:
         self.etcd = etcd
         self.key = node_key(prefix, role, ctrl)
         self.value = {"role": role, "ctrl": ctrl, **meta, "draining": False}
@@ -193,15 +195,20 @@ class Registration:
     async def _put(self) -> None:
         await self.etcd.put(self.key, json.dumps({**self.value, "draining": self.draining}), lease=self.lease)
 
+    async def _live(self) -> int:
+        n = self.busy()
+        return await n if inspect.isawaitable(n) else n
+
     async def drain(self) -> None:
         """Take nothing new (fronts see ``draining``), finish what is live, then deregister."""
         self.draining_since = time.monotonic()
         await self._put()
-        log.info("node_draining", key=self.key, live=self.busy())
+        log.info("node_draining", key=self.key, live=await self._live())
         quiet_since: float | None = None
         while True:
+            live = await self._live()
             now = time.monotonic()
-            if self.busy():
+            if live:
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = now
@@ -246,7 +253,7 @@ class Registration:
 
 
 async def serve_registration(url: str, *, prefix: str, role: str, ctrl: str, meta: dict[str, Any],
-                             busy: Callable[[], int], stop: Callable[[], None], ttl_s: int = DEFAULT_TTL_S,
+                             busy: Callable[[], int | Awaitable[int]], stop: Callable[[], None], ttl_s: int = DEFAULT_TTL_S,
                              on_registration: Callable[[Registration], None] | None = None,
                              task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """What a node runs in its task group when given ``--etcd URL`` (see ``Registration.run``)."""
