@@ -81,9 +81,15 @@ def handle_key(secret: bytes | None) -> bytes:
 def handle_names(handle: str, request_id: str, key: bytes) -> bool:
     """Whether ``handle`` is one issued (under ``key``) for ``request_id``."""
     try:
-        raw = bytes.fromhex(check_handle(handle))
-    except (InvalidRequestId, ValueError):
+        check_handle(handle)
+    except InvalidRequestId:
         return False
+    return checked_handle_names(handle, request_id, key)
+
+
+def checked_handle_names(handle: str, request_id: str, key: bytes) -> bool:
+    """``handle_names`` of a handle that ``check_handle`` passed (a pull checks its handle first)."""
+    raw = bytes.fromhex(handle)
     half = HANDLE_LEN // 4
     return hmac.compare_digest(raw[half:], _tag(key, raw[:half], request_id))
 

@@ -85,7 +85,7 @@ from ._errors import (
     TransportError,
     UnknownRequest,
 )
-from ._ids import InvalidRequestId, check_handle, check_request_id, handle_key, handle_names, hold_items
+from ._ids import InvalidRequestId, check_handle, check_request_id, checked_handle_names, handle_key, hold_items
 from ._layout import KVLayout, KVSlice, dtype_from_name, dtype_name
 from ._nixl_common import (
     _MAX_MESSAGE_BYTES,
@@ -466,7 +466,7 @@ class NIXLTransport:
             conn = await self._conn(peer)
             raw_blocks = list(remote_blocks)  # checked (as the CTX's answer would be) before the READ is built
             if (handle is not None and conn.vouches(request_id, remote_epoch)
-                    and handle_names(handle, request_id, self._handle_key)):  # else the CTX checks it (pin)
+                    and checked_handle_names(handle, request_id, self._handle_key)):  # else the CTX checks it (pin)
                 token, unpinned = None, True  # the CTX's revocations keep the blocks: nothing to ask
             else:
                 token = secrets.token_hex(12)
