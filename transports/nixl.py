@@ -66,7 +66,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -424,8 +424,10 @@ class NIXLTransport:
         conn.answered += 1
         return conn, answer
 
-    async def _before_read(self, peer: str, request_id: str) -> None:
-        """Test seam: runs once the CTX pinned the blocks, before the READ is posted."""
+    _before_read: Callable[[str, str], Awaitable[None]] | None = None
+    """Test seam (a subclass's coroutine method ``(peer, request_id)``): runs once the block ids are
+    checked, before the READ is posted; none by default (the pull then does not await between its
+    connection's vouching and the READ, so nothing it heard can have changed)."""
 
     def _check_blocks(self, conn: _Conn, blocks: Any, kv_slice: KVSlice, into: torch.Tensor, *,
                       blame_peer: bool = True) -> list[int]:
@@ -535,11 +537,12 @@ class NIXLTransport:
             pieces = None if whole else segments(conn.remote, blocks, kv_slice)  # the CTX's pool, its head numbering
             if (len(blocks) * conn.remote.block_bytes if pieces is None else int(pieces[2].sum())) != nbytes:
                 raise ProtocolViolation(f"{peer} answered blocks that do not fit `into`", peer=peer)
-            await self._before_read(peer, request_id)
-            if unpinned is not None and not conn.vouches(request_id, unpinned[2]):  # changed while we waited
-                if request_id in conn.revoked:
-                    raise UnknownRequest(f"{peer} revoked {request_id!r} before its READ was posted", peer=peer)
-                raise PeerClosed(f"the control connection to {peer} lost its lease before the READ", peer=peer)
+            if self._before_read is not None:
+                await self._before_read(peer, request_id)
+                if unpinned is not None and not conn.vouches(request_id, unpinned[2]):  # changed while we waited
+                    if request_id in conn.revoked:
+                        raise UnknownRequest(f"{peer} revoked {request_id!r} before its READ was posted", peer=peer)
+                    raise PeerClosed(f"the control connection to {peer} lost its lease before the READ", peer=peer)
         except ProtocolViolation as exc:
             self._unpin(conn, token, tell=True)
             if blame_peer:
