@@ -34,6 +34,7 @@ class _Conn:
                  agent_name: str, remote: KVLayout) -> None:
         self.peer, self.reader, self.writer, self.info, self.agent_name = peer, reader, writer, info, agent_name
         self.remote = remote  # the CTX's KV layout (its pool: only the heads it holds)
+        self.num_blocks = int(info["pool"]["num_blocks"]) if "pool" in info else 0  # checked at connect
         self.answered = 0  # lookups it answered (a connection that served before may have gone stale since)
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.error: TransportError | None = None

@@ -354,6 +354,8 @@ class NIXLTransport:
                           dtype=dtype_from_name(str(theirs["dtype"])))
         if int(info["pool"]["block_bytes"]) != remote.block_bytes:
             raise ProtocolViolation(f"{peer}: pool block size disagrees with its layout", peer=peer)
+        if int(info["pool"]["num_blocks"]) < 0:
+            raise ProtocolViolation(f"{peer}: a pool of fewer than no blocks", peer=peer)
         layout = self.layout
         if layout is None:
             return remote
@@ -364,7 +366,7 @@ class NIXLTransport:
         except IncompatiblePeer as err:
             log.error("nixl_incompatible_peer", peer=peer, reason=str(err))
             raise
-        return remote
+        return layout if remote == layout else remote  # ours: its full slice is the one pulls name (`is`)
 
     def _check_pull(self, peer: str, request_id: str, handle: str | None, kv_slice: KVSlice,
                     into: torch.Tensor) -> None:
@@ -434,14 +436,17 @@ class NIXLTransport:
         """The CTX's block ids, checked before anything is built from them: a list of exactly the
         blocks ``into`` holds, each an int inside the CTX's pool; ``ProtocolViolation`` otherwise
         (naming the peer when it answered them, the request when its prefill reply did)."""
-        num_blocks = int(conn.info["pool"]["num_blocks"])
-        if (not isinstance(blocks, list) or len(blocks) != into.shape[0]
-                or not all(type(b) is int and 0 <= b < num_blocks for b in blocks)):
-            got = f"{len(blocks)} ids" if isinstance(blocks, list) else type(blocks).__name__
-            who = f"{conn.peer} answered" if blame_peer else "the prefill reply named"
-            raise ProtocolViolation(f"{who} a block list ({got}) that does not fit `into` "
-                                    f"({into.shape[0]} blocks) or the pool of {conn.peer} ({num_blocks})", peer=conn.peer)
-        return blocks
+        num_blocks = conn.num_blocks
+        if isinstance(blocks, list) and len(blocks) == into.shape[0]:
+            for b in blocks:
+                if type(b) is not int or not 0 <= b < num_blocks:
+                    break
+            else:
+                return blocks
+        got = f"{len(blocks)} ids" if isinstance(blocks, list) else type(blocks).__name__
+        who = f"{conn.peer} answered" if blame_peer else "the prefill reply named"
+        raise ProtocolViolation(f"{who} a block list ({got}) that does not fit `into` "
+                                f"({into.shape[0]} blocks) or the pool of {conn.peer} ({num_blocks})", peer=conn.peer)
 
     async def _pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, handle: str | None,
                     release: bool, landing: Landing, remote_blocks: Sequence[int] | None,
@@ -698,7 +703,7 @@ class NIXLTransport:
         remote = self._remote_dlists.get(conn.agent_name)
         if remote is None:
             pool = conn.info["pool"]
-            n = int(pool["num_blocks"])
+            n = conn.num_blocks
             rows = np.stack([int(pool["addr"]) + np.arange(n, dtype=np.int64) * bb, np.full(n, bb),
                              np.full(n, int(pool["dev"]))], 1)
             remote = self._remote_dlists[conn.agent_name] = self.agent.prep_xfer_dlist(conn.agent_name, rows, pool["mem"])
