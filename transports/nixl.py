@@ -376,11 +376,11 @@ class NIXLTransport:
             dtype_name(into.dtype)
         except (InvalidRequestId, ValueError) as exc:
             raise ProtocolViolation(f"cannot pull {request_id!r}: {exc}", peer=peer) from None
-        shape = tuple(into.shape)
+        shape = into.shape  # a tuple (torch.Size)
         if not into.is_contiguous():
             raise ProtocolViolation("`into` must be contiguous", peer=peer)
         if len(shape) != 6 or shape[1] != kv_slice.num_layers or shape[2] != 2 or shape[3] != kv_slice.num_heads:
-            raise ProtocolViolation(f"`into` of shape {shape} does not hold slice {kv_slice}", peer=peer)
+            raise ProtocolViolation(f"`into` of shape {tuple(shape)} does not hold slice {kv_slice}", peer=peer)
 
     async def pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, *,
                    handle: str | None = None, release: bool = True, landing: Landing | None = None,
@@ -512,7 +512,7 @@ class NIXLTransport:
             raise PeerClosed(f"the control connection to {peer} lost its lease during an unpinned READ", peer=peer)
         if token is not None and time.monotonic() >= asked_at + conn.pin_s * 0.9:
             await self._check_pin(conn, token)  # renewals kept it, unless the connection stalled past the lease
-        return into.numel() * into.element_size()
+        return into.nbytes
 
     async def _check_pin(self, conn: _Conn, token: str) -> None:
         """A pinned READ that ended later than its pin's first lease (a tenth less, for clock rates):
@@ -533,7 +533,7 @@ class NIXLTransport:
         keep and epoch) into ``into``; its final state (``DONE`` or a failure), once NIXL no
         longer reports it in progress."""
         peer = conn.peer
-        nbytes = into.numel() * into.element_size()
+        nbytes = into.nbytes
         try:
             blocks = self._check_blocks(conn, raw_blocks, kv_slice, into, blame_peer=blame_peer)
             pool = conn.info["pool"]
@@ -556,7 +556,6 @@ class NIXLTransport:
         except BaseException:
             self._unpin(conn, token, tell=True)
             raise
-        mem, dev = mem_type(into)
         adhoc = xfer = None
         if unpinned is None:
             notif = NOTIF_PREFIX + str(token).encode()
@@ -582,6 +581,7 @@ class NIXLTransport:
                 if not self._registered(into):
                     adhoc = self.agent.register_memory(into)
                     self._adhoc += 1
+                mem, dev = mem_type(into)
                 base = into.data_ptr()
                 n = len(lengths)
                 ldesc = self.agent.get_xfer_descs(np.stack([local + base, lengths, np.full(n, dev)], 1), mem)
