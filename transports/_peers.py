@@ -61,13 +61,19 @@ class PeerConnections(Generic[C]):
         conn = self.conns.get(peer)
         return conn is not None and self._usable(conn)
 
+    def ready(self, peer: str) -> C | None:
+        """The usable connection to ``peer``, if one is open (no I/O: a pull's first look; ``get``
+        opens one)."""
+        conn = self.conns.get(peer)
+        return conn if conn is not None and not self.closed and self._usable(conn) else None
+
     async def get(self, peer: str) -> C:
+        conn = self.ready(peer)
+        if conn is not None:
+            return conn
         if self.closed:
             raise PeerClosed("transport is closed", peer=peer)
-        conn = self.conns.get(peer)
-        if conn is not None:
-            if self._usable(conn):
-                return conn
+        if peer in self.conns:  # no longer usable
             del self.conns[peer]
         down = self._down.get(peer)
         if down is not None:

@@ -470,7 +470,7 @@ class NIXLTransport:
             token = answer["token"]
             raw_blocks = answer.get("blocks")
         else:  # the prefill reply named them: READ at once, the pin (if any) travels beside it
-            conn = await self._conn(peer)
+            conn = self._peers.ready(peer) or await self._conn(peer)
             raw_blocks = list(remote_blocks)  # checked (as the CTX's answer would be) before the READ is built
             if (handle is not None and conn.vouches(request_id, remote_epoch)
                     and checked_handle_names(handle, request_id, self._handle_key)):  # else the CTX checks it (pin)
