@@ -451,17 +451,12 @@ class NIXLTransport:
     async def _pull(self, peer: str, request_id: str, kv_slice: KVSlice, into: torch.Tensor, handle: str | None,
                     release: bool, landing: Landing, remote_blocks: Sequence[int] | None,
                     remote_epoch: int | None) -> int:
-        def ask(kind: str) -> dict[str, Any]:  # a lookup or a pin (an unpinned READ asks nothing)
-            return {"t": kind, "rid": request_id, "handle": handle,
-                    "slice": [kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start, kv_slice.head_end],
-                    "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release}
-
         confirm: tuple[int, asyncio.Future[dict[str, Any]]] | None = None
         token: str | None
         unpinned = False
         asked_at = time.monotonic()  # before any lookup or pin left: a pin it makes lasts pin_s from later
         if remote_blocks is None:  # learn the block ids (and pin them) first: one round trip
-            conn, answer = await self._lookup(peer, ask("lookup"))
+            conn, answer = await self._lookup(peer, _ask("lookup", request_id, handle, kv_slice, into, release))
             if answer.get("t") == "error":
                 raise _error(answer, peer, request_id)
             if answer.get("t") != "found" or not isinstance(answer.get("token"), str):
@@ -477,7 +472,8 @@ class NIXLTransport:
                 token, unpinned = None, True  # the CTX's revocations keep the blocks: nothing to ask
             else:
                 token = secrets.token_hex(12)
-                confirm = conn.ask({**ask("pin"), "token": token, "blocks": raw_blocks})
+                confirm = conn.ask({**_ask("pin", request_id, handle, kv_slice, into, release), "token": token,
+                                    "blocks": raw_blocks})
         if token is not None:
             self._pin(conn, token)  # renewed from here until the READ ends
         try:
@@ -842,6 +838,14 @@ class NIXLTransport:
 def _stuck(watch: asyncio.Future[str]) -> bool:
     """A watcher that gave up on a READ NIXL still reports in progress (its landing stays busy)."""
     return not watch.cancelled() and watch.exception() is None and watch.result() == "TIMEOUT"
+
+
+def _ask(kind: str, request_id: str, handle: str | None, kv_slice: KVSlice, into: torch.Tensor,
+         release: bool) -> dict[str, Any]:
+    """A lookup or a pin of a pull (an unpinned READ asks nothing)."""
+    return {"t": kind, "rid": request_id, "handle": handle,
+            "slice": [kv_slice.layer_start, kv_slice.layer_end, kv_slice.head_start, kv_slice.head_end],
+            "dtype": dtype_name(into.dtype), "shape": list(into.shape), "keep": not release}
 
 
 def _error(answer: dict[str, Any], peer: str, request_id: str) -> TransportError:
