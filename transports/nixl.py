@@ -612,7 +612,8 @@ class NIXLTransport:
             self._end_read(xfer, adhoc)
             landing.end()
             conn.read_ends(request_id)
-            self._unpin(conn, token, tell=state != "DONE")
+            if token is not None:
+                self._unpin(conn, token, tell=state != "DONE")
             return state
         watch = self._watch_task(conn, request_id, token, xfer, landing, adhoc, posting)
         try:
@@ -690,10 +691,14 @@ class NIXLTransport:
         bb = conn.remote.block_bytes
         if self.layout is None or bb != self.layout.block_bytes:
             return None
+        count = len(blocks)
         start = into.data_ptr()
+        end = start + count * bb
         for lo, hi, local in self._local_dlists:
-            if lo <= start and start + len(blocks) * bb <= hi and (start - lo) % bb == 0:
-                break
+            if lo <= start and end <= hi:
+                first, off = divmod(start - lo, bb)
+                if not off:
+                    break
         else:
             return None
         remote = self._remote_dlists.get(conn.agent_name)
@@ -703,8 +708,7 @@ class NIXLTransport:
             rows = np.stack([int(pool["addr"]) + np.arange(n, dtype=np.int64) * bb, np.full(n, bb),
                              np.full(n, int(pool["dev"]))], 1)
             remote = self._remote_dlists[conn.agent_name] = self.agent.prep_xfer_dlist(conn.agent_name, rows, pool["mem"])
-        first = (start - lo) // bb
-        xfer = self.agent.make_prepped_xfer("READ", local, list(range(first, first + len(blocks))), remote, blocks, notif)
+        xfer = self.agent.make_prepped_xfer("READ", local, list(range(first, first + count)), remote, blocks, notif)
         self._prepped += 1
         return xfer
 
