@@ -416,6 +416,24 @@ async def test_an_unpinned_read_needs_the_handle_issued_for_that_request_id(how:
 
 
 @pytest.mark.anyio
+async def test_a_revocation_heard_while_the_pull_awaited_before_its_read_stops_the_read() -> None:
+    """The connection vouched for "r1" when the pull began; a revocation of it heard while the pull
+    awaited before posting its READ (the test seam: the loop ran meanwhile) stops it, nothing read.
+    With no seam nothing awaits between the vouching and the READ, so it is vouched once."""
+
+    class Awaiting(NIXLTransport):
+        async def _before_read(self, peer: str, request_id: str) -> None:
+            await asyncio.sleep(0)
+            self._peers.conns[peer].released_here(request_id, None)  # as the revocation would, heard now
+
+    async with _served(gen=Awaiting) as (store, handle, server, peer, t):
+        with pytest.raises(UnknownRequest, match="before its READ was posted"):
+            await t.pull(peer, "r1", LAYOUT.full_slice(), _into(), handle=handle, remote_blocks=BLOCKS,
+                         remote_epoch=store.epoch)
+        assert t.statistics().unpinned_reads == 0 and server.statistics().unpinned_reads == 0
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("how", ["read", "release"])
 async def test_a_replayed_hand_off_after_this_gen_freed_the_request_is_refused_not_read(how: str) -> None:
     """The CTX revokes a request only at the GENs that did not free it. The GEN that did (its
