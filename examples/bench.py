@@ -682,6 +682,29 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def markdown_main(argv: list[str]) -> int:
+    """``python -m examples.bench markdown FILE``: the tables of a ``--json`` file as markdown. A
+    missing, unreadable or foreign file is one error line and exit status 2, not a traceback."""
+    p = argparse.ArgumentParser(prog="python -m examples.bench markdown",
+                                description="the tables of a file written by python -m examples.bench --json, as markdown")
+    p.add_argument("file", metavar="JSON", help="a file written by python -m examples.bench --json")
+    a = p.parse_args(argv)
+    try:
+        data = json.loads(Path(a.file).read_text())
+    except OSError as exc:
+        p.error(f"cannot read {a.file}: {exc.strerror or exc}")
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not text
+        p.error(f"{a.file} is not JSON ({exc})")
+    try:
+        text = "".join((f"### {step} step\n\n" if step else "") + to_markdown(res) + "\n"
+                       for step, res in (data.items() if "modes" not in data else [("", data)]))
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        p.error(f"{a.file} is not a benchmark result (python -m examples.bench --json FILE): "
+                f"{type(exc).__name__} {exc}")
+    print(text, end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["transport"]:
@@ -693,10 +716,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_tp_exchange.main(argv[1:])
     if argv[:1] == ["markdown"]:  # python -m examples.bench markdown results/bench.json
-        data = json.loads(Path(argv[1]).read_text())
-        for step, res in (data.items() if "modes" not in data else [("", data)]):
-            print((f"### {step} step\n\n" if step else "") + to_markdown(res))
-        return 0
+        return markdown_main(argv[1:])
     p = make_parser()
     a = p.parse_args(argv)
     cfg = build_config(a)

@@ -649,6 +649,10 @@ M = [
  ("control: a connection arriving as the server stops is left in the backlog, no loop error", "examples/two_node/control.py",
   "                raw = await accept(sock)\n", "                raw = await listener.accept()\n",
   "tests/test_control.py -k arriving_as_the_server"),
+ ("bench markdown: a missing or foreign file is one error line, exit 2", "examples/bench.py",
+  "    except OSError as exc:\n        p.error(f\"cannot read {a.file}: {exc.strerror or exc}\")\n",
+  "    except KeyboardInterrupt as exc:\n        p.error(f\"cannot read {a.file}: {exc.strerror or exc}\")\n",
+  "tests/test_bench.py -k markdown_of_a_missing"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -255,3 +255,23 @@ def test_sigterm_to_the_bench_stops_its_nodes_and_removes_its_folder(tmp_path) -
             if not _gone(pid):
                 os.killpg(pid, signal.SIGKILL)
         proc.wait(10)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the following arguments are required: JSON"),  # was an IndexError
+    (["{dir}/missing.json"], "cannot read {dir}/missing.json: No such file or directory"),  # was FileNotFoundError
+    (["{dir}/text.json"], "{dir}/text.json is not JSON"),  # was JSONDecodeError
+    (["{dir}/other.json"], "{dir}/other.json is not a benchmark result"),  # another tool's JSON: was KeyError
+])
+def test_markdown_of_a_missing_or_foreign_file_is_one_error_line(argv, message, tmp_path, capsys) -> None:
+    (tmp_path / "text.json").write_text("not json\n")
+    (tmp_path / "other.json").write_text(json.dumps({"modes": {"ideal": {"output_tok_s": 1.0}}}))
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["markdown", *(a.format(dir=tmp_path) for a in argv)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message.format(dir=tmp_path) in err and "Traceback" not in err, err
+    res = {"modes": {"ideal": {**_fake_mode(1000.0, 4.0), "itl_ms": {"mean": 4.0, "p99": 5.0}}}, "ratios": {}}
+    (tmp_path / "good.json").write_text(json.dumps(res))
+    assert bench.main(["markdown", str(tmp_path / "good.json")]) == 0
+    assert capsys.readouterr().out == bench.to_markdown(res) + "\n"
