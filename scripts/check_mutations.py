@@ -653,6 +653,10 @@ M = [
   "    except OSError as exc:\n        p.error(f\"cannot read {a.file}: {exc.strerror or exc}\")\n",
   "    except KeyboardInterrupt as exc:\n        p.error(f\"cannot read {a.file}: {exc.strerror or exc}\")\n",
   "tests/test_bench.py -k markdown_of_a_missing"),
+ ("18 sim --json that cannot be written refused before the replay", "examples/sim/__main__.py",
+  "    ap.add_argument(\"--json\", default=None, type=_writable)\n",
+  "    ap.add_argument(\"--json\", default=None)\n",
+  "tests/test_sim.py -k cannot_write_before_any_replay"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

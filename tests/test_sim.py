@@ -803,3 +803,23 @@ def test_check_help_shows_the_checks_own_options(capsys) -> None:
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "--shaped-json" in out and "--bench-json" in out and "--link-mbit" in out
+
+
+@pytest.mark.parametrize("argv", [["--preset", "tiny", "--json", "{dir}"], ["--preset", "tiny", "--json", "{file}/out.json"],
+                                  ["--sweep", "--png", "{dir}"], ["--sweep", "--json", "{file}/out.json"]])
+def test_cli_refuses_an_output_it_cannot_write_before_any_replay(argv, tmp_path, monkeypatch, capsys) -> None:
+    """Was: the replay (minutes at the public case) ran, then IsADirectoryError / NotADirectoryError."""
+    import examples.sim._sweep as sweep_module
+    from examples.sim import __main__ as cli
+
+    def ran(*a: object, **k: object) -> None:
+        raise AssertionError("a replay ran before the output path was checked")
+
+    monkeypatch.setattr(cli, "run_modes", ran)
+    monkeypatch.setattr(sweep_module, "sweep", ran)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        cli.main([a.format(dir=tmp_path, file=tmp_path / "file") for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert ("is a folder, not a file" in err or "is not a writable folder" in err) and "Traceback" not in err, err

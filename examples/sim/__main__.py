@@ -124,6 +124,13 @@ def seed_table() -> str:
     ])
 
 
+def _writable(text: str) -> str:
+    """An output path this process can create or replace (``cli.writable_file``), as given."""
+    from examples.two_node.cli import writable_file
+
+    return str(writable_file(text))
+
+
 def _write_json(path: str | None, payload: dict[str, Any]) -> None:
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -160,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="replay vs the real quick benchmark on this machine")
     ap.add_argument("--jobs", type=int, default=None,
                     help="replays side by side on worker processes, one CPU each (default: one per CPU; 1: in order, here)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--png", default=None)
+    # checked now (a folder, an unwritable place), not after a replay of minutes
+    ap.add_argument("--json", default=None, type=_writable)
+    ap.add_argument("--png", default=None, type=_writable)
     given = sys.argv[1:] if argv is None else argv
     if "--check" in given and {"-h", "--help"} & set(given):  # the check's own options, not these
         from ._check import main as check_main
