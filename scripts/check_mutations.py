@@ -657,6 +657,12 @@ M = [
   "    ap.add_argument(\"--json\", default=None, type=_writable)\n",
   "    ap.add_argument(\"--json\", default=None)\n",
   "tests/test_sim.py -k cannot_write_before_any_replay"),
+ ("18 sim a KV pool too large for memory refused up front", "examples/sim/_replay.py",
+  "    if config.num_blocks * p.gen_tp > MAX_POOL_BLOCKS:\n", "    if False:\n",
+  "tests/test_sim.py -k absurd_sizes"),
+ ("18 sim a request count too large for memory refused up front", "examples/sim/_model.py",
+  "        if self.warmup + self.requests > MAX_REQUESTS:\n", "        if False:\n",
+  "tests/test_sim.py -k absurd_sizes"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

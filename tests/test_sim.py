@@ -823,3 +823,23 @@ def test_cli_refuses_an_output_it_cannot_write_before_any_replay(argv, tmp_path,
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert ("is a folder, not a file" in err or "is not a writable folder" in err) and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("items, message", [
+    (["requests=1000000000000", "isl_choices="], "warmup + requests must be <= 4,194,304"),  # was MemoryError (8 TB)
+    (["kv_pool_requests=1000000000"], "the GEN KV pools would take"),  # was numpy's MemoryError (176 GB)
+    (["max_num_seqs=1000000000"], "the GEN KV pools would take"),
+    (["isl_choices=2000000000", "max_tokens_in_buffer=2000000000"], "the GEN KV pools would take"),
+])
+def test_absurd_sizes_are_one_error_line_not_a_memory_error(items, message, capsys) -> None:
+    import re
+
+    from examples.sim.__main__ import _parse_set, main
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        replay(_parse_set(tiny(), [f"--set {i}"[6:] for i in items]), "orchestrated")
+    with pytest.raises(SystemExit) as exc:
+        main(["--preset", "tiny", "--jobs", "1", "--modes", "orchestrated", *(a for i in items for a in ("--set", i))])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err

@@ -40,6 +40,10 @@ SEED = {
     "patched_v2_output_tok_s": 15880.01, "patched_v2_vs_v1": -0.0116, "patched_v2_tpot_ms": 4.932,
 }
 
+MAX_REQUESTS = 1 << 22
+"""warmup + requests at most (4,194,304: 205x the public case's, hours of replay): a replay keeps a
+record per request, and a billion of them took the machine's memory before it started."""
+
 IDLE_POLL_MIN_MS = 0.1
 """Below this an idle wait costs too many empty engine steps (a receive's 60 s timeout: 600,000)."""
 
@@ -157,6 +161,9 @@ class SimParams:
             raise ValueError(f"{self.num_kv_heads} KV heads do not split over GEN TP {self.gen_tp}")
         if min(self.concurrency, self.requests, self.osl, self.iterations_per_step) < 1 or self.warmup < 0:
             raise ValueError("concurrency, requests and osl must be >= 1, warmup >= 0")
+        if self.warmup + self.requests > MAX_REQUESTS:
+            raise ValueError(f"warmup + requests must be <= {MAX_REQUESTS:,} (a replay keeps a record of each), "
+                             f"got {self.warmup + self.requests:,}")
         at_least_one = ("num_layers", "num_kv_heads", "head_dim", "block_size", "isl", "gen_tp", "ctx_prefill_slots",
                         "link_concurrency", "max_tokens_in_buffer", "max_num_seqs", "kv_transfer_timeout_ms")
         for name in at_least_one:

@@ -375,11 +375,21 @@ class _Replay:
                 self.fcfs_violations += 1
 
 
+MAX_POOL_BLOCKS = 1 << 26
+"""KV blocks over all GEN ranks at most (67M: 113x the public case's 589,824). The pool's tensor is
+on the meta device, but its free list and owner marks are real arrays, 9 bytes a block."""
+
+
 def check_requests(p: SimParams) -> None:
     """Raise ``ValueError`` when a GEN rank would refuse some of ``p``'s requests at submit (the
     real node answers ``InvalidRequest``): a transfer budget smaller than one layer of one KV head
-    of a prompt. The replay's pool and model length are sized to fit every request."""
+    of a prompt; or when the GEN ranks' KV pools, sized to fit every request, would take more than
+    ``MAX_POOL_BLOCKS`` blocks (a NumPy MemoryError, or the machine's memory, otherwise)."""
     config = _config(p, Mode.ORCHESTRATED, 0)
+    if config.num_blocks * p.gen_tp > MAX_POOL_BLOCKS:
+        raise ValueError(f"the GEN KV pools would take {config.num_blocks:,} blocks x GEN TP {p.gen_tp} (at most "
+                         f"{MAX_POOL_BLOCKS:,}: 9 bytes of host memory a block): lower kv_pool_requests, max_num_seqs, "
+                         f"max_prefetch_seqs or the prompt and output lengths, or raise block_size")
     for isl in sorted(set(p.isl_choices or (p.isl,))):
         try:
             plan_chunks(config.layout, config.layout.blocks_for(isl), config.kv_slice, config.transfer_budget_bytes)
