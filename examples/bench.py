@@ -91,6 +91,21 @@ def rank_share(kv_heads: int, tp: int) -> float:
 
 # -- processes ------------------------------------------------------------------------------------
 
+class NodeFailed(RuntimeError):
+    """A node did not start, or exited during the run: the benchmark stops with this as its verdict
+    (``FAILED: ...``, exit status 1), not with the client's connection error as a traceback."""
+
+
+def exit_status(returncode: int) -> str:
+    """A child's return code in words: ``exited with status 3`` or ``was killed by SIGKILL``."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
 class Node:
     """One ``python -m examples.two_node ROLE ...`` child, in its own process group."""
 
@@ -116,7 +131,7 @@ class Node:
         try:
             return wait_ready(self.proc, timeout)
         except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError(f"{self.role} node did not become ready ({exc}); log {self.log_path}:\n"
+            raise NodeFailed(f"{self.role} node did not become ready ({exc}); log {self.log_path}:\n"
                                f"{self.log_tail()}") from None
 
     def log_tail(self, n: int = 30) -> str:
@@ -408,23 +423,28 @@ def _run_modes(cfg: dict[str, Any], step: str, modes: tuple[str, ...], progress:
         net = stack.enter_context(shaped_netns(cfg.get("link_mbit"))) if cfg.get("netns") else None
         pairs = {m: stack.enter_context(node_pair(m, cfg, step, log_dir, pids, net)) for m in modes}
 
-        def guarded(mode: str, fn: Any) -> Any:
+        def guarded(mode: str, fn: Any, what: str) -> Any:
             try:
                 return anyio.run(fn, backend="asyncio")
-            except BaseException:
+            except BaseException as exc:
                 ctx, gen = pairs[mode]
                 sys.stderr.write(f"--- {mode}: ctx log tail ---\n{ctx.log_tail()}\n--- gen log tail ---\n{gen.log_tail()}\n")
+                gone = [f"the {n.role.upper()} node (pid {n.pid}) {exit_status(n.proc.returncode)}"
+                        for n in (ctx, gen) if n.proc.poll() is not None]
+                if gone and isinstance(exc, Exception):  # the cause, not what the client saw of it
+                    raise NodeFailed(f"{mode}: {' and '.join(gone)} during {what} "
+                                     f"({type(exc).__name__}: {_report.short(str(exc))})") from exc
                 raise
 
         for mode in modes:
-            guarded(mode, lambda: _warmup(mode, *pairs[mode], cfg, progress))
+            guarded(mode, lambda: _warmup(mode, *pairs[mode], cfg, progress), "its warm-up")
         for rnd in range(n_rounds):
             chunk = prompts[rnd * len(prompts) // n_rounds:(rnd + 1) * len(prompts) // n_rounds]
             order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
             for mode in order:
                 t0 = time.perf_counter()
                 tag = f"{mode}-r{rnd}"
-                out = guarded(mode, lambda: _segment(mode, *pairs[mode], cfg, chunk, tag, progress))
+                out = guarded(mode, lambda: _segment(mode, *pairs[mode], cfg, chunk, tag, progress), f"round {rnd}")
                 per_mode[mode].append(out)
                 walls[mode] += time.perf_counter() - t0
                 loads[mode].append(os.getloadavg()[0])
@@ -724,7 +744,11 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with cli.unwinding():  # SIGTERM, SIGHUP, Ctrl-C: every node stopped, a temporary log folder removed
         for step in steps:
-            res = run_bench(cfg, step, modes=a.modes, progress=not a.no_progress)
+            try:
+                res = run_bench(cfg, step, modes=a.modes, progress=not a.no_progress)
+            except NodeFailed as exc:  # every node is stopped and the logs' folder named by now
+                print(f"FAILED: {exc}", file=sys.stderr)
+                return 1
             results[step] = res
             print_report(res, f"{step} step, {cfg['kv_transport']}, CTX TP{cfg['ctx_tp']} -> GEN TP{cfg['gen_tp']}: "
                               f"ISL {cfg['isl']} / OSL {cfg['osl']} / concurrency {cfg['concurrency']} / "

@@ -663,6 +663,10 @@ M = [
  ("18 sim a request count too large for memory refused up front", "examples/sim/_model.py",
   "        if self.warmup + self.requests > MAX_REQUESTS:\n", "        if False:\n",
   "tests/test_sim.py -k absurd_sizes"),
+ ("bench: a node that dies mid-run is the verdict, not the client's traceback", "examples/bench.py",
+  "                if gone and isinstance(exc, Exception):  # the cause, not what the client saw of it\n",
+  "                if False:\n",
+  "tests/test_bench.py -k dies_mid_run"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

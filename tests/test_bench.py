@@ -275,3 +275,40 @@ def test_markdown_of_a_missing_or_foreign_file_is_one_error_line(argv, message, 
     (tmp_path / "good.json").write_text(json.dumps(res))
     assert bench.main(["markdown", str(tmp_path / "good.json")]) == 0
     assert capsys.readouterr().out == bench.to_markdown(res) + "\n"
+
+
+def test_a_node_that_dies_mid_run_is_the_verdict_not_a_traceback(tmp_path, capsys, monkeypatch) -> None:
+    """Was: the GEN node killed during a round gave the client's OSError ("All connection attempts
+    failed") as a traceback, with nothing saying a node had died."""
+    import contextlib
+
+    class Proc:
+        def __init__(self, code: int | None) -> None:
+            self.returncode = code
+
+        def poll(self) -> int | None:
+            return self.returncode
+
+    class FakeNode:
+        def __init__(self, role: str, pid: int, code: int | None) -> None:
+            self.role, self.pid, self.proc = role, pid, Proc(code)
+
+        def log_tail(self) -> str:
+            return ""
+
+    @contextlib.contextmanager
+    def pair(mode, cfg, step, log_dir, pids=None, net=None):
+        yield FakeNode("ctx", 4241, None), FakeNode("gen", 4242, -9)
+
+    async def client_sees_a_dead_node(*a, **k):
+        raise OSError("All connection attempts failed")
+
+    monkeypatch.setattr(bench, "node_pair", pair)
+    monkeypatch.setattr(bench, "_warmup", client_sees_a_dead_node)
+    rc = bench.main(["--quick", "--modes", "orchestrated", "--no-progress", "--log-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == ("FAILED: orchestrated: the GEN node (pid 4242) was killed by SIGKILL during "
+                                            "its warm-up (OSError: All connection attempts failed)"), err
+    assert f"node logs kept in {tmp_path}" in err
+    assert bench.exit_status(3) == "exited with status 3"
