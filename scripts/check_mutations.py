@@ -667,6 +667,10 @@ M = [
   "                if gone and isinstance(exc, Exception):  # the cause, not what the client saw of it\n",
   "                if False:\n",
   "tests/test_bench.py -k dies_mid_run"),
+ ("18 sim --check reads --shaped-json when parsing, not after the quick part", "examples/sim/_check.py",
+  "    ap.add_argument(\"--shaped-json\", type=bench_json, help=",
+  "    ap.add_argument(\"--shaped-json\", help=",
+  "tests/test_sim.py -k check_refuses_a_missing"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

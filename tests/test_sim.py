@@ -843,3 +843,33 @@ def test_absurd_sizes_are_one_error_line_not_a_memory_error(items, message, caps
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bench-json", "{good}", "--shaped-json", "{dir}/missing.json"], "cannot read {dir}/missing.json"),
+    (["--bench-json", "{dir}/missing.json"], "cannot read {dir}/missing.json"),
+    (["--bench-json", "{good}", "--shaped-json", "{text}"], "{text} is not JSON"),
+    (["--bench-json", "{good}", "--transport-json", "{good}"], "has no 'results'"),  # a bench JSON, not the transport's
+    (["--bench-json", "{good}", "--shaped-osl", "0"], "argument --shaped-osl"),
+    (["--bench-json", "{good}", "--link-mbit", "-24"], "argument --link-mbit"),
+    (["--bench-json", "{good}", "--out", "{dir}"], "is a folder, not a file"),
+])
+def test_check_refuses_a_missing_or_foreign_input_before_any_run(argv, message, tmp_path, monkeypatch, capsys) -> None:
+    """Was: a typo in --shaped-json surfaced as FileNotFoundError after the real quick benchmark (or
+    the --bench-json replays) had run, minutes in; a --shaped-osl 0 as a replay error after them."""
+    from examples.sim import _check
+    from examples.sim.__main__ import main
+
+    def ran(*a: object, **k: object) -> None:
+        raise AssertionError("the check ran before its inputs were checked")
+
+    monkeypatch.setattr(_check, "run_all", ran)
+    monkeypatch.setattr(_check, "run_real", ran)
+    (tmp_path / "good.json").write_text(json.dumps({"modes": {}, "config": {}}))
+    (tmp_path / "text.json").write_text("not json")
+    names = {"dir": tmp_path, "good": tmp_path / "good.json", "text": tmp_path / "text.json"}
+    with pytest.raises(SystemExit) as exc:
+        main(["--check", *(a.format(**names) for a in argv)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message.format(**names) in err and "Traceback" not in err, err

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from examples.two_node import cli
+
 from ._model import SimParams
 from ._parallel import run_all
 from ._replay import ModeResult, replay
@@ -145,23 +147,41 @@ def compare(real: dict[str, Any], sim: dict[str, ModeResult]) -> tuple[str, list
     return "\n".join(lines), rows, ok
 
 
+def _json_of(*keys: str) -> Any:
+    """An argparse type: a readable JSON object with ``keys`` (what the check reads of it), checked
+    when the options are parsed, not after a real run or a replay of minutes."""
+    def read(text: str) -> str:
+        try:
+            data = json.loads(Path(text).read_text())
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text} is not JSON ({exc})") from None
+        missing = [k for k in keys if not isinstance(data, dict) or k not in data]
+        if missing:
+            raise argparse.ArgumentTypeError(f"{text} has no {', '.join(map(repr, missing))}: not the file this option takes")
+        return text
+    return read
+
+
 def main(argv: list[str], *, jobs: int | None = None) -> int:
     """The check; its replays run ``jobs`` side by side (after the real runs: they never overlap them)."""
     ap = argparse.ArgumentParser(prog="python -m examples.sim --check")
-    ap.add_argument("--bench-json", help="a real quick benchmark's JSON to compare with (default: run it now)")
-    ap.add_argument("--shaped-json", help="a real shaped-link run's JSON (default: run it now, root only)")
-    ap.add_argument("--link-mbit", type=float, default=24.0, help="the shaped run's link (default 24: one 128 KiB "
+    bench_json = _json_of("modes", "config")  # python -m examples.bench --json
+    ap.add_argument("--bench-json", type=bench_json, help="a real quick benchmark's JSON to compare with (default: run it now)")
+    ap.add_argument("--shaped-json", type=bench_json, help="a real shaped-link run's JSON (default: run it now, root only)")
+    ap.add_argument("--link-mbit", type=cli.positive_float, default=24.0, help="the shaped run's link (default 24: one 128 KiB "
                     "request takes ~46 ms, >= 10 decode steps)")
-    ap.add_argument("--shaped-osl", type=int, default=256)
-    ap.add_argument("--shaped-requests", type=int, default=1536,
+    ap.add_argument("--shaped-osl", type=cli.positive_int, default=256)
+    ap.add_argument("--shaped-requests", type=cli.positive_int, default=1536,
                     help="requests of the shaped run (3 rounds): long enough that each round's ramp (a one-request "
                          "budget fills the batch one 47 ms transfer at a time) is a small part of it")
     ap.add_argument("--no-shaped", action="store_true")
     ap.add_argument("--fit-ctx", action="store_true", help="fit the CTX prefill cost on the real ideal run")
     ap.add_argument("--no-host-cpu", action="store_true",
                     help="leave the pulls' host CPU out of the replay (host_us_per_pull 0), as before it was modelled")
-    ap.add_argument("--transport-json", default=str(ROOT / "results" / "transport.json"))
-    ap.add_argument("--out", default=str(ROOT / "results" / "sim_check.json"))
+    ap.add_argument("--transport-json", type=_json_of("results"), default=str(ROOT / "results" / "transport.json"))
+    ap.add_argument("--out", type=cli.writable_file, default=str(ROOT / "results" / "sim_check.json"))
     a = ap.parse_args(argv)
     transport = Path(a.transport_json)
     report: dict[str, Any] = {"loadavg_start": os.getloadavg()}
