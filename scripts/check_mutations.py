@@ -671,6 +671,9 @@ M = [
   "    ap.add_argument(\"--shaped-json\", type=bench_json, help=",
   "    ap.add_argument(\"--shaped-json\", help=",
   "tests/test_sim.py -k check_refuses_a_missing"),
+ ("18 sim --sweep refuses a --set of what its grid sets", "examples/sim/__main__.py",
+  "        if swept:\n", "        if False:\n",
+  "tests/test_sim.py -k grid_sets"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -873,3 +873,22 @@ def test_check_refuses_a_missing_or_foreign_input_before_any_run(argv, message, 
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message.format(**names) in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("item", ["gen_tp=1", "link-gbyte-s=1.0", "max_tokens_in_buffer=4096", "iterations_per_step=8",
+                                  "pipelined=true"])
+def test_sweep_refuses_a_set_of_what_its_grid_sets(item, monkeypatch, capsys) -> None:
+    """Was: silently overridden at every point (pipelined=true even made the what-if's plain runs
+    pipelined), after a sweep of minutes."""
+    import examples.sim._sweep as sweep_module
+    from examples.sim.__main__ import main
+
+    def ran(*a: object, **k: object) -> None:
+        raise AssertionError("the sweep ran")
+
+    monkeypatch.setattr(sweep_module, "sweep", ran)
+    with pytest.raises(SystemExit) as exc:
+        main(["--sweep", "--set", item])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--sweep sets {item.partition('=')[0].replace('-', '_')} itself" in err, err

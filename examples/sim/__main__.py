@@ -152,6 +152,12 @@ def _refuse_ignored(ap: argparse.ArgumentParser, args: argparse.Namespace) -> No
         unused = [k for k in ("--modes", "--pipelined") if given[k]]
         if unused:
             ap.error(f"--sweep takes none of {', '.join(unused)} (it runs every mode and its own pipelined what-if)")
+        from ._sweep import SWEPT
+
+        swept = sorted({item.partition("=")[0].replace("-", "_") for item in args.set} & set(SWEPT))
+        if swept:
+            ap.error(f"--sweep sets {', '.join(swept)} itself at every point (its grid: {', '.join(SWEPT)}); "
+                     f"--set it for a table instead")
     elif args.png is not None:
         ap.error("--png is written by --sweep only")
 

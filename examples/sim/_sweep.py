@@ -27,6 +27,9 @@ BUDGETS = (8192, 32768)  # tokens: one request (the public case), four
 BANDWIDTHS = (50.0, 12.5, 3.125)  # GB/s per GEN rank
 TPS = (1, 4, 8)
 CTX_SLOTS = (1, 4)
+SWEPT = ("gen_tp", "iterations_per_step", "link_gbyte_s", "max_tokens_in_buffer", "pipelined")
+"""Parameters the sweep sets itself at every point (``--set`` of one is refused: it would be ignored,
+or, ``pipelined``, turn the plain runs into pipelined ones)."""
 
 
 def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int, ...] = BUDGETS,
