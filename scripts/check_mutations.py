@@ -674,6 +674,10 @@ M = [
  ("18 sim --sweep refuses a --set of what its grid sets", "examples/sim/__main__.py",
   "        if swept:\n", "        if False:\n",
   "tests/test_sim.py -k grid_sets"),
+ ("18 sim --modes with a mode twice refused", "examples/sim/__main__.py",
+  "    if len(set(modes)) < len(modes):  # each would be replayed again for one row of the table\n",
+  "    if False:\n",
+  "tests/test_sim.py -k bad_modes_before"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -892,3 +892,20 @@ def test_sweep_refuses_a_set_of_what_its_grid_sets(item, monkeypatch, capsys) ->
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"--sweep sets {item.partition('=')[0].replace('-', '_')} itself" in err, err
+
+
+@pytest.mark.parametrize("modes, message", [("ideal,ideal", "'ideal' given twice"), ("ideal,fast", "expected a comma-sep")])
+def test_cli_refuses_bad_modes_before_printing_or_replaying(modes, message, monkeypatch, capsys) -> None:
+    """Was: 'ideal,ideal' replayed ideal twice for one row; 'ideal,fast' was refused only after
+    the ~40 lines of parameters had been printed."""
+    from examples.sim import __main__ as cli
+
+    def ran(*a: object, **k: object) -> None:
+        raise AssertionError("a replay ran")
+
+    monkeypatch.setattr(cli, "run_modes", ran)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--preset", "tiny", "--modes", modes])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert message in err and out == "", (out, err)

@@ -212,11 +212,13 @@ def main(argv: list[str] | None = None) -> int:
                          png_path=args.png or "results/sim_sweep.png", jobs=args.jobs)
         except ValueError as exc:  # a point the sweep's grid cannot run (checked before any runs)
             ap.error(f"--sweep: {exc}")
-    sources = sources_of(params, args.preset, {item.partition("=")[0].replace("-", "_") for item in args.set})
-    print_params(params, sources=sources)
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or set(modes) - set(MODES):
         ap.error(f"--modes {args.modes!r}: expected a comma-separated list of {', '.join(MODES)}")
+    if len(set(modes)) < len(modes):  # each would be replayed again for one row of the table
+        ap.error(f"--modes {args.modes!r}: {next(m for m in modes if modes.count(m) > 1)!r} given twice")
+    sources = sources_of(params, args.preset, {item.partition("=")[0].replace("-", "_") for item in args.set})
+    print_params(params, sources=sources)
     results = run_modes(params, modes, jobs=args.jobs)
     payload: dict[str, Any] = {"preset": args.preset, "params": params.describe(), "sources": sources,
                                "modes": {m: r.summary() for m, r in results.items()}, "seed": SEED}
