@@ -678,6 +678,9 @@ M = [
   "    if len(set(modes)) < len(modes):  # each would be replayed again for one row of the table\n",
   "    if False:\n",
   "tests/test_sim.py -k bad_modes_before"),
+ ("18 sim refuses a link on which every transfer would time out", "examples/sim/_replay.py",
+  "    if alone_s * 1e3 >= p.kv_transfer_timeout_ms:\n", "    if False:\n",
+  "tests/test_sim.py -k would_time_out"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -909,3 +909,29 @@ def test_cli_refuses_bad_modes_before_printing_or_replaying(modes, message, monk
     assert exc.value.code == 2
     out, err = capsys.readouterr()
     assert message in err and out == "", (out, err)
+
+
+@pytest.mark.parametrize("argv", [["--set", "link_gbyte_s=0.001"], ["--set", "head_dim=100000000"],
+                                  ["--preset", "tiny", "--modes", "ideal,orchestrated", "--set", "link_gbyte_s=1e-7"],
+                                  ["--sweep", "--set", "head_dim=100000000"]])
+def test_cli_refuses_links_on_which_every_transfer_would_time_out(argv, monkeypatch, capsys) -> None:
+    """Was: the public case with a 1 MB/s link replayed every request to its 60 s timeout, one
+    budget at a time, for hours, printing a warning per request per rank, to end in exit 1."""
+    import examples.sim._parallel as parallel
+    from examples.sim.__main__ import main
+
+    def ran(*a: object, **k: object) -> None:
+        raise AssertionError("a replay ran")
+
+    monkeypatch.setattr(parallel, "_one", ran)
+    with pytest.raises(SystemExit) as exc:
+        main(["--jobs", "1", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "on the links alone, not under kv_transfer_timeout_ms 60000" in err and "Traceback" not in err, err
+
+
+def test_a_link_ideal_does_not_use_is_not_refused(monkeypatch) -> None:
+    from examples.sim.__main__ import main
+
+    assert main(["--jobs", "1", "--preset", "tiny", "--modes", "ideal", "--set", "link_gbyte_s=1e-7"]) == 0

@@ -21,7 +21,7 @@ from typing import Any
 from . import quiet_logs
 from ._model import PRESETS, SEED, SOURCES, SimParams, sources_of
 from ._parallel import run_all
-from ._replay import ModeResult, check_requests
+from ._replay import ModeResult, check_requests, check_transfers
 
 MODES = ("ideal", "inline", "orchestrated")
 
@@ -217,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--modes {args.modes!r}: expected a comma-separated list of {', '.join(MODES)}")
     if len(set(modes)) < len(modes):  # each would be replayed again for one row of the table
         ap.error(f"--modes {args.modes!r}: {next(m for m in modes if modes.count(m) > 1)!r} given twice")
+    if set(modes) - {"ideal"}:
+        try:
+            check_transfers(params)
+        except ValueError as exc:
+            ap.error(f"--preset {args.preset} --set ...: {exc}")
     sources = sources_of(params, args.preset, {item.partition("=")[0].replace("-", "_") for item in args.set})
     print_params(params, sources=sources)
     results = run_modes(params, modes, jobs=args.jobs)

@@ -398,6 +398,23 @@ def check_requests(p: SimParams) -> None:
                              f"refuse every {isl}-token prompt ({exc}); raise the budget") from None
 
 
+def check_transfers(p: SimParams) -> None:
+    """Raise ``ValueError`` when the longest prompt's KV cannot cross the links within
+    ``kv_transfer_timeout_ms`` even alone (bytes / bandwidth, no latency, no queue): in a mode that
+    pulls, every such request would time out, each after the full timeout, one budget's worth at a
+    time (at the public case's size, hours of idle steps and a warning per request per rank). The
+    CLI and the sweep refuse such parameters; ``replay`` itself runs them (a receive's timeout is
+    worth replaying on purpose)."""
+    layout = p.rank_layout()
+    longest = max(p.isl_choices or (p.isl,))
+    rank_bytes = layout.blocks_for(longest) * layout.block_bytes  # what one rank pulls: whole blocks
+    alone_s = max(rank_bytes / (p.link_gbyte_s * 1e9), rank_bytes * p.gen_tp / p.ctx_nic_bytes_s())
+    if alone_s * 1e3 >= p.kv_transfer_timeout_ms:
+        raise ValueError(f"a {longest}-token prompt's KV ({rank_bytes:,} bytes per GEN rank, x {p.gen_tp} through the "
+                         f"CTX's NIC) takes {alone_s:,.1f} s on the links alone, not under kv_transfer_timeout_ms "
+                         f"{p.kv_transfer_timeout_ms}: every such request would time out (only ideal pulls nothing)")
+
+
 class _Wakeup(threading.Event):
     """An engine's ``wakeup`` (a ``threading.Event``, as the engine makes it) that also calls
     ``on_set``: the replay's idle loop sleeps on it as ``DecodeLoop`` sleeps on ``wakeup.wait``."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from ._model import SimParams
 from ._parallel import run_all
-from ._replay import ModeResult, check_requests
+from ._replay import ModeResult, check_requests, check_transfers
 
 BUDGETS = (8192, 32768)  # tokens: one request (the public case), four
 BANDWIDTHS = (50.0, 12.5, 3.125)  # GB/s per GEN rank
@@ -75,9 +75,11 @@ def sweep(base: SimParams, *, json_path: str, png_path: str, budgets: tuple[int,
         piped_at.append(len(work))
         work += [(q, "orchestrated"), (dataclasses.replace(q, pipelined=True), "orchestrated")]
 
-    for q, _ in work:
+    for q, mode in work:
         q.check()
         check_requests(q)
+        if mode != "ideal":
+            check_transfers(q)
 
     def done(i: int, r: ModeResult) -> None:
         q, mode = work[i]
