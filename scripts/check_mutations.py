@@ -681,6 +681,9 @@ M = [
  ("18 sim refuses a link on which every transfer would time out", "examples/sim/_replay.py",
   "    if alone_s * 1e3 >= p.kv_transfer_timeout_ms:\n", "    if False:\n",
   "tests/test_sim.py -k would_time_out"),
+ ("rev3 tp_group GroupBroken is the engine's", "examples/two_node/tp_group.py",
+  "class GroupBroken(_StepGroupBroken, RuntimeError):\n", "class GroupBroken(RuntimeError):\n",
+  "tests/test_hardening.py -k model_collective_that_breaks"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

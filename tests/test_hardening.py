@@ -154,11 +154,18 @@ async def test_a_crashing_decode_step_marks_the_engine_unhealthy_and_frees_every
     assert calls == 1 and h.engine.rest_problems() == []
 
 
-async def test_a_model_collective_that_breaks_reports_the_groups_one_cause() -> None:
+@pytest.mark.parametrize("where", ["orchestrator", "tp_group"])
+async def test_a_model_collective_that_breaks_reports_the_groups_one_cause(where: str) -> None:
     """A decode step whose collective finds the group broken (GroupBroken, as the node's model
     group raises it) marks the engine with that cause verbatim: the text does not depend on which
-    collective met the failure first."""
-    from orchestrator import EngineThreads, GroupBroken
+    collective met the failure first. ``tp_group``: the class the GEN node's model group really
+    raises (``RankWatch.collective``); before, it was a plain RuntimeError, so a SIGSTOPped rank's
+    clients read "decode loop crashed: GroupBroken: <cause>" and a SIGKILLed one's "<cause>"."""
+    from orchestrator import EngineThreads
+    if where == "orchestrator":
+        from orchestrator import GroupBroken
+    else:
+        from examples.two_node.tp_group import GroupBroken
 
     cause = "GEN rank 2 (pid 4242) was killed by SIGKILL"
 

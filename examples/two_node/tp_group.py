@@ -38,6 +38,8 @@ from typing import Any, Protocol
 
 import structlog
 
+from orchestrator import GroupBroken as _StepGroupBroken
+
 log = structlog.get_logger("examples.tp_group")
 
 JOIN_TIMEOUT_S = 120.0  # every rank joining the group (a rank's start imports torch: slow on a busy host)
@@ -495,8 +497,10 @@ class GaveUp(RuntimeError):
     one line (``str()``) for its supervisor, not a traceback."""
 
 
-class GroupBroken(RuntimeError):
-    """A collective failed because the group broke; ``str()`` is the readable cause."""
+class GroupBroken(_StepGroupBroken, RuntimeError):
+    """A collective failed because the group broke; ``str()`` (and ``cause``) is the readable cause.
+    An ``orchestrator.GroupBroken``, so that the decode loop marks the engine with the cause alone
+    when the model's collective meets the break first, as when the step exchange does."""
 
 
 def _looks_like_the_group(exc: BaseException) -> bool:
