@@ -454,7 +454,8 @@ M = [
   "    p.add_argument(\"--num-blocks\", type=cli.positive_int, default=4096,",
   "    p.add_argument(\"--num-blocks\", type=int, default=4096,", "tests/test_two_node.py -k refuses_bad"),
  ("demo: an unwritable --json refused up front", "examples/two_node/cli.py",
-  "    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):", "    if False:",
+  "        raise argparse.ArgumentTypeError(f\"cannot write {text}: {parent} is not a writable folder\") from None\n",
+  "        pass\n",
   "tests/test_two_node.py -k refuses_bad"),
  ("nodes: --lease-s must be > 0", "examples/two_node/ctx.py", "    p.add_argument(\"--lease-s\", type=cli.positive_float,",
   "    p.add_argument(\"--lease-s\", type=float,", "tests/test_control.py -k refuses_a_value"),
@@ -684,6 +685,12 @@ M = [
  ("rev3 tp_group GroupBroken is the engine's", "examples/two_node/tp_group.py",
   "class GroupBroken(_StepGroupBroken, RuntimeError):\n", "class GroupBroken(RuntimeError):\n",
   "tests/test_hardening.py -k model_collective_that_breaks"),
+ ("cli: an output folder is tried (a file made there), not asked (os.access says yes to root)", "examples/two_node/cli.py",
+  "        with tempfile.TemporaryFile(dir=parent):  # a file made there and gone at once\n            pass\n",
+  "        os.access(parent, os.W_OK)\n", "tests/test_two_node.py -k refuses_bad_arguments"),
+ ("cli: an existing output file is tried, not asked", "examples/two_node/cli.py",
+  "            with open(path, \"ab\"):  # append nothing: the file is left as it is\n                pass\n",
+  "            os.access(path, os.W_OK)\n", "tests/test_two_node.py -k refuses_bad_arguments"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -222,6 +222,9 @@ def _no_node(*args: object, **kwargs: object) -> None:
     (["--kv-transfer-timeout-ms", "-5"], "argument --kv-transfer-timeout-ms"),
     (["--json", "{file}/report.json"], "is not a writable folder"),
     (["--json", "{dir}"], "is a folder, not a file"),
+    # tried, not asked: os.access says yes to root for both
+    (["--json", "/proc/kvo-no-such/report.json"], "/proc is not a writable folder"),
+    (["--json", "/proc/version"], "cannot write /proc/version"),
 ])
 def test_demo_refuses_bad_arguments_before_starting_a_node(argv: list[str], message: str, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str],
@@ -234,6 +237,18 @@ def test_demo_refuses_bad_arguments_before_starting_a_node(argv: list[str], mess
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_an_output_path_that_can_be_written_is_left_as_it_was(tmp_path: Path) -> None:
+    """The check writes nothing: an existing file keeps its bytes, a missing folder is not made and
+    the probe leaves no file behind."""
+    from examples.two_node import cli
+
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    assert cli.writable_file(str(kept)) == kept and kept.read_text() == "{}"
+    assert cli.writable_file(str(tmp_path / "new" / "report.json")) == tmp_path / "new" / "report.json"
+    assert list(tmp_path.iterdir()) == [kept]
 
 
 def test_demo_bad_argument_is_one_line_and_starts_nothing(tmp_path: Path) -> None:

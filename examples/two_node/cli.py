@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -90,15 +91,22 @@ def writable_file(text: str) -> Path:
     path = Path(text)
     if not text or path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file" if text else "empty path")
+    # tried, not asked (os.access): as root it says yes to everything, /proc and read-only mounts too
     if path.exists():
-        if not os.access(path, os.W_OK):
-            raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+        try:
+            with open(path, "ab"):  # append nothing: the file is left as it is
+                pass
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {exc.strerror or exc}") from None
         return path
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text}: {parent} is not a writable folder")
+    try:  # a file where a folder should be raises NotADirectoryError here too
+        with tempfile.TemporaryFile(dir=parent):  # a file made there and gone at once
+            pass
+    except OSError:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {parent} is not a writable folder") from None
     return path
 
 
