@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import math
-import os
 import signal
 import sys
 import tempfile

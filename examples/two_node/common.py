@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
-
 import structlog
 import torch
 

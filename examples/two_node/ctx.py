@@ -378,9 +378,10 @@ class CtxNode:
                 + ex.tasks_waiting)
 
     async def _held_anywhere(self) -> int:
-        """What a drain (``--etcd``) waits for: ``busy()`` and, at rank 0 of a group, the copies the
-        other ranks hold (the drain counted rank 0's alone, as SIGTERM's stop did)."""
-        return self.busy() + await self._other_ranks_hold()
+        """What a drain (``--etcd``) and a graceful stop wait for: ``busy()`` or, once that is 0, at
+        rank 0 of a group, the copies the other ranks hold (the drain counted rank 0's alone). The
+        other ranks are asked only then: a stop polls this every 20 ms."""
+        return self.busy() or await self._other_ranks_hold()
 
     async def _other_ranks_hold(self) -> int:
         """Rank 0 of a group: requests whose heads the other ranks still hold. A GEN TP1 pulls each
