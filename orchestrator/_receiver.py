@@ -239,12 +239,18 @@ class ReceiveGroup:
         on_result: Callable[[ReceiveResult], None],
         on_received: Callable[[str, torch.Tensor], None] | None = None,
         release_timeout_s: float = 1.0,
+        release_backstop_s: float = 30.0,
     ) -> None:
         self._transport = transport
         self._pool = pool
         self._layout = layout
         self._timeout_s = timeout_s
+        # A release or hold is bounded by the transport's own timeouts (its connect, its answer):
+        # a bound of the group's own, tighter than those, cut the releases that waited on a slow first
+        # connect to a peer, silently, and left their copies held until the peer's lease ended. The
+        # group's bounds are a backstop while it runs, and the grace a release gets once it stops.
         self._release_timeout_s = release_timeout_s
+        self._release_backstop_s = release_backstop_s
         self._on_result = on_result
         self._on_received = on_received
         self._scatter = _Scatter(pool)
@@ -267,6 +273,8 @@ class ReceiveGroup:
         self._tg: anyio.abc.TaskGroup | None = None
         self._stop: anyio.Event | None = None
         self._scopes: dict[str, anyio.CancelScope] = {}
+        self._release_scopes: set[anyio.CancelScope] = set()  # releases in flight (shielded)
+        self._winding_down = False  # run() is stopping: releases in flight get the grace
 
     # -- any thread ------------------------------------------------------------------------------
     @property
@@ -398,8 +406,14 @@ class ReceiveGroup:
                 for job in pending:
                     self._start(job)
                 task_status.started()
-                await self._stop.wait()
-                closed = True
+                try:
+                    await self._stop.wait()
+                    closed = True
+                finally:  # closed or cancelled: a release in flight gets its grace, no longer
+                    self._winding_down = True
+                    grace = anyio.current_time() + self._release_timeout_s
+                    for scope in self._release_scopes:
+                        scope.deadline = min(scope.deadline, grace)
                 tg.cancel_scope.cancel()
         except BaseException as exc:
             self._died(exc)
@@ -455,18 +469,28 @@ class ReceiveGroup:
                     self._cancel_early.add(request_id)
 
     async def _release(self, peer: str, request_id: str, handle: str | None) -> None:
-        with anyio.move_on_after(self._release_timeout_s, shield=True):
+        with anyio.move_on_after(self._release_backstop_s, shield=True) as scope:
+            self._release_scopes.add(scope)
             try:
                 await self._transport.release(peer, request_id, handle=handle)
             except Exception as exc:  # best effort: a failed release is logged, never raised
                 log.info("release_not_delivered", request_id=request_id, peer=peer, error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self._release_scopes.discard(scope)
+        if scope.cancelled_caught:  # the peer's lease frees the copy
+            log.warning("release_not_delivered", request_id=request_id, peer=peer,
+                        error="still unanswered when the receive group stopped" if self._winding_down
+                        else f"still unanswered after {self._release_backstop_s:g} s")
 
     async def _hold(self, peer: str, items: list[tuple[str, str | None]]) -> None:
-        with anyio.move_on_after(self._release_timeout_s):
+        with anyio.move_on_after(self._release_backstop_s) as scope:  # a stop cancels it at once
             try:
                 await self._transport.hold(peer, items)
             except Exception as exc:
                 log.info("hold_not_delivered", peer=peer, requests=len(items), error=f"{type(exc).__name__}: {exc}")
+        if scope.cancelled_caught:
+            log.warning("hold_not_delivered", peer=peer, requests=len(items),
+                        error=f"still unanswered after {self._release_backstop_s:g} s")
 
     async def _receive(self, job: ReceiveJob) -> None:
         started = time.perf_counter()

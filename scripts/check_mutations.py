@@ -691,6 +691,16 @@ M = [
  ("cli: an existing output file is tried, not asked", "examples/two_node/cli.py",
   "            with open(path, \"ab\"):  # append nothing: the file is left as it is\n                pass\n",
   "            os.access(path, os.W_OK)\n", "tests/test_two_node.py -k refuses_bad_arguments"),
+ ("receiver: a release waits for its transport's bounds, not the group's 1 s (a slow first connect)", "orchestrator/_receiver.py",
+  "        with anyio.move_on_after(self._release_backstop_s, shield=True) as scope:\n",
+  "        with anyio.move_on_after(self._release_timeout_s, shield=True) as scope:\n",
+  "tests/test_fan_in.py -k survives_a_first_connect"),
+ ("receiver: a release in flight when the group stops gets the grace, not the backstop", "orchestrator/_receiver.py",
+  "                        scope.deadline = min(scope.deadline, grace)\n", "                        pass\n",
+  "tests/test_hardening.py -k unanswered_when_the_group_stops"),
+ ("receiver: a release cut by its bound is logged", "orchestrator/_receiver.py",
+  "        if scope.cancelled_caught:  # the peer's lease frees the copy\n", "        if False:\n",
+  "tests/test_hardening.py -k unanswered_when_the_group_stops"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -85,7 +85,7 @@ class Step:
 class Gen:
     """A GEN of ``world`` ranks (1: a plain ``GenEngine``) fed by ``ctx``."""
 
-    def __init__(self, ctx: ShardedCtx, world: int, **cfg: object) -> None:
+    def __init__(self, ctx: ShardedCtx, world: int, *, connect_latency_s: float = 0.0, **cfg: object) -> None:
         self.ctx = ctx
         local = FULL.num_kv_heads // world
         group = LocalGroup(world)
@@ -97,7 +97,7 @@ class Gen:
             base: dict[str, object] = dict(layout=layout, num_blocks=64, transfer_budget_bytes=8 * layout.block_bytes,
                                            kv_transfer_timeout_ms=2_000, kv_head_offset=rank * local)
             base.update(cfg)
-            transport = InProcTransport(ctx.stores)
+            transport = InProcTransport(ctx.stores, connect_latency_s=connect_latency_s)
             step = Step(ctx, rank * local, (rank + 1) * local)
             config = OrchestratorConfig(**base)  # type: ignore[arg-type]
             engine = (GenEngine(config, transport, step) if world == 1
@@ -205,6 +205,28 @@ async def test_a_replicated_head_is_pulled_once_and_the_unused_copy_freed_at_onc
     assert g.final("rep").state is RequestState.FINISHED
     assert ctx.held() == {"ctx-0": 0, "ctx-1": 0, "ctx-2": 0}
     assert g.transports[0].counters.pulls == 2  # heads 0:2 once (from ctx-0), heads 2:4 once
+
+
+async def test_the_release_of_an_unused_copy_survives_a_first_connect_slower_than_a_second() -> None:
+    """The release of a replicated copy nobody pulls is the first message to its CTX rank, so it
+    connects first. On a loaded machine that connect took over a second, and the receive group cut
+    every release at 1 s, silently: the copies stayed held until their lease (30 s on a node) ended,
+    which a CTX TP4 -> GEN TP1 run's rest check caught now and then. A release waits for the
+    transport's own bounds (connect and answer), not a tighter one of the group's."""
+    ctx = ShardedCtx([(0, 2), (0, 2), (2, 4)])  # ranks 0 and 1 both hold heads 0:2
+    async with anyio.create_task_group() as tg:
+        g = Gen(ctx, 1, connect_latency_s=1.5, kv_transfer_timeout_ms=10_000)
+        await g.engines[0].start(tg)
+        try:
+            g.submit("rep")
+            await g.run_until_idle()
+            assert g.final("rep").state is RequestState.FINISHED
+            with anyio.fail_after(5):  # ~1.5 s: the connect
+                while any(ctx.held().values()):
+                    await anyio.sleep(0.01)
+            assert g.transports[0].counters.releases == 1  # ctx-1's copy, freed by its release, not a lease
+        finally:
+            g.engines[0].close()
 
 
 @pytest.mark.parametrize("gen_world", [1, 2])

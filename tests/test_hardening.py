@@ -85,6 +85,33 @@ async def test_a_release_that_raises_anything_never_takes_the_group_down(harness
     assert h.final("after").state is RequestState.FINISHED
 
 
+@pytest.mark.parametrize("how", ["close", "cancel"])
+async def test_a_release_still_unanswered_when_the_group_stops_gets_its_grace_and_is_logged(how: str) -> None:
+    """A release is bounded by its transport (and a 30 s backstop) while the group runs; once the
+    group stops, closed or cancelled with its node, a release still waiting gets the group's
+    ``release_timeout_s`` (1 s) and no longer, and its loss is logged (the peer's lease frees it)."""
+    h = make_harness()
+
+    async def unanswered(peer: str, request_id: str, *, handle: str | None = None) -> None:
+        await anyio.sleep_forever()
+
+    h.transport.release = unanswered  # type: ignore[method-assign]
+    group = ReceiveGroup(h.transport, h.engine.pool.kv, LAYOUT, timeout_s=5, on_result=lambda r: None)
+    with structlog.testing.capture_logs() as logs:
+        started = time.monotonic()
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(group.run)
+                group.release_soon("ctx-0", "r")
+                await anyio.sleep(0.2)
+                assert not any(e["event"] == "release_not_delivered" for e in logs)  # still waiting
+                group.close() if how == "close" else tg.cancel_scope.cancel()
+        took = time.monotonic() - started
+    assert 1.0 <= took < 3.0, took  # 0.2 s, then the 1 s grace
+    lost = [e for e in logs if e["event"] == "release_not_delivered"]
+    assert len(lost) == 1 and lost[0]["request_id"] == "r" and "receive group stopped" in lost[0]["error"], lost
+
+
 # -- 2. a supervised receive group ------------------------------------------------------------------
 async def test_a_dead_receive_group_fails_live_requests_and_the_engine_refuses_new_ones() -> None:
     h = make_harness(make_config(transfer_budget_bytes=2 * BLOCK))

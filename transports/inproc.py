@@ -173,7 +173,8 @@ class InProcTransport:
             c.in_flight -= 1
 
     async def release(self, peer: str, request_id: str, *, handle: str | None = None) -> None:
-        try:
+        try:  # like UCX and NIXL: a release to a peer nothing was pulled from connects first
+            await self.connect(peer)
             store = self._store(peer)
         except PeerUnreachable:
             return
@@ -183,6 +184,7 @@ class InProcTransport:
 
     async def hold(self, peer: str, items: Sequence[tuple[str, str | None]]) -> None:
         try:
+            await self.connect(peer)
             store = self._store(peer)
         except PeerUnreachable:
             return
