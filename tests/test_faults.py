@@ -557,6 +557,29 @@ def test_a_stopping_ctx_says_unhealthy_in_its_stats() -> None:
         ctx.proc.wait(10)
 
 
+@pytest.mark.parametrize("role", ["ctx", "gen"])
+def test_a_sigterm_sent_the_moment_ready_is_read_is_a_graceful_stop(role: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A supervisor may stop a node as soon as it said READY. The graceful stop's signal receiver
+    was opened in a task started after READY, and its first use imported anyio's signal module
+    (0.1-1 s on a loaded machine): a SIGTERM then met the crude handler, exit 143 and a traceback
+    in the log. A cold start, as a supervisor's (the suite's fork server had imported it already)."""
+    from examples.two_node import forkserver
+
+    monkeypatch.setenv(forkserver.ENV, "0")
+    env = node_env()
+    with contextlib.ExitStack() as stack:
+        args = ["ctx", "--num-blocks", "16"]
+        if role == "gen":
+            ctx = stack.enter_context(NodeProcess.start(args, env=env))
+            args = ["gen", "--ctx", ctx.info["ctrl"], "--num-blocks", "16"]
+        node = stack.enter_context(NodeProcess.start(args, env=env))
+        node.proc.send_signal(signal.SIGTERM)
+        node.proc.wait(20)
+        log = node.log_path.read_text(errors="replace")
+        assert node.proc.returncode == 0, log[-3000:]
+        assert "sigterm_shutting_down" in log and "Traceback" not in log, log[-3000:]
+
+
 def test_a_second_sigterm_stops_a_ctx_that_still_holds_kv_at_once() -> None:
     env = node_env()
     with NodeProcess.start(["ctx", "--num-blocks", "64", "--graceful-shutdown-timeout-s", "60"], env=env) as ctx:

@@ -18,6 +18,7 @@ import torch
 from examples.tiny_model import ModelConfig, TinyModel
 from examples.two_node import cli, control
 from examples.two_node.control import ControlLimits
+from examples.two_node.sigterms import Sigterms
 from orchestrator._config import KV_TRANSPORTS
 from transports import KVLayout, KVStore
 from transports._auth import SECRET_ENV, load_secret
@@ -172,31 +173,26 @@ def announce_ready(**fields: object) -> None:
 
 
 async def stop_on_sigterm(node: Any, wind_down: Callable[[float], Awaitable[None]], stop: Callable[[], None],
-                          work: Callable[[], dict[str, Any]], log: Any) -> None:
+                          work: Callable[[], dict[str, Any]], log: Any, sigterms: Sigterms) -> None:
     """A node without etcd: its first SIGTERM sets ``node.shutting_down`` (it takes no new work) and
     runs ``wind_down(grace)`` (``--graceful-shutdown-timeout-s``: what is live ends or is given up),
     then ``stop()``. A second SIGTERM cuts the wind-down short and sets ``node.exit_status`` to 143,
     which the node's main returns (``gen_tp.run_node``): raised as SystemExit in this task, it left
     the event loop at once and asyncio logged a 40-line "unhandled exception during asyncio.run()
     shutdown". ``work()``: the log fields that say what is live."""
-    if sys.platform == "win32":  # pragma: no cover
-        return
-    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-        async for _ in signals:
-            break
-        node.shutting_down = True
-        grace = node.args.graceful_shutdown_timeout_s
-        log.info("sigterm_shutting_down", **work(), grace_s=grace)
-        async with anyio.create_task_group() as tg:
+    await sigterms.next()
+    node.shutting_down = True
+    grace = node.args.graceful_shutdown_timeout_s
+    log.info("sigterm_shutting_down", **work(), grace_s=grace)
+    async with anyio.create_task_group() as tg:
 
-            async def again() -> None:
-                async for _ in signals:
-                    log.warning("sigterm_again_exiting_now", **work())
-                    node.exit_status = 143
-                    tg.cancel_scope.cancel()
-                    return
-
-            tg.start_soon(again)
-            await wind_down(grace)
+        async def again() -> None:
+            await sigterms.next()
+            log.warning("sigterm_again_exiting_now", **work())
+            node.exit_status = 143
             tg.cancel_scope.cancel()
+
+        tg.start_soon(again)
+        await wind_down(grace)
+        tg.cancel_scope.cancel()
     stop()

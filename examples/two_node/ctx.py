@@ -39,6 +39,7 @@ from examples.two_node.common import (
     stop_on_sigterm,
 )
 from examples.two_node.gen_tp import head_checksums
+from examples.two_node.sigterms import Sigterms
 from orchestrator import KVBlockPool, KVExhausted, loop_caller
 from orchestrator._sampling import SamplingParams, sample
 from orchestrator._sampling import logprobs as token_logprobs
@@ -352,6 +353,8 @@ class CtxNode:
             if self.healer is not None:
                 tg.start_soon(self.healer.run, ctx_tp.CtxRank0(self, self.healer))
             assert self.control is not None
+            sigterms = Sigterms()
+            await tg.start(sigterms.run)  # from before READY: a SIGTERM when READY comes is a graceful stop
             port = await tg.start(self.control.serve, self.args.host, self.args.port)
             metrics = (None if self.args.metrics_port is None else serve_node_metrics(
                 "ctx", lambda: ctx_node_stats(self), host=self.args.host, port=self.args.metrics_port))
@@ -365,9 +368,9 @@ class CtxNode:
                     busy=self._held_anywhere,
                     meta={"tp": self.args.tp, "ucx": self.ucx_addr, "backend": backend(self.args), "model": "tiny",
                           "capacity_blocks": self.args.num_blocks},
-                    on_registration=self._set_registration))
+                    on_registration=self._set_registration, sigterms=sigterms))
             else:  # SIGTERM: a graceful stop (no new prefill, held KV may still be pulled), then stop
-                tg.start_soon(self._stop_on_sigterm, tg.cancel_scope.cancel)
+                tg.start_soon(self._stop_on_sigterm, tg.cancel_scope.cancel, sigterms)
 
     def busy(self) -> int:
         """Work that a stop would lose: requests whose KV is held here, prefills running or waiting
@@ -396,12 +399,12 @@ class CtxNode:
             return 0
         return sum(r["store"]["held_requests"] for r in ranks[1:])
 
-    async def _stop_on_sigterm(self, stop: Any) -> None:
+    async def _stop_on_sigterm(self, stop: Any, sigterms: Sigterms) -> None:
         """Without etcd, SIGTERM stops the node gracefully: it takes no new prefill (a front sends it
         to another CTX), lets the prefills running finish and the GENs pull (and release) what it
         holds for ``--graceful-shutdown-timeout-s``, then ``stop()`` (what is still held is lost: its
         GEN's pull fails at once). A second SIGTERM exits at once (status 143)."""
-        await stop_on_sigterm(self, self._wind_down, stop, lambda: {"busy": self.busy()}, log)
+        await stop_on_sigterm(self, self._wind_down, stop, lambda: {"busy": self.busy()}, log, sigterms)
 
     async def _wind_down(self, grace_s: float) -> None:
         """Until nothing is held or running here (on any rank), at most ``grace_s``."""

@@ -26,8 +26,9 @@ import torch
 
 from examples.metrics import serve_node_metrics
 from examples.two_node import cli, control, gen_tp, membership, tp_group
-from examples.two_node.common import (announce_ready, backend, build_model, control_server, kv_transport, node_secret,
-                                      stop_on_sigterm)
+from examples.two_node.common import (announce_ready, backend, build_model, control_server, kv_transport,
+                                      node_secret, stop_on_sigterm)
+from examples.two_node.sigterms import Sigterms
 from orchestrator import (
     ContextTooLong,
     DecodeBatch,
@@ -488,6 +489,8 @@ class GenNode:
                 if self.healer is not None:
                     tg.start_soon(self.healer.run, gen_tp.GenRank0(self, self._transport))
                 try:
+                    sigterms = Sigterms()
+                    await tg.start(sigterms.run)  # from before READY: a SIGTERM when READY comes is a graceful stop
                     port = await tg.start(self.control.serve, args.host, args.port)
                     metrics = (None if args.metrics_port is None else
                                serve_node_metrics("gen", self.stats, host=args.host, port=args.metrics_port))
@@ -501,9 +504,9 @@ class GenNode:
                             ctrl=f"{args.host}:{port}", ttl_s=args.etcd_ttl_s, busy=lambda: self.engine.live_requests,
                             meta={"tp": args.tp, "backend": self.config.kv_transport, "mode": self.config.mode.value,
                                   "model": "tiny", "capacity_blocks": self.config.num_blocks},
-                            stop=drained.set, on_registration=self._set_registration))
+                            stop=drained.set, on_registration=self._set_registration, sigterms=sigterms))
                     else:  # SIGTERM: a graceful stop (no new request, the live ones end), then stop
-                        tg.start_soon(self._stop_on_sigterm, drained.set)
+                        tg.start_soon(self._stop_on_sigterm, drained.set, sigterms)
                     await drained.wait()
                 finally:
                     self.ending = True  # before the group stops: a healer polling now saw a break and
@@ -548,12 +551,12 @@ class GenNode:
         self._exec_thread = threading.Thread(target=self.loop.run, args=(self._exec_stop,), name="execution", daemon=True)
         self._exec_thread.start()
 
-    async def _stop_on_sigterm(self, stop: Any) -> None:
+    async def _stop_on_sigterm(self, stop: Any, sigterms: Sigterms) -> None:
         """Without etcd, SIGTERM stops the node gracefully: it takes no new request, lets the live ones
         finish for ``--graceful-shutdown-timeout-s``, aborts the rest (each stream gets its final
         message, each CTX is told to free the request's KV), then ``stop()``. A second SIGTERM
         exits at once (status 143)."""
-        await stop_on_sigterm(self, self._wind_down, stop, self._live_work, log)
+        await stop_on_sigterm(self, self._wind_down, stop, self._live_work, log, sigterms)
 
     def _live_work(self) -> dict[str, int]:
         return {"live": self.engine.live_requests if self.engine else 0, "streams": self.streams_open()}

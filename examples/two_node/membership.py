@@ -37,6 +37,7 @@ import anyio.abc
 import httpx
 import structlog
 
+from examples.two_node.sigterms import Sigterms
 from transports import parse_peer
 
 log = structlog.get_logger("examples.membership")
@@ -225,7 +226,8 @@ class Registration:
                 await self.etcd.revoke(self.lease)
         log.info("node_deregistered", key=self.key)
 
-    async def run(self, stop: Callable[[], None], *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, stop: Callable[[], None], *, sigterms: Sigterms | None = None,
+                  task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Register, keep alive; on SIGTERM or ``request_drain``: drain, deregister, then ``stop()`` the
         node. Cancelled (the node stops for another reason): deregister on the way out."""
         await self.register()
@@ -233,7 +235,10 @@ class Registration:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.keep_alive)
-                tg.start_soon(self._on_sigterm)
+                if sigterms is None:  # the node caught none from before READY: from now on
+                    sigterms = Sigterms()
+                    await tg.start(sigterms.run)
+                tg.start_soon(self._on_sigterm, sigterms)
                 await self._drain_requested.wait()
                 await self.drain()
                 tg.cancel_scope.cancel()
@@ -243,26 +248,24 @@ class Registration:
             raise
         stop()
 
-    async def _on_sigterm(self) -> None:
-        if sys.platform == "win32":  # pragma: no cover
-            return
-        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-            async for _ in signals:
-                log.info("sigterm_draining", key=self.key)
-                self._drain_requested.set()
+    async def _on_sigterm(self, sigterms: Sigterms) -> None:
+        while True:
+            await sigterms.next()
+            log.info("sigterm_draining", key=self.key)
+            self._drain_requested.set()
 
 
 async def serve_registration(url: str, *, prefix: str, role: str, ctrl: str, meta: dict[str, Any],
                              busy: Callable[[], int | Awaitable[int]], stop: Callable[[], None], ttl_s: int = DEFAULT_TTL_S,
                              on_registration: Callable[[Registration], None] | None = None,
-                             task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+                             sigterms: Sigterms | None = None, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """What a node runs in its task group when given ``--etcd URL`` (see ``Registration.run``)."""
     etcd = Etcd(url)
     try:
         reg = Registration(etcd, prefix=prefix, role=role, ctrl=ctrl, meta=meta, busy=busy, ttl_s=ttl_s)
         if on_registration is not None:
             on_registration(reg)
-        await reg.run(stop, task_status=task_status)
+        await reg.run(stop, sigterms=sigterms, task_status=task_status)
     finally:
         with anyio.CancelScope(shield=True):
             await etcd.aclose()
