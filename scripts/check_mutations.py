@@ -701,6 +701,18 @@ M = [
  ("receiver: a release cut by its bound is logged", "orchestrator/_receiver.py",
   "        if scope.cancelled_caught:  # the peer's lease frees the copy\n", "        if False:\n",
   "tests/test_hardening.py -k unanswered_when_the_group_stops"),
+ ("ctx: SIGTERM caught from before READY", "examples/two_node/ctx.py",
+  "            await tg.start(sigterms.run)  # from before READY: a SIGTERM when READY comes is a graceful stop\n",
+  "",
+  "tests/test_faults.py -k 'moment_ready and ctx'"),
+ ("gen: SIGTERM caught from before READY", "examples/two_node/gen.py",
+  "                    await tg.start(sigterms.run)  # from before READY: a SIGTERM when READY comes is a graceful stop\n",
+  "",
+  "tests/test_faults.py -k 'moment_ready and gen'"),
+ ("sigterms: each SIGTERM wakes its waiter", "examples/two_node/sigterms.py",
+  "                got, self._got = self._got, anyio.Event()\n                got.set()\n",
+  "                pass\n",
+  "tests/test_faults.py -k 'moment_ready or second_sigterm'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:
