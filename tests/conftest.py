@@ -1,6 +1,27 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from examples.two_node import forkserver
+
+# Nodes started by the tests (and by the demos, benchmarks and fronts they start) are forked from a
+# server that has imported torch once, not started cold: ~2 s of CPU less per node, most of the
+# suite's time on two cores (examples/two_node/forkserver.py). KVO_FORK_SERVER=0 starts them cold.
+os.environ.setdefault(forkserver.ENV, "1")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the fork server now (it imports while the first tests run), but not in pytest-xdist's
+    controller, which runs no test."""
+    controller = bool(getattr(session.config.option, "numprocesses", None)) and not hasattr(session.config, "workerinput")
+    if not controller:
+        forkserver.server()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    forkserver.shutdown()
 
 from tests.group_harness import make_group as make_group  # a GEN of any TP size in this process
 

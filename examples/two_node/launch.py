@@ -26,8 +26,9 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
+from examples.two_node import forkserver
 from transports._auth import SECRET_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,14 +79,19 @@ class NodeProcess:
         log_path = log_dir / f"{args[0]}-{secrets.token_hex(3)}.log"
         try:
             with open(log_path, "w") as stderr:
-                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                        start_new_session=True)
+                proc = None if netns else _forked(args, env, stderr)
+                if proc is None:
+                    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                            start_new_session=True)
         except BaseException:
             _remove(owned_dir)
             raise
         try:
             info = wait_ready(proc, timeout)
         except BaseException as exc:
+            if isinstance(exc, RuntimeError):  # it exited: its status, which may come a moment after EOF
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(2)
             why = f"{exc}" + (f", exit status {proc.poll()}" if proc.poll() is not None else "")
             _stop(proc)
             tail = _tail(log_path)
@@ -119,6 +125,23 @@ class NodeProcess:
         if self._last_log is not None:
             return "\n".join(self._last_log.splitlines()[-lines:])
         return _tail(self.log_path, lines)
+
+
+def _forked(args: list[str], env: dict[str, str], stderr: IO[str]) -> Any:
+    """The node forked by this process's fork server (``forkserver``, with ``KVO_FORK_SERVER=1``),
+    or None: no server, or one that cannot start this node (then it is started cold)."""
+    server = forkserver.server()
+    if server is None or not server.fits(env):
+        return None
+    out_r, out_w = os.pipe()
+    stdout = os.fdopen(out_r, "r")
+    try:
+        return server.spawn(args, env, ROOT, out_w, stderr.fileno(), stdout)
+    except OSError:
+        stdout.close()
+        return None
+    finally:
+        os.close(out_w)
 
 
 def wait_ready(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
