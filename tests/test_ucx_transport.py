@@ -1111,3 +1111,24 @@ async def test_an_oversized_control_frame_is_counted_and_the_endpoint_serves_on(
         assert torch.equal(into, expected(37))
         assert conn.error is None and transport._eps[peer.address] is conn
         assert (await peer.astats())["malformed_frames"] == before + 1
+
+
+def test_the_last_ucx_owner_wakes_the_notifier_thread_instead_of_waiting_out_its_poll() -> None:
+    """``ucxx.reset()`` queues "shutdown" for its notifier thread and joins it, but the thread reads
+    its queue only when its 1 s wait for requests ends: every node's stop waited up to a second for
+    it. The last owner now wakes the wait itself (measured on an idle CTX's SIGTERM: 1.6-1.7 s to
+    exit before, 0.8-0.9 s after). Nothing is queued here: only the wake can end the thread."""
+    from transports import _ucx_common as uc
+
+    uc.apply_ucx_defaults()
+    ucxx = uc._ucx_acquire()
+    try:
+        assert uc._owners == 1  # a context of this test's own: waking it stops nobody else's
+        thread = ucxx.core._get_ctx().notifier_thread
+        assert thread is not None and thread.is_alive()
+        uc._wake_notifier(ucxx)
+        thread.join(5)
+        assert not thread.is_alive()
+    finally:
+        uc._ucx_release()
+    assert uc._owners == 0
