@@ -728,6 +728,15 @@ M = [
   "tests/test_forkserver.py -k dead_server"),
  ("launch: a node that exited before READY says its exit status", "examples/two_node/launch.py",
   "                    proc.wait(2)\n", "                    pass\n", "tests/test_forkserver.py -k cannot_start"),
+ ("ucx: the last owner wakes the notifier thread (a stop waited up to 1 s for its poll)", "transports/_ucx_common.py",
+  "        ctx.worker.stop_request_notifier_thread()\n", "        pass\n",
+  "tests/test_ucx_transport.py -k wakes_the_notifier"),
+ ("soak: a fork server is no node, its children are", "scripts/soak.py",
+  "        return \"examples.two_node.forkserver\" in _cmdline(ppid)\n", "        return True\n",
+  "tests/test_soak.py -k fork_server"),
+ ("forkserver: enabling it passes nothing on to children", "examples/two_node/forkserver.py",
+  "    global _enabled\n    _enabled = on\n", "    global _enabled\n    _enabled = on\n    os.environ[ENV] = \"1\" if on else \"0\"\n",
+  "tests/test_forkserver.py -k passed_on"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

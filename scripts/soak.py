@@ -110,6 +110,19 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _is_node(pid: int) -> bool:
+    """A process running a node: ``python -m examples.two_node ...``, or a child of a fork server
+    (which shows the server's command line; the server itself runs no node)."""
+    cmd = _cmdline(pid)
+    if "examples.two_node.forkserver" in cmd:
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        return "examples.two_node.forkserver" in _cmdline(ppid)
+    return "examples.two_node" in cmd
+
+
 def node_pid(pid: int) -> int:
     """The node's own Python process: ``pid`` itself, or (``ip netns exec`` or another wrapper that
     forks) the first descendant whose command line runs ``examples.two_node``."""
@@ -119,7 +132,7 @@ def node_pid(pid: int) -> int:
         if p in seen:
             continue
         seen.add(p)
-        if "examples.two_node" in _cmdline(p):
+        if _is_node(p):
             return p
         with contextlib.suppress(OSError):
             for task in Path(f"/proc/{p}/task").iterdir():

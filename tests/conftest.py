@@ -6,10 +6,12 @@ import pytest
 
 from examples.two_node import forkserver
 
-# Nodes started by the tests (and by the demos, benchmarks and fronts they start) are forked from a
-# server that has imported torch once, not started cold: ~2 s of CPU less per node, most of the
-# suite's time on two cores (examples/two_node/forkserver.py). KVO_FORK_SERVER=0 starts them cold.
-os.environ.setdefault(forkserver.ENV, "1")
+# Nodes the tests start themselves are forked from a server that has imported torch once, not
+# started cold: ~2 s of CPU less per node, much of the suite's time on two cores
+# (examples/two_node/forkserver.py). The demos, benchmarks and fronts the tests run start their
+# nodes cold, as a user's do. KVO_FORK_SERVER=0 starts every node cold.
+if os.environ.get(forkserver.ENV) != "0":
+    forkserver.enable()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -565,7 +565,7 @@ def test_a_sigterm_sent_the_moment_ready_is_read_is_a_graceful_stop(role: str, m
     in the log. A cold start, as a supervisor's (the suite's fork server had imported it already)."""
     from examples.two_node import forkserver
 
-    monkeypatch.setenv(forkserver.ENV, "0")
+    monkeypatch.setattr(forkserver, "_enabled", False)
     env = node_env()
     with contextlib.ExitStack() as stack:
         args = ["ctx", "--num-blocks", "16"]

@@ -17,7 +17,7 @@ from examples.two_node.launch import NodeProcess, node_env
 
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> forkserver.ForkServer:
-    monkeypatch.setenv(forkserver.ENV, "1")
+    monkeypatch.setattr(forkserver, "_enabled", True)
     s = forkserver.server()
     assert s is not None and s.alive
     return s
@@ -61,6 +61,12 @@ def test_a_start_whose_environment_the_imports_read_differently_is_started_cold(
         assert _ping(ctx)["healthy"]
 
 
+def test_the_switch_is_not_passed_on_to_a_child_s_environment(server: forkserver.ForkServer) -> None:
+    """The demos, benchmarks and fronts a test runs start their nodes cold (their process trees and
+    command lines are what a user's are): enabling the server here sets nothing in the environment."""
+    assert os.environ.get(forkserver.ENV) != "1" and node_env().get(forkserver.ENV) != "1"
+
+
 def test_a_dead_server_is_replaced_and_a_start_meanwhile_is_cold(server: forkserver.ForkServer,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     server.proc.kill()
@@ -71,6 +77,6 @@ def test_a_dead_server_is_replaced_and_a_start_meanwhile_is_cold(server: forkser
     with NodeProcess.start(["ctx", "--num-blocks", "16"], env=node_env()) as ctx:
         assert isinstance(ctx.proc, subprocess.Popen) and _ping(ctx)["healthy"]
     monkeypatch.undo()
-    monkeypatch.setenv(forkserver.ENV, "1")
+    monkeypatch.setattr(forkserver, "_enabled", True)
     again = forkserver.server()
     assert again is not server and again is not None and again.alive

@@ -77,6 +77,18 @@ def test_rss_bytes_per_request_fit() -> None:
     assert soak.problems(report) == ["CTX RSS grows 100 B/request over the second half (bound 64 B/request)"]
 
 
+def test_node_pid_of_a_node_forked_by_the_fork_server_is_the_node_not_the_server(monkeypatch) -> None:
+    from examples.two_node import forkserver
+    from examples.two_node.launch import NodeProcess, node_env
+
+    monkeypatch.setattr(forkserver, "_enabled", True)
+    with NodeProcess.start(["ctx", "--num-blocks", "16"], env=node_env()) as ctx:
+        assert isinstance(ctx.proc, forkserver.ForkedProcess)
+        assert soak.node_pid(ctx.proc.pid) == ctx.proc.pid
+    assert forkserver.server() is not None  # still running
+    assert soak.node_pid(os.getpid()) == os.getpid()  # the server, a child of this process, runs no node
+
+
 def test_node_pid_and_status_of_a_live_process() -> None:
     assert soak.node_pid(os.getpid()) == os.getpid()  # not a node: falls back to the pid itself
     st = soak.read_status(os.getpid())

@@ -3,10 +3,13 @@ node, instead of a new interpreter importing them again.
 
 A node process spends ~2-2.8 s of CPU starting, 1.8 s of it importing torch. The test suite starts
 hundreds of nodes on a 2-core machine, where that CPU was most of its time. ``NodeProcess.start``
-uses this server when ``KVO_FORK_SERVER=1`` (the test suite sets it); everything else starts nodes
-as ``python -m examples.two_node`` processes, and so does ``NodeProcess.start`` whenever this
-server cannot serve a start (a network namespace, an environment that differs in what the imports
-read, a server that died): the node is the same program either way.
+uses this server once ``enable()`` was called in the process (the test suite does, for the nodes
+its tests start themselves; the demos, benchmarks and fronts those tests run start theirs cold, as
+a user's do) or when started with ``KVO_FORK_SERVER=1``. Everything else starts nodes as ``python
+-m examples.two_node`` processes, and so does ``NodeProcess.start`` whenever this server cannot
+serve a start (a network namespace, an environment that differs in what the imports read, a
+server that died): the node is the same program either way. In ``ps`` a forked node shows its
+server's command line (``python -m examples.two_node.forkserver N``), as a child of the server.
 
 The server is a child of the process that uses it, started with ``python -m
 examples.two_node.forkserver`` and one end of a ``SOCK_SEQPACKET`` socket pair. It imports the
@@ -41,7 +44,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 ENV = "KVO_FORK_SERVER"
-"""``1``: ``NodeProcess.start`` forks nodes from a server (see the module docstring)."""
+"""``1`` when a process starts: its ``NodeProcess.start`` forks nodes from a server (see the module
+docstring). Read once, and not passed on by ``enable()``: a process's children decide for themselves."""
+_enabled = os.environ.get(ENV) == "1"
 
 ROOT = Path(__file__).resolve().parents[2]
 PRELOAD = ("examples.two_node.__main__", "examples.two_node.gen", "examples.two_node.ctx",
@@ -204,11 +209,21 @@ _server_lock = threading.Lock()
 _server_pid = -1  # the process that started it (a forked caller starts its own)
 
 
+def enable(on: bool = True) -> None:
+    """Fork this process's nodes from a server (``on``), or start them cold."""
+    global _enabled
+    _enabled = on
+
+
+def enabled() -> bool:
+    return _enabled
+
+
 def server() -> ForkServer | None:
-    """This process's fork server, started on first use (or again, when it died); None when
-    ``KVO_FORK_SERVER`` is not ``1``."""
+    """This process's fork server, started on first use (or again, when it died); None unless
+    enabled (``enable()``, or ``KVO_FORK_SERVER=1`` when the process started)."""
     global _server, _server_pid
-    if os.environ.get(ENV) != "1":
+    if not _enabled:
         return None
     with _server_lock:
         if _server is None or _server_pid != os.getpid() or not _server.alive:
