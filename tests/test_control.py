@@ -645,15 +645,34 @@ def test_a_port_in_use_is_one_line_and_exit_status_1() -> None:
         taken.close()
 
 
+def _port_whose_predecessor_is_free() -> socket.socket:
+    """A listening socket on a port P such that P - 1 was free a moment ago (a port the kernel
+    picks at random may follow one another test's node holds: that failed this test once, with
+    rank 0, not rank 1, unable to listen)."""
+    for _ in range(50):
+        taken = socket.socket()
+        taken.bind(("0.0.0.0", 0))
+        port = taken.getsockname()[1]
+        probe = socket.socket()
+        try:
+            probe.bind(("0.0.0.0", port - 1))
+        except OSError:
+            taken.close()
+            continue
+        finally:
+            probe.close()
+        taken.listen()
+        return taken
+    raise RuntimeError("no port with a free predecessor in 50 tries")
+
+
 @pytest.mark.integration
 def test_a_tp_rank_that_cannot_start_is_named_with_its_reason_and_giving_up_is_one_line() -> None:
     """CTX TP2 whose rank 1 cannot listen (--ucx-port + 1 taken): the group's cause and the form
     error said "CTX rank 1 exited with code 1" or "lost a connection" (the reason in stderr only),
     and --tp-reform-attempts spent ended in a 100-line traceback. Now the rank's reason is in the
     cause, and the node exits 1 with one line for its supervisor."""
-    taken = socket.socket()
-    taken.bind(("0.0.0.0", 0))
-    taken.listen()
+    taken = _port_whose_predecessor_is_free()  # rank 0 must be able to listen on the port before it
     rank1_port = taken.getsockname()[1]
     try:
         r = subprocess.run([sys.executable, "-m", "examples.two_node", "ctx", "--port", "0", "--tp", "2",
