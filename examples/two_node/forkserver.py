@@ -215,10 +215,6 @@ def enable(on: bool = True) -> None:
     _enabled = on
 
 
-def enabled() -> bool:
-    return _enabled
-
-
 def server() -> ForkServer | None:
     """This process's fork server, started on first use (or again, when it died); None unless
     enabled (``enable()``, or ``KVO_FORK_SERVER=1`` when the process started)."""
