@@ -289,7 +289,9 @@ def test_sigterm_to_a_tp_ctx_lets_the_prefills_it_took_finish() -> None:
             async with anyio.create_task_group() as tg:
                 for i in range(4):
                     tg.start_soon(one, f"r{i}", out)
-                await anyio.sleep(0.03)  # the prefills are in (the group runs them one by one)
+                with anyio.fail_after(10):  # a prefill is in (the group runs them one by one): 30 ms of
+                    while not (await control.call(ctx.info["ctrl"], {"op": "stats"}, secret=ctx.secret))["busy"]:
+                        await anyio.sleep(0.005)  # sleep was not always enough on a loaded machine
                 ctx.proc.send_signal(signal.SIGTERM)
             return out
 

@@ -173,6 +173,7 @@ class CtxNode:
         store = {k: sum(r["store"][k] for r in ranks) for k in ranks[0]["store"]}
         pool = {k: sum(r["pool"][k] for r in ranks) for k in ranks[0]["pool"]}
         return {"ok": True, "role": "ctx", "prefills": self._prefills, "prefills_abandoned": self._abandoned,
+                "busy": self.busy(),  # what a stop now would lose (held KV, prefills taken), rank 0's count
                 "store": store, "pool": pool,
                 "tp": {"world_size": self.args.tp, "ranks": ranks, "rank_pids": getattr(self.args, "tp_pids", []),
                        **(self.healer.statistics() if self.healer is not None else {})},
