@@ -469,7 +469,8 @@ class ReceiveGroup:
                     self._cancel_early.add(request_id)
 
     async def _release(self, peer: str, request_id: str, handle: str | None) -> None:
-        with anyio.move_on_after(self._release_backstop_s, shield=True) as scope:
+        bound = self._release_timeout_s if self._winding_down else self._release_backstop_s  # one spawned as it stops
+        with anyio.move_on_after(bound, shield=True) as scope:
             self._release_scopes.add(scope)
             try:
                 await self._transport.release(peer, request_id, handle=handle)
