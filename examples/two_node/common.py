@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import zlib
 from collections.abc import Awaitable, Callable

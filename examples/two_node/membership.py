@@ -226,18 +226,16 @@ class Registration:
                 await self.etcd.revoke(self.lease)
         log.info("node_deregistered", key=self.key)
 
-    async def run(self, stop: Callable[[], None], *, sigterms: Sigterms | None = None,
+    async def run(self, stop: Callable[[], None], *, sigterms: Sigterms,
                   task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Register, keep alive; on SIGTERM or ``request_drain``: drain, deregister, then ``stop()`` the
-        node. Cancelled (the node stops for another reason): deregister on the way out."""
+        """Register, keep alive; on SIGTERM (from ``sigterms``, the node's, caught from before its
+        READY) or ``request_drain``: drain, deregister, then ``stop()`` the node. Cancelled (the node
+        stops for another reason): deregister on the way out."""
         await self.register()
         task_status.started()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.keep_alive)
-                if sigterms is None:  # the node caught none from before READY: from now on
-                    sigterms = Sigterms()
-                    await tg.start(sigterms.run)
                 tg.start_soon(self._on_sigterm, sigterms)
                 await self._drain_requested.wait()
                 await self.drain()
@@ -258,7 +256,7 @@ class Registration:
 async def serve_registration(url: str, *, prefix: str, role: str, ctrl: str, meta: dict[str, Any],
                              busy: Callable[[], int | Awaitable[int]], stop: Callable[[], None], ttl_s: int = DEFAULT_TTL_S,
                              on_registration: Callable[[Registration], None] | None = None,
-                             sigterms: Sigterms | None = None, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+                             sigterms: Sigterms, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """What a node runs in its task group when given ``--etcd URL`` (see ``Registration.run``)."""
     etcd = Etcd(url)
     try:
