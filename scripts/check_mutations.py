@@ -741,6 +741,9 @@ M = [
   "        bound = self._release_timeout_s if self._winding_down else self._release_backstop_s  # one spawned as it stops\n",
   "        bound = self._release_backstop_s\n",
   "tests/test_hardening.py -k unanswered_when_the_group_stops"),
+ ("bench: the orchestrated target reads the median of the rounds", "examples/bench.py",
+  "    ratio = rat.get(\"throughput_median_of_rounds\", rat[\"throughput\"])\n", "    ratio = max(rat.get(\"throughput_per_round\", [rat[\"throughput\"]]))\n",
+  "tests/test_bench.py -k orchestrated_targets"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -38,6 +38,28 @@ def test_ratios_and_plot(tmp_path) -> None:
     assert json.loads((tmp_path / "b.json").read_text())["nan"] is None
 
 
+@pytest.mark.parametrize("per_round, blocked_max, verdicts", [
+    ([0.97, 0.995, 1.01], 0, ["met", "met"]),      # the median of the rounds, not their mean or worst
+    ([0.97, 0.985, 1.05], 0, ["MISSED", "met"]),   # a good round does not lift the median
+    ([0.99, 1.0, 1.0], 0.4, ["met", "MISSED"]),    # blocked at all: missed
+])
+def test_the_orchestrated_targets_are_printed_with_their_verdicts(capsys, per_round, blocked_max, verdicts) -> None:
+    ideal = {**_fake_mode(1000.0, 4.0), "per_round": [{"output_tok_s": 1000.0}] * 3}
+    orch = {**_fake_mode(1000.0, 4.0), "per_round": [{"output_tok_s": 1000.0 * x} for x in per_round],
+            "exec_blocked_ms": {"p50": 0, "p99": 0, "max": blocked_max}}
+    res = {"modes": {"ideal": ideal, "orchestrated": orch}, "config": {}}
+    res["ratios"] = bench._ratios(res["modes"])
+    checks = bench.targets(res)
+    assert [c["met"] for c in checks] == [v == "met" for v in verdicts]
+    assert checks[0]["measured"] == pytest.approx(sorted(per_round)[1])
+    bench.print_report(res, "t")
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│ orchestrated") and ("ideal" in line or "blocked" in line)]
+    assert [("MISSED" if "MISSED" in r else "met") for r in rows] == verdicts, out
+    assert f"({sorted(per_round)[1]:.3f})" in out  # the per-round ratios and their median, on the console too
+    assert bench.targets({"modes": {"ideal": ideal}, "ratios": {}, "config": {}}) == []
+
+
 def test_config_defaults_and_overrides() -> None:
     def cfg(*argv: str) -> dict:
         return bench.build_config(bench.make_parser().parse_args(list(argv)))
