@@ -53,7 +53,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from examples import _report
+from examples import _proc, _report
 from examples.two_node import cli, control
 from examples.two_node.launch import wait_ready
 from examples.two_node.client import LoadResult, make_prompts, run_load, summarize
@@ -232,16 +232,7 @@ def _rank_pids(node: Node) -> list[int]:
 
 def _group_cpu_s(node: Node) -> float:
     """CPU seconds of a node and its rank processes (``Node.rank_pids``)."""
-    return _proc_cpu_s(node.pid) + sum(_proc_cpu_s(p) for p in getattr(node, "rank_pids", []))
-
-
-def _proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process (0 when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _proc.cpu_s(node.pid) + sum(_proc.cpu_s(p) for p in getattr(node, "rank_pids", []))
 
 
 async def _warmup(mode: str, ctx: Node, gen: Node, cfg: dict[str, Any], progress: bool) -> None:

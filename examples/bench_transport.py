@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from examples import _proc
 from transports.ucx import UCX_DEFAULTS
 
 MiB = 1 << 20
@@ -192,11 +193,6 @@ class _Timer:
         out["cpu_us_per_op_main_thread"] = used.get(main, 0) / n / 1e3
         out["cpu_us_per_op_other_threads"] = sum(v for t, v in used.items() if t != main) / n / 1e3
         return out
-
-
-def _proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- workers (each in its own process) ------------------------------------------------------------
@@ -633,9 +629,9 @@ def _pair(kind: str, ucx: dict[str, str] | None, budget_s: float, idle_s: float,
         server_idle = None
         for msg in _json_lines(client):
             if msg.get("phase") == "idle":
-                c0, t0 = _proc_cpu_s(server.pid), time.perf_counter()
+                c0, t0 = _proc.cpu_s(server.pid), time.perf_counter()
                 time.sleep(max(0.5, idle_s - 0.3))
-                server_idle = 100 * (_proc_cpu_s(server.pid) - c0) / (time.perf_counter() - t0)
+                server_idle = 100 * (_proc.cpu_s(server.pid) - c0) / (time.perf_counter() - t0)
             elif "result" in msg:
                 result = msg["result"]
                 if server_idle is not None:

@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the examples pac
 import anyio  # noqa: E402
 import numpy as np  # noqa: E402
 
-from examples import _report  # noqa: E402
+from examples import _proc, _report  # noqa: E402
 from examples.two_node import client, control  # noqa: E402
 from examples.two_node.launch import NodeProcess, node_env  # noqa: E402
 
@@ -115,11 +115,8 @@ def _is_node(pid: int) -> bool:
     (which shows the server's command line; the server itself runs no node)."""
     cmd = _cmdline(pid)
     if "examples.two_node.forkserver" in cmd:
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-        return "examples.two_node.forkserver" in _cmdline(ppid)
+        ppid = _proc.ppid(pid)
+        return ppid is not None and "examples.two_node.forkserver" in _cmdline(ppid)
     return "examples.two_node" in cmd
 
 

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from examples import _proc
 from examples.two_node import gen_tp, tp_group
 
 
@@ -76,7 +77,7 @@ def test_a_stopped_rank_breaks_the_group_only_past_the_step_timeout(stopped_proc
     watch = tp_group.RankWatch("GEN", [FakeChild(os.getpid()), stopped_process], 10.0, clock=clock)
     os.kill(stopped_process.pid, signal.SIGSTOP)
     deadline = time.monotonic() + 5
-    while tp_group.process_state(stopped_process.pid) != "T" and time.monotonic() < deadline:
+    while _proc.state(stopped_process.pid) != "T" and time.monotonic() < deadline:
         time.sleep(0.01)
     assert watch.poll() is None  # seen stopped now
     clock.t += 9.9
@@ -92,11 +93,11 @@ def test_a_continued_rank_is_forgotten(stopped_process: subprocess.Popen[bytes])
     clock = Clock()
     watch = tp_group.RankWatch("GEN", [stopped_process], 10.0, clock=clock)
     os.kill(stopped_process.pid, signal.SIGSTOP)
-    while tp_group.process_state(stopped_process.pid) != "T":
+    while _proc.state(stopped_process.pid) != "T":
         time.sleep(0.01)
     assert watch.poll() is None
     os.kill(stopped_process.pid, signal.SIGCONT)
-    while tp_group.process_state(stopped_process.pid) == "T":
+    while _proc.state(stopped_process.pid) == "T":
         time.sleep(0.01)
     assert watch.poll() is None
     clock.t += 60

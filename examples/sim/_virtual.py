@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 import trio
 import trio.testing
 
+from examples import _proc
+
 T = TypeVar("T")
 
 
@@ -65,11 +67,7 @@ def one_cpu() -> Iterator[None]:
 def _current_cpu(allowed: set[int]) -> int:
     """The CPU this thread runs on now (where the OS found room for it), else the first allowed one:
     two replays at once then most likely keep to different CPUs."""
-    try:
-        with open("/proc/thread-self/stat") as f:
-            cpu = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39, "processor"
-    except (OSError, ValueError, IndexError):
-        return min(allowed)
+    cpu = _proc.processor("thread-self")
     return cpu if cpu in allowed else min(allowed)
 
 

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from examples import _proc
+
 ENV = "KVO_FORK_SERVER"
 """``1`` when a process starts: its ``NodeProcess.start`` forks nodes from a server (see the module
 docstring). Read once, and not passed on by ``enable()``: a process's children decide for themselves."""
@@ -199,9 +201,7 @@ def _exists(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    with contextlib.suppress(OSError):  # a zombie is no running node
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
+    return _proc.state(pid) not in ("Z", None)  # a zombie is no running node
 
 
 _server: ForkServer | None = None

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from examples import _proc
 from orchestrator import GroupBroken as _StepGroupBroken
 
 log = structlog.get_logger("examples.tp_group")
@@ -342,16 +343,6 @@ def stop_ranks(children: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -
 
 # -- watching the ranks and naming the cause ----------------------------------------------------------
 
-def process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (``T``: stopped; ``Z``: dead, not reaped), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rindex(b")") + 2:][:1].decode()
-
-
 class RankWatch:
     """Rank 0: the state of every other rank of one generation, and THE cause of its end.
 
@@ -413,7 +404,7 @@ class RankWatch:
         for rank, child in enumerate(self.children, start=1):
             code = child.poll()
             if code is None:
-                if process_state(child.pid) in ("T", "t"):
+                if _proc.state(child.pid) in ("T", "t"):
                     self._stopped_since.setdefault(rank, now)
                     found = (2, self._stopped_text(rank, child.pid))
                 else:
