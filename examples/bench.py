@@ -496,20 +496,35 @@ ORCHESTRATED_VS_IDEAL = 0.99
 """The design's claim (issue 17's end-to-end target): orchestrated throughput at least this share
 of ideal's, as the median of the rounds' ratios (adjacent in time), with the execution thread
 never blocked on a receive."""
+SHAPED_ORCHESTRATED_VS_IDEAL = 0.98
+SHAPED_INLINE_VS_IDEAL = 0.85
+"""On a bandwidth-shaped link (``--link-mbit``; issue 18), where a transfer spans many decode steps
+and ideal pays for none: orchestrated at least 0.98x ideal, inline visibly regressed (15 % below)."""
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """The orchestrated mode's targets with what this run measured (empty without it or ideal)."""
-    rat = res.get("ratios", {}).get("orchestrated")
-    orch = res["modes"].get("orchestrated")
+    """The targets that apply to this run, with what it measured (empty without orchestrated and
+    ideal): on loopback issue 17's, on a shaped link issue 18's."""
+    ratios = res.get("ratios", {})
+    rat, orch = ratios.get("orchestrated"), res["modes"].get("orchestrated")
     if rat is None or orch is None:
         return []
-    ratio = rat.get("throughput_median_of_rounds", rat["throughput"])
-    what = "median of rounds" if "throughput_median_of_rounds" in rat else "one round"
+
+    def measured(r: dict[str, Any]) -> tuple[float, str]:
+        what = "median of rounds" if "throughput_median_of_rounds" in r else "one round"
+        return r.get("throughput_median_of_rounds", r["throughput"]), what
+
+    shaped = bool(res.get("config", {}).get("link_mbit"))
+    least = SHAPED_ORCHESTRATED_VS_IDEAL if shaped else ORCHESTRATED_VS_IDEAL
+    ratio, what = measured(rat)
     blocked = orch["exec_blocked_ms"]["max"]
-    return [{"target": f"orchestrated >= {ORCHESTRATED_VS_IDEAL}x ideal throughput ({what})", "measured": ratio,
-             "met": bool(ratio >= ORCHESTRATED_VS_IDEAL)},
-            {"target": "orchestrated: execution thread blocked max 0 ms", "measured": blocked, "met": bool(blocked == 0)}]
+    out = [{"target": f"orchestrated >= {least}x ideal throughput ({what})", "measured": ratio, "met": bool(ratio >= least)},
+           {"target": "orchestrated: execution thread blocked max 0 ms", "measured": blocked, "met": bool(blocked == 0)}]
+    if shaped and "inline" in ratios:
+        ratio, what = measured(ratios["inline"])
+        out.append({"target": f"shaped link: inline <= {SHAPED_INLINE_VS_IDEAL}x ideal throughput ({what})",
+                    "measured": ratio, "met": bool(ratio <= SHAPED_INLINE_VS_IDEAL)})
+    return out
 
 
 def _per_round(v: dict[str, Any]) -> str:

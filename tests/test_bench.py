@@ -60,6 +60,22 @@ def test_the_orchestrated_targets_are_printed_with_their_verdicts(capsys, per_ro
     assert bench.targets({"modes": {"ideal": ideal}, "ratios": {}, "config": {}}) == []
 
 
+def test_a_shaped_link_run_is_held_to_the_shaped_link_s_targets() -> None:
+    """On a shaped link ideal pays for no transfer: orchestrated's target there is 0.98, and inline
+    must be visibly worse (issue 18), not the loopback's 0.99."""
+    def res(inline: float, orch: float, link_mbit: float | None) -> dict:
+        modes = {"ideal": _fake_mode(1000.0, 4.0), "inline": _fake_mode(1000.0 * inline, 5.0),
+                 "orchestrated": _fake_mode(1000.0 * orch, 4.1)}
+        return {"modes": modes, "ratios": bench._ratios(modes), "config": {"link_mbit": link_mbit}}
+
+    shaped = bench.targets(res(0.82, 0.985, 24.0))
+    assert [c["met"] for c in shaped] == [True, True, True] and "0.98x" in shaped[0]["target"]
+    assert [c["met"] for c in bench.targets(res(0.86, 0.985, 24.0))] == [True, True, False]  # inline not regressed
+    assert [c["met"] for c in bench.targets(res(0.82, 0.975, 24.0))] == [False, True, True]
+    loopback = bench.targets(res(0.82, 0.985, None))
+    assert [c["met"] for c in loopback] == [False, True] and "0.99x" in loopback[0]["target"]
+
+
 def test_config_defaults_and_overrides() -> None:
     def cfg(*argv: str) -> dict:
         return bench.build_config(bench.make_parser().parse_args(list(argv)))
