@@ -750,6 +750,9 @@ M = [
  ("bench: a shaped-link run is held to the shaped link's targets", "examples/bench.py",
   "    least = SHAPED_ORCHESTRATED_VS_IDEAL if shaped else ORCHESTRATED_VS_IDEAL\n", "    least = ORCHESTRATED_VS_IDEAL\n",
   "tests/test_bench.py -k shaped_link_s_targets"),
+ ("sim: a pull is priced as the whole blocks it moves", "examples/sim/_model.py",
+  "        return layout.blocks_for(isl) * layout.block_bytes\n", "        return self.kv_bytes_per_token() * isl // self.gen_tp\n",
+  "tests/test_sim.py -k whole_blocks_pulled"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

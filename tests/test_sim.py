@@ -264,6 +264,17 @@ def test_one_ctx_rank_sends_every_gen_ranks_heads_through_one_egress() -> None:
     assert tiny(gen_tp=4).transfer_s(48) * 1e3 == pytest.approx(alone, rel=0.01)
 
 
+def test_a_prompt_that_ends_inside_a_block_is_priced_as_the_whole_blocks_pulled() -> None:
+    """A pull moves whole blocks (the last one's unused tokens too), in the replay's links and in
+    the figures it prints and checks: one token past a block costs a block."""
+    p = tiny(gen_tp=2)
+    block = p.block_size
+    assert p.transfer_s(block + 1) == pytest.approx(p.transfer_s(2 * block)) and p.transfer_s(block) < p.transfer_s(block + 1)
+    assert p.rank_bytes(block + 1) == p.rank_layout().block_bytes * 2
+    d = tiny(gen_tp=2, isl=block + 1, isl_choices=()).describe()["derived"]
+    assert d["kv_bytes_per_request_per_rank"] == 2 * p.rank_layout().block_bytes
+
+
 def test_a_transfer_shorter_than_the_clocks_resolution_still_ends() -> None:
     """At a bandwidth where bytes / bandwidth is below float resolution at the current time, the
     link ends the transfer instead of rescheduling it at the same instant forever."""

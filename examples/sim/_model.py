@@ -124,8 +124,14 @@ class SimParams:
     def transfer_s(self, isl: int) -> float:
         """One request's transfer alone on the links: a GEN rank's slice over its link, or every
         rank's slices over the CTX's egress, whichever takes longer."""
-        whole = self.kv_bytes_per_token() * isl
-        return max(whole / self.gen_tp / (self.link_gbyte_s * 1e9), whole / self.ctx_nic_bytes_s())
+        rank = self.rank_bytes(isl)
+        return max(rank / (self.link_gbyte_s * 1e9), rank * self.gen_tp / self.ctx_nic_bytes_s())
+
+    def rank_bytes(self, isl: int) -> int:
+        """What one GEN rank pulls of an ``isl``-token prompt: whole blocks of its heads (the last
+        block's unused tokens too, as the pulls move them)."""
+        layout = self.rank_layout()
+        return layout.blocks_for(isl) * layout.block_bytes
 
     @property
     def heads_per_rank(self) -> int:
@@ -209,7 +215,7 @@ class SimParams:
         d = dataclasses.asdict(self)
         d["derived"] = {
             "kv_bytes_per_token_model": self.kv_bytes_per_token(),
-            "kv_bytes_per_request_per_rank": self.kv_bytes_per_token() * max(self.isl_choices or (self.isl,)) // self.gen_tp,
+            "kv_bytes_per_request_per_rank": self.rank_bytes(max(self.isl_choices or (self.isl,))),
             "transfer_s_per_request_per_rank": self.transfer_s(max(self.isl_choices or (self.isl,))),
             "ctx_nic_gbyte_s": self.ctx_nic_bytes_s() / 1e9,
             "step_ms_at_72": round(self.step_s(72) * 1e3, 4),

@@ -405,9 +405,8 @@ def check_transfers(p: SimParams) -> None:
     time (at the public case's size, hours of idle steps and a warning per request per rank). The
     CLI and the sweep refuse such parameters; ``replay`` itself runs them (a receive's timeout is
     worth replaying on purpose)."""
-    layout = p.rank_layout()
     longest = max(p.isl_choices or (p.isl,))
-    rank_bytes = layout.blocks_for(longest) * layout.block_bytes  # what one rank pulls: whole blocks
+    rank_bytes = p.rank_bytes(longest)  # what one rank pulls: whole blocks
     alone_s = max(rank_bytes / (p.link_gbyte_s * 1e9), rank_bytes * p.gen_tp / p.ctx_nic_bytes_s())
     if alone_s * 1e3 >= p.kv_transfer_timeout_ms:
         raise ValueError(f"a {longest}-token prompt's KV ({rank_bytes:,} bytes per GEN rank, x {p.gen_tp} through the "
