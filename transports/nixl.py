@@ -431,7 +431,7 @@ class NIXLTransport:
     checked, before the READ is posted; none by default (the pull then does not await between its
     connection's vouching and the READ, so nothing it heard can have changed)."""
 
-    def _check_blocks(self, conn: _Conn, blocks: Any, kv_slice: KVSlice, into: torch.Tensor, *,
+    def _check_blocks(self, conn: _Conn, blocks: Any, into: torch.Tensor, *,
                       blame_peer: bool = True) -> list[int]:
         """The CTX's block ids, checked before anything is built from them: a list of exactly the
         blocks ``into`` holds, each an int inside the CTX's pool; ``ProtocolViolation`` otherwise
@@ -531,7 +531,7 @@ class NIXLTransport:
         peer = conn.peer
         nbytes = into.nbytes
         try:
-            blocks = self._check_blocks(conn, raw_blocks, kv_slice, into, blame_peer=blame_peer)
+            blocks = self._check_blocks(conn, raw_blocks, into, blame_peer=blame_peer)
             pool = conn.info["pool"]
             full = conn.remote.full_slice()
             whole = kv_slice is full or kv_slice == full  # whole blocks: their size says it all
