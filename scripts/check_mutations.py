@@ -753,6 +753,10 @@ M = [
  ("sim: a pull is priced as the whole blocks it moves", "examples/sim/_model.py",
   "        return layout.blocks_for(isl) * layout.block_bytes\n", "        return self.kv_bytes_per_token() * isl // self.gen_tp\n",
   "tests/test_sim.py -k whole_blocks_pulled"),
+ ("front: with etcd, the nodes it launched are in before READY", "examples/serve/__main__.py",
+  "        procs = [p for _, p in launched]\n",
+  "        procs = [p for _, p in launched]\n        if cfg.etcd is not None:\n            ctx, gen = [s.addr for s in cfg.ctx if s.addr], [s.addr for s in cfg.gen if s.addr]\n",
+  "tests/test_etcd_membership.py -k launches_its_nodes"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

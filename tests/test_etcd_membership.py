@@ -213,6 +213,29 @@ def gen_running(node: NodeProcess) -> int:
     return anyio.run(lambda: control.call(node.info["ctrl"], {"op": "stats"}, secret=node.secret))["engine"]["running"]
 
 
+def test_a_front_that_launches_its_nodes_with_etcd_is_ready_with_them(tmp_path: Path, etcd_url: str,
+                                                                       refs: list[list[int]]) -> None:
+    """The nodes a front starts register in etcd only after their READY: its READY came before the
+    watch saw them ("ctx": [], and its first request a 503 no_node_available, in 3 of 3 starts of an
+    outside review). READY now names them, and the first request is served."""
+    prefix = f"/kvo/test-{secrets.token_hex(4)}/"
+    yaml = front_yaml(etcd_url, prefix) + """
+ctx:
+  - launch: {args: ["--num-blocks", "128", "--etcd-ttl-s", "2"]}
+gen:
+  - launch: {args: ["--num-blocks", "128", "--etcd-ttl-s", "2"]}
+"""
+    with running_front(tmp_path, yaml) as front:
+        started = {n["role"]: n["ctrl"] for n in front["started"]}
+        assert front["ctx"] == [started["ctx"]] and front["gen"] == [started["gen"]], front
+        r = httpx.post(front["url"] + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": N_TOKENS, "ignore_eos": True,
+                             "return_token_ids": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == refs[0]
+        assert set(members(front)) == {started["ctx"], started["gen"]}  # once each, though etcd named them too
+
+
 def test_drain_under_load_loses_nothing(tmp_path: Path, etcd_url: str, model: TinyModel) -> None:
     refs = [model.generate_reference(TOK.encode(p), LONG) for p in PROMPTS]
     with cluster(tmp_path, etcd_url) as (nodes, fronts):

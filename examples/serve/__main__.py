@@ -106,8 +106,9 @@ def _serve(cfg: ClusterConfig, a: argparse.Namespace, sock: socket.socket, secre
         from examples.serve._app import Front
 
         procs = [p for _, p in launched]
-        if cfg.etcd is not None:  # the nodes it started register in etcd: the watch brings them in
-            ctx, gen = [s.addr for s in cfg.ctx if s.addr], [s.addr for s in cfg.gen if s.addr]
+        # with etcd too, the nodes it started are in from the start (polled before READY): they register
+        # in etcd only after their own READY, so a READY that waited for the watch to bring them in named
+        # none of them and answered its first request 503 (the watch then finds them known)
         cluster = Cluster(ctx, gen, secret=secret, interval_s=cfg.routing.stats_interval_s,
                           timeout_s=cfg.routing.connect_timeout_s,
                           policies={"ctx": cfg.router.ctx, "gen": cfg.router.gen})
