@@ -757,6 +757,18 @@ M = [
   "        procs = [p for _, p in launched]\n",
   "        procs = [p for _, p in launched]\n        if cfg.etcd is not None:\n            ctx, gen = [s.addr for s in cfg.ctx if s.addr], [s.addr for s in cfg.gen if s.addr]\n",
   "tests/test_etcd_membership.py -k launches_its_nodes"),
+ ("node: SIGINT is the same graceful stop as SIGTERM", "examples/two_node/sigterms.py",
+  "    SIGNALS = (signal.SIGTERM, signal.SIGINT)\n", "    SIGNALS = (signal.SIGTERM,)\n",
+  "tests/test_tp_two_node.py -k 'process_group_is_a_graceful and SIGINT'"),
+ ("tp rank: SIGINT waits for rank 0 as SIGTERM does", "examples/two_node/tp_group.py",
+  "    for sig in (signal.SIGTERM, signal.SIGINT):\n", "    for sig in (signal.SIGTERM,):\n",
+  "tests/test_tp_two_node.py -k 'process_group_is_a_graceful and SIGINT'"),
+ ("tp rank: a rank whose rank 0 died before the group formed exits", "examples/two_node/tp_group.py",
+  "        if os.getppid() != rank0:\n", "        if False:\n",
+  "tests/test_tp_heal_units.py -k rank_0_died"),
+ ("tp rank: rank 0's pid comes from its environment (it may have died before the rank joined)", "examples/two_node/tp_group.py",
+  "    rank0 = int(os.environ.get(RANK0_ENV) or os.getppid())", "    rank0 = os.getppid()",
+  "tests/test_tp_heal_units.py -k 'rank_0_died and before'"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

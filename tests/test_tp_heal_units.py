@@ -549,12 +549,12 @@ def test_a_rank_that_exits_before_the_group_formed_fails_the_attempt_at_once() -
         return "formed"
 
     with pytest.raises(RuntimeError, match=r"rank 2 \(pid 12\) exited with code -9 before the group formed"):
-        tp_group.join_watching(children, rendezvous, period_s=0.01)
+        tp_group.join_watching(tp_group.watch_ranks(children), rendezvous, period_s=0.01)
     assert time.monotonic() - started < 2
     never.set()
-    assert tp_group.join_watching([FakeChild(11)], lambda: "formed", period_s=0.01) == "formed"
+    assert tp_group.join_watching(tp_group.watch_ranks([FakeChild(11)]), lambda: "formed", period_s=0.01) == "formed"
     with pytest.raises(ValueError, match="bad"):
-        tp_group.join_watching([FakeChild(11)], lambda: (_ for _ in ()).throw(ValueError("bad")), period_s=0.01)
+        tp_group.join_watching(tp_group.watch_ranks([FakeChild(11)]), lambda: (_ for _ in ()).throw(ValueError("bad")), period_s=0.01)
 
 
 @pytest.mark.parametrize("last_words, why", [
@@ -583,7 +583,7 @@ def test_a_rank_that_exits_says_why_where_the_cause_is_read(last_words, why, cap
     assert cause.startswith(f"CTX rank 1 (pid {child.pid}) exited with code {code}")
     assert cause.endswith(f"code {code}" if why is None else f"code {code}: {why}"), cause
     with pytest.raises(RuntimeError) as raised:
-        tp_group.join_watching([child], lambda: threading.Event().wait(30), period_s=0.01)
+        tp_group.join_watching(tp_group.watch_ranks([child]), lambda: threading.Event().wait(30), period_s=0.01)
     assert str(raised.value).endswith("before the group formed" + ("" if why is None else f": {why}"))
     assert (why or "").split(": ")[-1] in capfd.readouterr().err  # forwarded, as before the copy
 
@@ -757,3 +757,35 @@ def test_a_gen_stopping_its_own_group_is_not_a_break_to_heal() -> None:
     assert rank0.broken() == "the tensor-parallel group was stopped"  # a stop the node did not make: heal
     node.ending = True
     assert rank0.broken() is None
+
+
+@pytest.mark.parametrize("rank0_lives_s", [0.0, 2.5], ids=["before-it-joined", "while-it-joins"])
+def test_a_rank_whose_rank_0_died_before_the_group_formed_exits_at_once(tmp_path, rank0_lives_s: float) -> None:
+    """Rank 0 stopped at once (a second SIGTERM) while it formed a generation: the ranks it had just
+    started waited in the rendezvous' C++ for the 120 s join timeout, orphans that did not even run
+    their SIGTERM handler (an outside drill left three for over 47 s). A rank now watches rank 0
+    while it joins, and exits 1 (with one log line) when rank 0 is gone, whenever it died."""
+    from examples.two_node.launch import ROOT, node_env
+
+    script = tmp_path / "rank0.py"
+    script.write_text(f"""
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-m", "examples.two_node", "gen", "--ctx", "127.0.0.1:1", "--tp", "2",
+                          "--num-blocks", "16", "--tp-rank", "1", "--tp-init", "tcp://127.0.0.1:{tp_group._free_port()}"],
+                         stdin=subprocess.DEVNULL, stderr=open({str(tmp_path / "rank1.log")!r}, "w"),
+                         env={{**os.environ, {tp_group.RANK0_ENV!r}: str(os.getpid())}})
+print(child.pid, flush=True)
+time.sleep({rank0_lives_s})
+os._exit(0)  # rank 0 gone, its group never formed
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=node_env(), cwd=ROOT, timeout=60)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 30  # its start (imports) and then at most a watch period
+    while _proc.state(pid) not in (None, "Z") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _proc.state(pid) not in (None, "Z")
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    log = (tmp_path / "rank1.log").read_text(errors="replace")
+    assert not alive, log[-2000:]
+    assert "tp_rank_orphaned" in log, log[-2000:]

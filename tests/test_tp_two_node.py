@@ -173,11 +173,14 @@ def test_a_tp_size_the_model_cannot_split_is_refused_at_start(role: str, tp: str
 
 # -- a stop signal for the whole node -----------------------------------------------------------------
 
-def test_sigterm_to_a_tp_gen_s_process_group_is_a_graceful_stop_of_the_whole_group() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_to_a_tp_gen_s_process_group_is_a_graceful_stop_of_the_whole_group(sig: int) -> None:
     """A supervisor stops a node by signalling its process group (the launcher's ``killpg``, systemd's
     cgroup kill): every GEN rank gets the SIGTERM. Before, ranks 1..N-1 exited at once, the group
     broke and rank 0's graceful stop failed the live request; now they step on until rank 0 stops
-    the group: the live request finishes, a new one is refused, every rank exits 0."""
+    the group: the live request finishes, a new one is refused, every rank exits 0. An operator's
+    Ctrl-C (SIGINT to the group) is the same stop: it was a KeyboardInterrupt traceback per rank,
+    exit 130, and the live requests failed as "rank 1 was killed by SIGINT" (an outside drill)."""
     env = node_env()
     with NodeProcess.start(["ctx", "--num-blocks", "256"], env=env) as ctx, \
             NodeProcess.start(["gen", "--tp", "2", "--step", "device", "--device-step-ms", "20", "--num-blocks", "256",
@@ -197,7 +200,7 @@ def test_sigterm_to_a_tp_gen_s_process_group_is_a_graceful_stop_of_the_whole_gro
             pids = (await _stats(gen))["tp"]["rank_pids"]
             live = await generate("live", 80)
             tokens = list((await live.receive())["tokens"])
-            os.killpg(gen.proc.pid, signal.SIGTERM)  # rank 0 and rank 1 alike
+            os.killpg(gen.proc.pid, sig)  # rank 0 and rank 1 alike
             with anyio.fail_after(10):
                 while not (await control.call(gen.info["ctrl"], {"op": "ping"}, secret=gen.secret))["shutting_down"]:
                     await anyio.sleep(0.02)
@@ -212,6 +215,7 @@ def test_sigterm_to_a_tp_gen_s_process_group_is_a_graceful_stop_of_the_whole_gro
         assert gen.proc.returncode == 0, gen.log_tail()
         # its own stop is not a break: no heal killed the ranks it was stopping (an outside drill)
         assert "tp_group_healing" not in gen.log_path.read_text(errors="replace"), gen.log_tail()
+        assert "Traceback" not in gen.log_path.read_text(errors="replace"), gen.log_tail()
     assert final["state"] == "finished", final
     assert len(tokens) == 80 - 1  # the first token came from the CTX
     assert "shutting down" in refused.get("error", ""), refused

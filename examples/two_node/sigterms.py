@@ -1,4 +1,4 @@
-"""A node's SIGTERMs, caught from before its READY line (``Sigterms``)."""
+"""A node's SIGTERMs (and SIGINTs: a Ctrl-C is the same stop), caught from before its READY line (``Sigterms``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ class Sigterms:
     before ``announce_ready``, then ``await sigterms.next()`` where a stop waits for one. The
     graceful stop's own receiver used to be opened in a task started after READY (its first use
     imports anyio's signal module, ~0.1-1 s on a loaded machine), so a supervisor's SIGTERM sent
-    when READY came met the crude handler: exit 143 with a traceback, no graceful stop."""
+    when READY came met the crude handler: exit 143 with a traceback, no graceful stop.
+
+    SIGINT counts as a SIGTERM: an operator's Ctrl-C (to the node, or to its whole process group,
+    every rank's too) is the same graceful stop, a second one the same immediate exit. Before, it
+    was Python's KeyboardInterrupt: exit 130, a traceback per rank, every live request failed, and
+    in a tensor-parallel node rank 1's death read as the group's cause."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self._got = anyio.Event()
@@ -25,7 +32,7 @@ class Sigterms:
         if sys.platform == "win32":  # pragma: no cover
             task_status.started()
             return
-        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        with anyio.open_signal_receiver(*self.SIGNALS) as signals:
             task_status.started()
             async for _ in signals:
                 self._count += 1

@@ -43,6 +43,7 @@ from orchestrator import GroupBroken as _StepGroupBroken
 
 log = structlog.get_logger("examples.tp_group")
 
+RANK0_ENV = "KVO_TP_RANK0_PID"  # rank 0's pid, in its ranks' environment: a rank whose parent is another is orphaned
 JOIN_TIMEOUT_S = 120.0  # every rank joining the group (a rank's start imports torch: slow on a busy host)
 WATCH_PERIOD_S = 0.1
 LOST_CONNECTION_SETTLE_S = 3.0  # RankWatch.cause: how long a lost connection waits for a rank to be seen leaving
@@ -147,7 +148,7 @@ def form(args: argparse.Namespace, argv: list[str], generation: int = 0, *, extr
 
     leave()  # the last generation's groups, if any
     init = f"tcp://127.0.0.1:{_free_port()}"
-    env = {**os.environ, **(extra_env or {})}
+    env = {**os.environ, **(extra_env or {}), RANK0_ENV: str(os.getpid())}
     children = []
     try:
         for rank in range(1, args.tp):
@@ -165,7 +166,7 @@ def form(args: argparse.Namespace, argv: list[str], generation: int = 0, *, extr
                                     timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
             return _make_groups(args, 0)
 
-        step, model = join_watching(children, rendezvous)
+        step, model = join_watching(watch_ranks(children), rendezvous)
     except BaseException:
         kill_ranks(children)
         leave()
@@ -174,10 +175,23 @@ def form(args: argparse.Namespace, argv: list[str], generation: int = 0, *, extr
     return Group(0, args.tp, step, model, device, generation, children)
 
 
-def join_watching(children: list[Any], rendezvous: Callable[[], Any], period_s: float = 0.2) -> Any:
-    """Run rank 0's ``rendezvous`` while watching ``children``: a rank that exits before the group
-    formed fails the attempt at once, not at the join timeout (120 s: a new rank killed before it
-    joined kept a heal "regrouping" that long). The rendezvous cannot be interrupted: its thread is
+def watch_ranks(children: list[Any]) -> Callable[[], None]:
+    """Rank 0's check while its group forms: a rank that exited fails the attempt (``RuntimeError``)."""
+    def check() -> None:
+        for rank, child in enumerate(children, start=1):
+            if (code := child.poll()) is not None:
+                raise RuntimeError(f"rank {rank} (pid {child.pid}) exited with code {code} before the group formed"
+                                   + exit_reason(child, code))
+    return check
+
+
+def join_watching(check: Callable[[], None], rendezvous: Callable[[], Any], period_s: float = 0.2) -> Any:
+    """Run ``rendezvous`` in a thread while this one calls ``check()`` every ``period_s`` (it raises,
+    or ends the process, when the group cannot form): rank 0 watches the ranks it started, so that
+    one that exits before the group formed fails the attempt at once, not at the join timeout (120 s:
+    a new rank killed before it joined kept a heal "regrouping" that long); a rank watches rank 0.
+    The waiting thread also runs the process's signal handlers (a thread blocked in the rendezvous'
+    C++ never returns to Python to run them). The rendezvous cannot be interrupted: its thread is
     left to end at its own timeout, its outcome dropped (the next attempt uses another address)."""
     box: dict[str, Any] = {}
 
@@ -193,10 +207,7 @@ def join_watching(children: list[Any], rendezvous: Callable[[], Any], period_s: 
         thread.join(period_s)
         if not thread.is_alive():
             break
-        for rank, child in enumerate(children, start=1):
-            if (code := child.poll()) is not None:
-                raise RuntimeError(f"rank {rank} (pid {child.pid}) exited with code {code} before the group formed"
-                                   + exit_reason(child, code))
+        check()
     if "error" in box:
         raise box["error"]
     return box["result"]
@@ -274,9 +285,21 @@ def join(args: argparse.Namespace) -> Group:
 
     device = rank_device(args.tp_rank)
     use_device(device)
-    dist.init_process_group("gloo", init_method=args.tp_init, rank=args.tp_rank, world_size=args.tp,
-                            timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
-    step, model = _make_groups(args, args.tp_rank)
+    rank0 = int(os.environ.get(RANK0_ENV) or os.getppid())  # rank 0 may have died before this rank got here
+
+    def rendezvous() -> tuple[Any, Any]:
+        dist.init_process_group("gloo", init_method=args.tp_init, rank=args.tp_rank, world_size=args.tp,
+                                timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+        return _make_groups(args, args.tp_rank)
+
+    def check() -> None:  # rank 0 gone (its parent changed): nobody will form this group
+        if os.getppid() != rank0:
+            log.error("tp_rank_orphaned", rank=args.tp_rank, rank0_pid=rank0,
+                      cause="rank 0 exited before the group formed")
+            sys.stderr.flush()
+            os._exit(1)  # the rendezvous' thread is blocked in C++: no interpreter shutdown to wait on it
+
+    step, model = join_watching(check, rendezvous)
     return Group(args.tp_rank, args.tp, step, model, device)
 
 
@@ -306,7 +329,8 @@ def wait_for_rank0_on_sigterm(wait_s: float) -> None:
     launcher's ``killpg``, systemd's cgroup kill) reaches every rank: had they left at once, the group
     would break and rank 0's graceful stop (or its drain) would fail every live request. The rank
     goes on stepping until rank 0 stops the group (then it exits 0), for at most ``wait_s``, then
-    exits 143; a second SIGTERM exits at once. Rank 0 gone: the step timeout ends the rank."""
+    exits 143; a second SIGTERM exits at once. Rank 0 gone: the step timeout ends the rank (before
+    the group formed, ``join`` does). SIGINT (a Ctrl-C to the process group) is the same stop."""
     first: list[float] = []
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -318,7 +342,8 @@ def wait_for_rank0_on_sigterm(wait_s: float) -> None:
         timer.daemon = True
         timer.start()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_sigterm)
 
 
 def kill_ranks(children: list[subprocess.Popen[bytes]]) -> None:
