@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 _MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (as vLLM's _SAMPLING_EPS)
 
 
@@ -71,7 +72,7 @@ class SamplingParams:
         if not isinstance(suppress, list) or any(type(t) is not int for t in suppress):  # "257" is not (2, 5, 7)
             raise ValueError("sampling: suppress must be a list of token ids")
         return cls(temperature=number("temperature", 1.0), top_p=number("top_p", 1.0), top_k=integer("top_k"),
-                   seed=integer("seed") & _MASK63, min_tokens=integer("min_tokens"), suppress=tuple(suppress))
+                   seed=integer("seed") & _MASK64, min_tokens=integer("min_tokens"), suppress=tuple(suppress))
 
 
 def _mix(seed: int, position: int) -> int:

@@ -769,6 +769,18 @@ M = [
  ("tp rank: rank 0's pid comes from its environment (it may have died before the rank joined)", "examples/two_node/tp_group.py",
   "    rank0 = int(os.environ.get(RANK0_ENV) or os.getppid())", "    rank0 = os.getppid()",
   "tests/test_tp_heal_units.py -k 'rank_0_died and before'"),
+ ("front: a seed outside 64 signed bits is refused", "examples/serve/_api.py",
+  "    if seed is not None and not -(1 << 63) <= seed < 1 << 63:", "    if False:",
+  "tests/test_serve.py -k seeds_outside"),
+ ("front: each accepted seed reaches the nodes as its own 64-bit seed", "orchestrator/_sampling.py",
+  "seed=integer(\"seed\") & _MASK64,", "seed=integer(\"seed\") & _MASK63,",
+  "tests/test_serve.py -k seeds_outside"),
+ ("front: a drain without a usable node is a 400", "examples/serve/_app.py",
+  "        if not isinstance(body.get(\"node\"), str) or not body[\"node\"]:\n", "        if False:\n",
+  "tests/test_front_faults.py -k drain_without_a_node"),
+ ("front: the queue's 429 during the front's stop is a 503 shutting_down", "examples/serve/_app.py",
+  "                if self.closing and isinstance(exc, ApiError) and exc.status == 429:", "                if False:",
+  "tests/test_front_faults.py -k go_elsewhere"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

@@ -204,6 +204,36 @@ async def test_a_drain_the_node_refused_leaves_it_serving() -> None:
         assert (await http.post("/v1/completions", json=completion())).status_code == 200
 
 
+async def test_a_drain_without_a_node_is_a_400_naming_it() -> None:
+    """A body without a usable ``node`` was a 404 "no node None in this cluster" (an outside review):
+    the request is malformed, not about a node that does not exist."""
+    async with front_on([FakeCtx()], [FakeGen()]) as (front, http):
+        await wait_until(front.cluster.ready)
+        for body, code in (({"nodes": "x"}, "missing_required_parameter"), ({"node": 5}, "invalid_value"),
+                           ({"node": ""}, "invalid_value"), ({"node": ["a"]}, "invalid_value")):
+            r = await http.post("/admin/drain", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == "node" and r.json()["error"]["code"] == code, r.text
+        r = await http.post("/admin/drain", json={"node": "127.0.0.1:1"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "node_not_found"
+
+
+@pytest.mark.parametrize("queue_size", [0, 2], ids=["queue-full", "queue-wait-ends"])
+async def test_a_request_the_queue_turns_away_while_the_front_stops_is_told_to_go_elsewhere(queue_size: int) -> None:
+    """During the front's graceful stop, a queued request whose wait ended got 429 "retry later" with
+    Retry-After (an outside review): later, here, nothing will serve it. It is 503 shutting_down; a
+    request still admitted within the grace is served as before."""
+    async with front_on([FakeCtx()], [FakeGen()], limits={"max_concurrent_requests": 1},
+                        queue={"size": queue_size, "timeout_s": 0.3}) as (front, http):
+        await wait_until(front.cluster.ready)
+        front.admission.active = 1  # every slot taken (a request in flight)
+        front.begin_shutdown()
+        r = await http.post("/v1/completions", json=completion())
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        front.admission.leave(1)
+        assert (await http.post("/v1/completions", json=completion())).status_code == 200
+
+
 # -- a CTX that stops (SIGTERM without etcd) -------------------------------------------------------
 
 class StoppingCtx(FakeCtx):

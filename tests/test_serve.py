@@ -644,3 +644,31 @@ def test_unknown_field_names_are_remembered_and_logged_within_a_bound(monkeypatc
         _api._log_ignored({"prompt": "x", "zeta": 2, "alpha": "u"}, "completions")
         _api._log_ignored({"prompt": "x", "zeta": 2}, "completions")
     assert [e["field"] for e in logs] == ["alpha", "zeta"]  # each once, as before
+
+
+def test_seeds_outside_64_bits_are_refused_and_every_accepted_seed_is_its_own() -> None:
+    """Seeds were reduced modulo 2^63 without a word: 0, 2^64 and 2^80 sampled the same text, and so
+    did -5 and 2^64 - 5 (an outside review). A seed is now a 64-bit signed integer, as vLLM's, and
+    each one reaches the nodes as a different 64-bit seed; top_p's errors agree on its range."""
+    front = _front()
+
+    def parse(**extra: Any) -> _api.Generation:
+        return _api.parse_completion({"model": "tiny", "prompt": "x", "max_tokens": 2, **extra}, model="tiny",
+                                     limits=front.cfg.limits, max_model_len=front.max_model_len)
+
+    for seed in (1 << 63, 1 << 64, 1 << 80, -(1 << 63) - 1):
+        with pytest.raises(_api.ApiError) as err:
+            parse(seed=seed)
+        assert err.value.status == 400 and err.value.param == "seed", err.value.message
+    seeds = [0, 5, -5, (1 << 63) - 5, (1 << 63) - 1, -(1 << 63)]
+    sent = [parse(seed=s).sampling["seed"] for s in seeds]
+    assert len(set(sent)) == len(seeds) and all(0 <= s < 1 << 64 for s in sent), sent
+    assert parse(seed=5).sampling["seed"] == 5  # a non-negative seed is sent as it is (outputs unchanged)
+    from orchestrator._sampling import SamplingParams
+    assert len({SamplingParams.from_wire({"seed": s}).seed for s in sent}) == len(seeds)  # the node keeps them apart
+    messages = set()
+    for top_p in (0, 1.1, -0.5, float("nan")):
+        with pytest.raises(_api.ApiError) as err:
+            parse(top_p=top_p)
+        messages.add(err.value.message)
+    assert messages == {"top_p must be a number in (0, 1]"}

@@ -134,6 +134,7 @@ def _serve(cfg: ClusterConfig, a: argparse.Namespace, sock: socket.socket, secre
                     await asyncio.sleep(max(0.0, GRACE_S - 1.0))
                     front.stop_requests()
 
+                front.begin_shutdown()
                 late = asyncio.ensure_future(answer_the_rest())
                 try:
                     await super().shutdown(sockets)

@@ -25,6 +25,7 @@ from orchestrator._sampling import GREEDY_BELOW
 log = structlog.get_logger("examples.serve")
 TOKENIZER = ByteTokenizer()
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_SEED_MASK = (1 << 64) - 1  # a seed in [-2^63, 2^63) to the nodes' unsigned 64 bits, one to one (a choice's: + its index)
 
 
 class ApiError(Exception):
@@ -108,7 +109,7 @@ class Generation:
         if self.n == 1:
             return self
         sampling = None if self.sampling is None else {**self.sampling,
-                                                       "seed": (self.sampling["seed"] + i) & ((1 << 63) - 1)}
+                                                       "seed": (self.sampling["seed"] + i) & _SEED_MASK}
         return dataclasses.replace(self, request_id=f"{self.request_id}-{i}", sampling=sampling)
 
 
@@ -205,9 +206,10 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)  # OpenAI's and vLLM's default: 1
     if temperature < GREEDY_BELOW:  # logits / 5e-324 overflow to inf: greedy, as vLLM reads it (the nodes too)
         temperature = 0.0
-    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
-    if top_p == 0:
-        raise invalid("top_p must be in (0, 1]", "top_p")
+    top_p = body.get("top_p")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise invalid("top_p must be a number in (0, 1]", "top_p")  # 0 (and NaN) included, one message
+    top_p = 1.0 if top_p is None else float(top_p)
     top_k = body.get("top_k")
     if top_k is None or top_k == -1:
         top_k = 0
@@ -216,6 +218,8 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise invalid("seed must be an integer", "seed")
+    if seed is not None and not -(1 << 63) <= seed < 1 << 63:  # as vLLM's: a 64-bit signed integer
+        raise invalid(f"seed must be an integer in [-2^63, 2^63 - 1], not {str(seed)[:30]}", "seed")
     min_tokens = _int(body, "min_tokens", lo=0) if body.get("min_tokens") is not None else 0
     if min_tokens > max_tokens:
         raise invalid(f"min_tokens={min_tokens} exceeds {max_field}={max_tokens}", "min_tokens")
@@ -253,7 +257,7 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     if temperature > 0 or min_tokens or top_logprobs is not None:  # else greedy: the nodes' argmax path (and TP)
         suppress = [*stop_ids, *([] if ignore_eos else [TOKENIZER.eos_id])]
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
-                    "seed": secrets.randbits(63) if seed is None else seed & ((1 << 63) - 1),
+                    "seed": secrets.randbits(63) if seed is None else seed & _SEED_MASK,
                     "min_tokens": min_tokens, "suppress": suppress}
     return Generation(
         kind=kind, request_id=f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}",

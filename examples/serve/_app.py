@@ -133,6 +133,8 @@ class Front:
         self.metrics.queued.set_function(lambda: self.admission.statistics().waiting)
         self.created = int(time.time())
         self._tg: anyio.abc.TaskGroup | None = None
+        self.closing = False
+        """Set by ``begin_shutdown``."""
         self.stopping: ApiError | None = None
         """Set by ``stop_requests``: what every request still in flight, and every later one, is answered."""
         self._stop_scopes: set[anyio.CancelScope] = set()
@@ -172,6 +174,12 @@ class Front:
                 while self._background:
                     await anyio.sleep(0.02)
             tg.cancel_scope.cancel()
+
+    def begin_shutdown(self) -> None:
+        """The server stopped taking connections: requests in flight may finish within the grace,
+        and queued ones may still be admitted; one whose queue wait ends meanwhile is answered 503
+        ``shutting_down`` (retry elsewhere), not 429 (retry later: here, where nothing will serve it)."""
+        self.closing = True
 
     def stop_requests(self, message: str = "the front is shutting down") -> None:
         """The server is stopping and its grace is nearly over: every request still in flight (queued,
@@ -274,7 +282,11 @@ class Front:
             raise ApiError(401, "POST /admin/drain needs Authorization: Bearer <the cluster's shared secret>",
                            code="unauthorized", type="authentication_error")
         body = await self._read_json(request)
-        node = self.cluster.find(str(body.get("node")))
+        if not isinstance(body.get("node"), str) or not body["node"]:
+            code = "missing_required_parameter" if body.get("node") is None else "invalid_value"
+            raise ApiError(400, 'POST /admin/drain takes {"node": "host:port"}: the control address of a node '
+                           "of this cluster (GET /health lists them)", param="node", code=code)
+        node = self.cluster.find(body["node"])
         if node is None:
             raise ApiError(404, f"no node {body.get('node')!r} in this cluster", param="node", code="node_not_found")
         try:
@@ -397,6 +409,9 @@ class Front:
                     error = self.stopping
             except Exception as exc:  # an ApiError (a 429, a 503): raised below, unwrapped
                 error = exc
+                if self.closing and isinstance(exc, ApiError) and exc.status == 429:  # the queue's "retry later"
+                    error = ApiError(503, "the front is shutting down; retry on another front", code="shutting_down",
+                                     retry_after=self.cfg.routing.retry_after_s)
             tg.cancel_scope.cancel()
         if gone:
             log.info("client_gone", request_id=g.request_id, during=during)
