@@ -696,6 +696,7 @@ def test_a_tp_rank_that_cannot_start_is_named_with_its_reason_and_giving_up_is_o
     (["gen", "--port", "70000"], "argument --port: expected a port 0-65535, got '70000'"),
     (["ctx", "--port", "-1"], "argument --port"),
     (["ctx", "--ucx-port", "65536"], "argument --ucx-port"),
+    (["ctx", "--ucx-port", "65535", "--tp", "2"], "--ucx-port 65535 with --tp 2: rank r listens on --ucx-port + r"),
     # accepted once, then broken: a READY GEN whose first decode step crashed; every pull refused
     (["gen", "--step", "device", "--device-step-ms", "-1"], "argument --device-step-ms: expected a finite number >= 0"),
     (["gen", "--step", "device", "--device-step-us-per-seq", "nan"], "argument --device-step-us-per-seq"),
