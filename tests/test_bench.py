@@ -111,7 +111,9 @@ def test_tiny_bench_run(tmp_path, gen_tp: int, monkeypatch) -> None:
            "kv_checksums": True, "log_dir": str(tmp_path) if gen_tp > 1 else None, "quick": True}
     pids: list[int] = []
     res = bench.run_bench(cfg, "device", progress=False, pids=pids)
-    assert set(res) == {"modes", "ratios", "config"}
+    assert set(res) == {"modes", "ratios", "config", "targets"}
+    assert [t["target"] for t in res["targets"]][1] == "orchestrated: execution thread blocked max 0 ms"
+    assert res["targets"][1]["met"] is True  # the throughput verdict of a 12-request run says nothing
     assert set(res["modes"]) == {"ideal", "inline", "orchestrated"}
     assert set(res["ratios"]) == {"inline", "orchestrated"}
     for name, m in res["modes"].items():

@@ -162,6 +162,7 @@ def form(args: argparse.Namespace, argv: list[str], generation: int = 0, *, extr
         use_device(device)
 
         def rendezvous() -> tuple[Any, Any]:
+            use_device(device)  # a CUDA device is per thread: the groups (NCCL's) are made in this one
             dist.init_process_group("gloo", init_method=init, rank=0, world_size=args.tp,
                                     timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
             return _make_groups(args, 0)
@@ -288,6 +289,7 @@ def join(args: argparse.Namespace) -> Group:
     rank0 = int(os.environ.get(RANK0_ENV) or os.getppid())  # rank 0 may have died before this rank got here
 
     def rendezvous() -> tuple[Any, Any]:
+        use_device(device)  # a CUDA device is per thread: the groups (NCCL's) are made in this one
         dist.init_process_group("gloo", init_method=args.tp_init, rank=args.tp_rank, world_size=args.tp,
                                 timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
         return _make_groups(args, args.tp_rank)
