@@ -407,7 +407,7 @@ def check_transfers(p: SimParams) -> None:
     worth replaying on purpose)."""
     longest = max(p.isl_choices or (p.isl,))
     rank_bytes = p.rank_bytes(longest)  # what one rank pulls: whole blocks
-    alone_s = max(rank_bytes / (p.link_gbyte_s * 1e9), rank_bytes * p.gen_tp / p.ctx_nic_bytes_s())
+    alone_s = p.transfer_s(longest)
     if alone_s * 1e3 >= p.kv_transfer_timeout_ms:
         raise ValueError(f"a {longest}-token prompt's KV ({rank_bytes:,} bytes per GEN rank, x {p.gen_tp} through the "
                          f"CTX's NIC) takes {alone_s:,.1f} s on the links alone, not under kv_transfer_timeout_ms "
