@@ -8,6 +8,10 @@ import sys
 import anyio
 import anyio.abc
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""What stops a node gracefully (a second one: at once), rank 0 (``Sigterms``) and ranks 1..N-1
+(``tp_group.wait_for_rank0_on_sigterm``) alike: a supervisor's SIGTERM, an operator's Ctrl-C."""
+
 
 class Sigterms:
     """The node's SIGTERMs, caught from before its READY line: ``await tg.start(sigterms.run)``
@@ -21,8 +25,6 @@ class Sigterms:
     was Python's KeyboardInterrupt: exit 130, a traceback per rank, every live request failed, and
     in a tensor-parallel node rank 1's death read as the group's cause."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
     def __init__(self) -> None:
         self._got = anyio.Event()
         self._count = 0
@@ -32,7 +34,7 @@ class Sigterms:
         if sys.platform == "win32":  # pragma: no cover
             task_status.started()
             return
-        with anyio.open_signal_receiver(*self.SIGNALS) as signals:
+        with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
             task_status.started()
             async for _ in signals:
                 self._count += 1

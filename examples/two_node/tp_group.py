@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import structlog
 
 from examples import _proc
+from examples.two_node.sigterms import STOP_SIGNALS
 from orchestrator import GroupBroken as _StepGroupBroken
 
 log = structlog.get_logger("examples.tp_group")
@@ -344,7 +345,7 @@ def wait_for_rank0_on_sigterm(wait_s: float) -> None:
         timer.daemon = True
         timer.start()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, on_sigterm)
 
 
