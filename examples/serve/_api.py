@@ -206,10 +206,7 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)  # OpenAI's and vLLM's default: 1
     if temperature < GREEDY_BELOW:  # logits / 5e-324 overflow to inf: greedy, as vLLM reads it (the nodes too)
         temperature = 0.0
-    top_p = body.get("top_p")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise invalid("top_p must be a number in (0, 1]", "top_p")  # 0 (and NaN) included, one message
-    top_p = 1.0 if top_p is None else float(top_p)
+    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
     top_k = body.get("top_k")
     if top_k is None or top_k == -1:
         top_k = 0
@@ -328,12 +325,13 @@ def _known_or_refuse(obj: dict[str, Any], known: set[str], where: str) -> None:
             raise invalid(f"{where}{name} is not supported", f"{where}{name}", "unsupported_parameter")
 
 
-def _number(body: dict[str, Any], name: str, default: float, *, lo: float, hi: float) -> float:
+def _number(body: dict[str, Any], name: str, default: float, *, lo: float, hi: float, lo_open: bool = False) -> float:
+    """``body[name]``, a number in [lo, hi] (``lo_open``: in (lo, hi]); NaN, bools and strings are not."""
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise invalid(f"{name} must be a number in [{lo:g}, {hi:g}]", name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v if lo_open else lo <= v) or not v <= hi:
+        raise invalid(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]", name)
     return float(v)
 
 

@@ -79,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("client", help="drive a load (see: client --help)")
     sub.add_parser("demo", help="start CTX and GEN, drive a load, check parity (see: demo --help)")
     args = parser.parse_args(argv)
-    last_port = (getattr(args, "ucx_port", 0) or 0) + getattr(args, "tp", 1) - 1
-    if args.role == "ctx" and args.ucx_port and last_port > 65535:  # READY, then rank 1 failing forever (a drill)
-        parser.error(f"--ucx-port {args.ucx_port} with --tp {args.tp}: rank r listens on --ucx-port + r, and "
-                     f"{last_port} is not a port (at most {65536 - args.tp})")
+    if args.role == "ctx" and args.ucx_port:  # rank r listens on --ucx-port + r (past 65535: READY, then a
+        last = args.ucx_port + args.tp - 1    # rank 1 that failed to listen, forever: a drill)
+        if last > 65535:
+            parser.error(f"--ucx-port {args.ucx_port} with --tp {args.tp}: rank r listens on --ucx-port + r, and "
+                         f"{last} is not a port (at most {65536 - args.tp})")
     args.argv = argv  # a GEN with --tp starts its other ranks with the same flags
     _tame_malloc()
     # SIGTERM unwinds like an exception, so that a node cleans up on the way out: a GEN rank 0
