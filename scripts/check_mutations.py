@@ -784,6 +784,16 @@ M = [
  ("ctx: --ucx-port + tp - 1 past 65535 is refused before it starts", "examples/two_node/__main__.py",
   "        if last > 65535:\n", "        if False:\n",
   "tests/test_control.py -k refuses_a_value"),
+ ("gen tp: a regroup keeps the ended engines' counters (Prometheus counters never go back)", "examples/two_node/gen.py",
+  '            self._ended_counters = self.stats()["engine"]\n', "            pass\n",
+  "tests/test_tp_heal.py -k gen_rank_killed"),
+ ("gen tp: ended engines' histograms are summed into the current one's", "examples/two_node/gen.py",
+  '"counts": [a + b for a, b in zip(now["counts"], before["counts"])]', '"counts": now["counts"]',
+  "tests/test_tp_heal_units.py -k counters_go_on"),
+ ("gen tp: ended engines' peaks stay the node's peaks", "examples/two_node/gen.py",
+  'out["peak_staging_bytes"] = max(engine["peak_staging_bytes"], ended["peak_staging_bytes"])',
+  'out["peak_staging_bytes"] = engine["peak_staging_bytes"]',
+  "tests/test_tp_heal_units.py -k counters_go_on"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

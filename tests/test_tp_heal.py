@@ -158,6 +158,9 @@ def _check_healed(out: dict, cause: str, *, errors_by_s: float) -> None:
 def test_gen_rank_killed_under_load_fails_clients_frees_the_ctx_and_the_group_heals() -> None:
     out = _heal_run("gen", "kill")
     _check_healed(out, "GEN rank 2 (pid", errors_by_s=2.0)
+    # the node's counters go on across the regroup: the old engine's failures, the new one's 16 finished
+    engine = out["gen_stats"]["engine"]
+    assert engine["finished"] == 16 and sum(engine["failed"].values()) >= 1, engine
     assert "was killed by SIGKILL" in out["ping"]["tp"]["last_cause"]
 
 

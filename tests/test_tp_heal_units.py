@@ -789,3 +789,29 @@ os._exit(0)  # rank 0 gone, its group never formed
     log = (tmp_path / "rank1.log").read_text(errors="replace")
     assert not alive, log[-2000:]
     assert "tp_rank_orphaned" in log, log[-2000:]
+
+
+def test_a_regrouped_gen_s_counters_go_on_from_the_ended_generations() -> None:
+    """Rank 0 makes a new engine per generation: its counters (and so the node's Prometheus counters,
+    which must never go back) are the new engine's plus every ended one's; gauges are the new one's."""
+    from examples.two_node.gen import add_counters
+
+    def engine(finished: int, failed: dict, counts: list, peak: int, running: int) -> dict:
+        hist = {"bounds": [0.1, 1.0], "counts": counts, "sum": float(sum(counts))}
+        return {"finished": finished, "aborted": 1, "inline_fallbacks": 2, "failed": failed,
+                "deferrals": {"backpressure": 3}, "receive_seconds": hist, "receive_bytes": dict(hist),
+                "peak_staging_bytes": peak, "budget": {"capacity": 10, "in_use": 0, "peak_in_use": peak},
+                "running": running}
+
+    ended = engine(5, {"peer_gone": 8}, [1, 2, 2], 9, 0)
+    now = engine(16, {"timeout": 1}, [3, 3, 4], 4, 2)
+    assert add_counters(now, None) == now
+    out = add_counters(now, ended)
+    assert (out["finished"], out["aborted"], out["inline_fallbacks"]) == (21, 2, 4)
+    assert out["failed"] == {"peer_gone": 8, "timeout": 1} and out["deferrals"] == {"backpressure": 6}
+    assert out["receive_seconds"] == {"bounds": [0.1, 1.0], "counts": [4, 5, 6], "sum": 15.0}
+    assert out["receive_bytes"]["counts"] == [4, 5, 6]
+    assert out["peak_staging_bytes"] == 9 and out["budget"] == {"capacity": 10, "in_use": 0, "peak_in_use": 9}
+    assert out["running"] == 2  # a gauge: the current engine's
+    # summed twice (a second regroup) from the node's own reports
+    assert add_counters(engine(1, {}, [0, 0, 1], 1, 0), out)["finished"] == 22

@@ -52,6 +52,33 @@ from orchestrator._sampling import logprobs as token_logprobs
 
 log = structlog.get_logger("examples.gen")
 
+SUMMED = ("finished", "aborted", "inline_fallbacks")
+"""Counters of a GEN's ``stats["engine"]`` (the ``failed`` and ``deferrals`` dicts and the two receive
+histograms are summed too; the peaks are maxima)."""
+
+
+def add_counters(engine: dict[str, Any], ended: dict[str, Any] | None) -> dict[str, Any]:
+    """``engine`` (a ``stats["engine"]`` dict of the current generation's engine) with the counters of
+    ``ended`` (that of the generations before it, summed) added, so that a tensor-parallel GEN's counters
+    and Prometheus series go on across a regroup instead of starting again at 0 as if the node had
+    restarted. The gauges are the current engine's alone."""
+    if not ended:
+        return engine
+    out = dict(engine)
+    for key in SUMMED:
+        out[key] = engine[key] + ended[key]
+    for key in ("failed", "deferrals"):
+        out[key] = {k: engine[key].get(k, 0) + ended[key].get(k, 0) for k in {*engine[key], *ended[key]}}
+    for key in ("receive_seconds", "receive_bytes"):
+        now, before = engine[key], ended[key]
+        if now["bounds"] == before["bounds"]:
+            out[key] = {"bounds": now["bounds"], "counts": [a + b for a, b in zip(now["counts"], before["counts"])],
+                        "sum": now["sum"] + before["sum"]}
+    out["peak_staging_bytes"] = max(engine["peak_staging_bytes"], ended["peak_staging_bytes"])
+    out["budget"] = {**engine["budget"], "peak_in_use": max(engine["budget"]["peak_in_use"], ended["budget"]["peak_in_use"])}
+    return out
+
+
 def _refusal_code(exc: Exception) -> str:
     """What kind of refusal ``submit``'s ``exc`` is: about the node (``unavailable``: another GEN may
     take it), or about the request (no GEN of this configuration can: a front must not retry it
@@ -127,6 +154,7 @@ class GenNode:
         self._call: Any = None
         self.engine: GenEngine | None = None
         self.loop: DecodeLoop | None = None
+        self._ended_counters: dict[str, Any] | None = None  # rank 0: the engines of ended generations, summed
         self.control = control_server(args, self.handle, self.model.config)
 
     def _step_fn(self) -> Any:
@@ -402,7 +430,7 @@ class GenNode:
             **self._health(),
             "shutting_down": self.shutting_down,
             "control": dataclasses.asdict(self.control.statistics()),
-            "engine": {
+            "engine": add_counters({
                 "waiting": s.waiting, "receiving": s.receiving, "ready": s.ready, "running": s.running,
                 "finished": s.finished, "aborted": s.aborted,
                 "failed": {r.value: n for r, n in s.failed.items()},
@@ -414,7 +442,7 @@ class GenNode:
                 "receive_seconds": s.receive_seconds, "receive_bytes": s.receive_bytes,
                 "budget": dataclasses.asdict(s.budget),
                 "pool": dataclasses.asdict(s.pool),
-            },
+            }, self._ended_counters),
             "loop": self._loop_stats(),
             "rest_problems": self.engine.rest_problems(s),  # judged on the snapshot reported above
             "tp": self._tp_stats(),
@@ -543,6 +571,8 @@ class GenNode:
         if self.engine is not None:
             self.model = build_model(self.args)
             self.step_fn = self._step_fn()
+            # the ended generation's counters go on in the next one's (Prometheus counters never go back)
+            self._ended_counters = self.stats()["engine"]
         self.rank_loops.clear()
         self.engine = self._new_engine()
         self.loop = self._new_loop()
