@@ -218,6 +218,27 @@ async def test_a_drain_without_a_node_is_a_400_naming_it() -> None:
         assert r.status_code == 404 and r.json()["error"]["code"] == "node_not_found"
 
 
+async def test_a_body_that_trickles_in_is_a_408_and_frees_its_connection() -> None:
+    """A client that sent its headers and part of its body, then nothing, held its connection and its
+    buffer for as long as it liked (no read timeout on the body): now ``limits.body_timeout_s``."""
+    async with front_on([FakeCtx()], [FakeGen()], limits={"body_timeout_s": 0.5}) as (front, http):
+        await wait_until(front.cluster.ready)
+        port = int(str(http.base_url).rsplit(":", 1)[1].strip("/"))
+        t0 = time.monotonic()
+        async with await anyio.connect_tcp("127.0.0.1", port) as sock:
+            await sock.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 100\r\n\r\n" + b'{"model": "tiny", ')
+            answer = b""
+            with anyio.fail_after(5):
+                while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                    answer += await sock.receive()
+        assert time.monotonic() - t0 < 3.0
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b'"code":"request_timeout"' in answer.replace(b" ", b""), answer
+        r = await http.post("/v1/completions", json=completion())  # the front serves on
+        assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("queue_size", [0, 2], ids=["queue-full", "queue-wait-ends"])
 async def test_a_request_the_queue_turns_away_while_the_front_stops_is_told_to_go_elsewhere(queue_size: int) -> None:
     """During the front's graceful stop, a queued request whose wait ended got 429 "retry later" with

@@ -49,7 +49,7 @@ class ApiError(Exception):
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+                408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
 
 
 NO_OPS: dict[str, tuple[Any, ...]] = {"tools": ([],), "response_format": ({"type": "text"},), "modalities": (["text"],)}

@@ -455,10 +455,14 @@ class Front:
         if declared.isdigit() and int(declared) > limit:
             raise too_big
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > limit:
-                raise too_big
+        with anyio.move_on_after(self.cfg.limits.body_timeout_s) as scope:
+            async for part in request.stream():
+                raw += part
+                if len(raw) > limit:
+                    raise too_big
+        if scope.cancelled_caught:
+            raise ApiError(408, f"the request body did not arrive within {self.cfg.limits.body_timeout_s:g} s "
+                           f"(limits.body_timeout_s; {len(raw)} bytes came)", code="request_timeout")
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

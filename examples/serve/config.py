@@ -9,6 +9,7 @@
       kv_transfer_timeout_ms: 60000
     limits:
       max_body_bytes: 1048576
+      body_timeout_s: 30
       max_prompt_tokens: 1536
       max_tokens: 512                 # most tokens one request may ask for
       default_max_tokens: 16          # when a request does not say
@@ -85,6 +86,9 @@ class Transfer:
 @dataclasses.dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0
+    """The whole request body must arrive within this (else 408): a client trickling its body
+    holds a connection and its buffer no longer than this."""
     max_prompt_tokens: int = 1536
     max_tokens: int = 512
     default_max_tokens: int = 16
