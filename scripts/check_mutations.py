@@ -794,6 +794,9 @@ M = [
   'out["peak_staging_bytes"] = max(engine["peak_staging_bytes"], ended["peak_staging_bytes"])',
   'out["peak_staging_bytes"] = engine["peak_staging_bytes"]',
   "tests/test_tp_heal_units.py -k counters_go_on"),
+ ("front: a body that trickles in is cut at limits.body_timeout_s (408)", "examples/serve/_app.py",
+  "        with anyio.move_on_after(self.cfg.limits.body_timeout_s) as scope:", "        with anyio.move_on_after(None) as scope:",
+  "tests/test_front_faults.py -k trickles"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:
