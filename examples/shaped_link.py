@@ -26,10 +26,15 @@ def veth_in(ns: str) -> str:
     return names[0]
 
 
+def burst_bytes(mbit: float) -> int:
+    """The token bucket of a link capped at ``mbit``: >= rate / HZ, so that the bucket can reach the
+    rate (the replay of a shaped run models it: ``SimParams.link_burst_bytes``)."""
+    return max(16 * 1024, int(mbit * 1e6 / 8 / 250))
+
+
 def shape(ns: str, dev: str, mbit: float) -> None:
     """Cap ``dev``'s egress at ``mbit`` Mbit/s (tbf; a deep queue, so TCP sees delay, not loss)."""
-    rate_bytes = mbit * 1e6 / 8
-    burst = max(16 * 1024, int(rate_bytes / 250))  # >= rate / HZ, so the bucket can reach the rate
+    burst = burst_bytes(mbit)
     subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
                     "burst", str(burst), "latency", "2s"], check=True, capture_output=True, text=True)
 

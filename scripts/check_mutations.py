@@ -797,6 +797,12 @@ M = [
  ("front: a body that trickles in is cut at limits.body_timeout_s (408)", "examples/serve/_app.py",
   "        with anyio.move_on_after(self.cfg.limits.body_timeout_s) as scope:", "        with anyio.move_on_after(None) as scope:",
   "tests/test_front_faults.py -k trickles"),
+ ("sim: a shaped link's token bucket sends its bytes at once only from an idle link", "examples/sim/_model.py",
+  "        if not self.burst or self.active:\n", "        if not self.burst:\n",
+  "tests/test_sim.py -k bucket"),
+ ("sim check: the shaped run's transfer must span >= 10 decode steps", "examples/sim/_check.py",
+  '"transfer_spans_10_steps": xfer_ms / step_ms >= 10,', '"transfer_spans_10_steps": True,',
+  "tests/test_sim.py -k judges_the_shaped"),
 ]
 only = sys.argv[1:]
 for name, f, old, new, tests in M:

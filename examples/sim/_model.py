@@ -80,6 +80,9 @@ class SimParams:
     rank's link (``link_gbyte_s``)."""
     link_latency_us: float = 10.0
     link_concurrency: int = 4
+    link_burst_bytes: int = 0
+    """A shaped link's token bucket (``tc ... tbf burst``): bytes a transfer that starts on an idle
+    link sends at once, refilled at the link's bandwidth while it carries nothing; 0: none."""
     connect_ms: float = 1.0
     host_us_per_pull: float = 0.0
     """GEN host CPU per pull that the execution thread loses: added to the decode step after the
@@ -186,7 +189,7 @@ class SimParams:
                              f"costs millions of empty steps), got {self.idle_poll_ms}")
         positive = ["link_gbyte_s", "idle_poll_ms"] + ([] if self.ctx_nic_gbyte_s is None else ["ctx_nic_gbyte_s"])
         non_negative = ("step_base_ms", "step_per_seq_us", "ctx_prefill_base_ms", "ctx_prefill_ms_per_ktok",
-                        "link_latency_us", "connect_ms", "host_us_per_pull", "inline_reserve_timeout_s")
+                        "link_latency_us", "connect_ms", "host_us_per_pull", "inline_reserve_timeout_s", "link_burst_bytes")
         for name in (*positive, *non_negative):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0 or (v == 0 and name in positive):
@@ -246,6 +249,7 @@ SOURCES = {
     "idle_poll_ms": "DecodeLoop's idle_wait_s (50 ms): an idle execution loop wakes at once at a submission or a "
                     "receive's end (failed or not), else after this",
     "link_latency_us": "ASSUMED", "link_concurrency": "ASSUMED", "connect_ms": "ASSUMED (first connect per peer only)",
+    "link_burst_bytes": "0: a NIC's link has no token bucket (the check's shaped veth link has tbf's)",
     "host_us_per_pull": "NOT MODELLED (0): no public figure for the host time a pull takes from TensorRT-LLM's "
                         "execution thread",
     "max_tokens_in_buffer": "ASSUMED = ISL (one request in flight per rank; this project's GEN default 8192)",
@@ -331,14 +335,23 @@ class ModelledLink:
     runs at the smallest of its fair shares (``_Fabric``).
 
     A transfer ends at the deadline its rate gives it (not when its remaining bytes reach zero), so
-    a duration below the clock's float resolution still ends, at once."""
+    a duration below the clock's float resolution still ends, at once.
+
+    ``burst_bytes``: a token bucket of that depth (a ``tbf`` qdisc's burst). It fills at
+    ``bandwidth`` while no bytes flow on the link; a transfer whose bytes start flowing on an idle
+    link sends what the bucket holds at once (while bytes flow, the bucket stays empty: the queue
+    takes each token as it comes)."""
 
     def __init__(self, bandwidth_bytes_s: float, latency_s: float, concurrency: int,
-                 fabric: _Fabric | None = None) -> None:
-        if not bandwidth_bytes_s > 0 or concurrency < 1:
-            raise ValueError(f"a link needs a bandwidth > 0 and concurrency >= 1, got {bandwidth_bytes_s}, {concurrency}")
+                 fabric: _Fabric | None = None, burst_bytes: int = 0) -> None:
+        if not bandwidth_bytes_s > 0 or concurrency < 1 or burst_bytes < 0:
+            raise ValueError(f"a link needs a bandwidth > 0, concurrency >= 1 and a burst >= 0, got {bandwidth_bytes_s}, "
+                             f"{concurrency}, {burst_bytes}")
         self.bandwidth = bandwidth_bytes_s
         self.latency = latency_s
+        self.burst = burst_bytes
+        self._tokens = float(burst_bytes)
+        self._idle_since = 0.0
         self.fabric = fabric or _Fabric()
         self._slots = trio.Semaphore(concurrency)
         self.active = 0
@@ -362,9 +375,18 @@ class ModelledLink:
         finally:
             self._slots.release()
 
+    def _from_bucket(self, nbytes: int, now: float) -> float:
+        """The bytes of a transfer starting now that still have to flow (the bucket's go at once)."""
+        if not self.burst or self.active:
+            return float(nbytes)
+        self._tokens = min(float(self.burst), self._tokens + (now - self._idle_since) * self.bandwidth)
+        sent = min(self._tokens, float(nbytes))
+        self._tokens -= sent
+        return nbytes - sent
+
     async def _flow(self, nbytes: int, links: tuple[ModelledLink, ...]) -> None:
         fabric = self.fabric
-        flow = _Flow(float(nbytes), links)
+        flow = _Flow(self._from_bucket(nbytes, trio.current_time()), links)
         fabric.advance(trio.current_time())
         for link in links:
             link.active += 1
@@ -382,6 +404,8 @@ class ModelledLink:
             fabric.flows.remove(flow)
             for link in links:
                 link.active -= 1
+                if not link.active:
+                    link._idle_since = now
             fabric.reschedule(now)
 
 
@@ -407,7 +431,7 @@ class ModelledTransport:
         self.ctx_nic = ctx_nic or ctx_egress(params)
         """The CTX's egress: a replay gives every GEN rank's transport the same one."""
         self._links = {CTX_PEER: ModelledLink(bw, params.link_latency_us / 1e6, params.link_concurrency,
-                                              self.ctx_nic.fabric)}
+                                              self.ctx_nic.fabric, params.link_burst_bytes)}
         self._last_layer_bw = min(bw, self.ctx_nic.bandwidth / params.gen_tp)
         """Pipelined: the last layer crosses while every rank pulls it at once."""
         self._connected: set[str] = set()
