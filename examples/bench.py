@@ -486,7 +486,7 @@ def print_report(res: dict[str, Any], title: str) -> None:
         _report.print_table("vs ideal", ["mode", "throughput", "TPOT mean", "TPOT p99", "throughput per round (median)"],
                             [[m, v["throughput"], v["tpot_mean"], v["tpot_p99"], _per_round(v)] for m, v in rat.items()],
                             digits=4)
-    checks = targets(res)
+    checks = res["targets"] if "targets" in res else targets(res)  # a file written before the field: judged now
     if checks:
         _report.print_table("targets (one run; not a pass/fail of the run)", ["target", "measured", "verdict"],
                             [[c["target"], c["measured"], "met" if c["met"] else "MISSED"] for c in checks], digits=3)
