@@ -800,8 +800,11 @@ def test_a_regrouped_gen_s_counters_go_on_from_the_ended_generations() -> None:
         hist = {"bounds": [0.1, 1.0], "counts": counts, "sum": float(sum(counts))}
         return {"finished": finished, "aborted": 1, "inline_fallbacks": 2, "failed": failed,
                 "deferrals": {"backpressure": 3}, "receive_seconds": hist, "receive_bytes": dict(hist),
-                "peak_staging_bytes": peak, "budget": {"capacity": 10, "in_use": 0, "peak_in_use": peak},
-                "running": running}
+                "peak_staging_bytes": peak, "running": running,
+                "budget": {"capacity": 10, "in_use": 0, "peak_in_use": peak, "grants": finished, "oversized_grants": 1,
+                           "nowait_denials": 2},
+                "pool": {"num_blocks": 64, "used_blocks": running, "peak_used_blocks": peak, "allocations": finished,
+                         "exhaustions": 1}}
 
     ended = engine(5, {"peer_gone": 8}, [1, 2, 2], 9, 0)
     now = engine(16, {"timeout": 1}, [3, 3, 4], 4, 2)
@@ -811,7 +814,10 @@ def test_a_regrouped_gen_s_counters_go_on_from_the_ended_generations() -> None:
     assert out["failed"] == {"peer_gone": 8, "timeout": 1} and out["deferrals"] == {"backpressure": 6}
     assert out["receive_seconds"] == {"bounds": [0.1, 1.0], "counts": [4, 5, 6], "sum": 15.0}
     assert out["receive_bytes"]["counts"] == [4, 5, 6]
-    assert out["peak_staging_bytes"] == 9 and out["budget"] == {"capacity": 10, "in_use": 0, "peak_in_use": 9}
+    assert out["peak_staging_bytes"] == 9
+    assert out["budget"] == {"capacity": 10, "in_use": 0, "peak_in_use": 9, "grants": 21, "oversized_grants": 2,
+                             "nowait_denials": 4}
+    assert out["pool"] == {"num_blocks": 64, "used_blocks": 2, "peak_used_blocks": 9, "allocations": 21, "exhaustions": 2}
     assert out["running"] == 2  # a gauge: the current engine's
     # summed twice (a second regroup) from the node's own reports
     assert add_counters(engine(1, {}, [0, 0, 1], 1, 0), out)["finished"] == 22

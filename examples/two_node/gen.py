@@ -53,8 +53,10 @@ from orchestrator._sampling import logprobs as token_logprobs
 log = structlog.get_logger("examples.gen")
 
 SUMMED = ("finished", "aborted", "inline_fallbacks")
-"""Counters of a GEN's ``stats["engine"]`` (the ``failed`` and ``deferrals`` dicts and the two receive
-histograms are summed too; the peaks are maxima)."""
+"""Counters of a GEN's ``stats["engine"]`` (the ``failed`` and ``deferrals`` dicts, the two receive
+histograms and the budget's and pool's counters are summed too; the peaks are maxima)."""
+SUMMED_IN = {"budget": ("grants", "oversized_grants", "nowait_denials"), "pool": ("allocations", "exhaustions")}
+PEAKS_IN = {"budget": "peak_in_use", "pool": "peak_used_blocks"}
 
 
 def add_counters(engine: dict[str, Any], ended: dict[str, Any] | None) -> dict[str, Any]:
@@ -71,11 +73,15 @@ def add_counters(engine: dict[str, Any], ended: dict[str, Any] | None) -> dict[s
         out[key] = {k: engine[key].get(k, 0) + ended[key].get(k, 0) for k in {*engine[key], *ended[key]}}
     for key in ("receive_seconds", "receive_bytes"):
         now, before = engine[key], ended[key]
-        if now["bounds"] == before["bounds"]:
-            out[key] = {"bounds": now["bounds"], "counts": [a + b for a, b in zip(now["counts"], before["counts"])],
-                        "sum": now["sum"] + before["sum"]}
+        if now["bounds"] != before["bounds"]:  # the buckets are constants: cannot happen
+            raise ValueError(f"{key}: the ended engines' histogram has other buckets than the current one's")
+        out[key] = {"bounds": now["bounds"], "counts": [a + b for a, b in zip(now["counts"], before["counts"])],
+                    "sum": now["sum"] + before["sum"]}
     out["peak_staging_bytes"] = max(engine["peak_staging_bytes"], ended["peak_staging_bytes"])
-    out["budget"] = {**engine["budget"], "peak_in_use": max(engine["budget"]["peak_in_use"], ended["budget"]["peak_in_use"])}
+    for part, names in SUMMED_IN.items():
+        peak = PEAKS_IN[part]
+        out[part] = {**engine[part], **{n: engine[part][n] + ended[part][n] for n in names},
+                     peak: max(engine[part][peak], ended[part][peak])}
     return out
 
 
@@ -155,6 +161,7 @@ class GenNode:
         self.engine: GenEngine | None = None
         self.loop: DecodeLoop | None = None
         self._ended_counters: dict[str, Any] | None = None  # rank 0: the engines of ended generations, summed
+        self._generation_lock = threading.Lock()  # rank 0: the engine and _ended_counters change together
         self.control = control_server(args, self.handle, self.model.config)
 
     def _step_fn(self) -> Any:
@@ -420,9 +427,28 @@ class GenNode:
             why = f"regrouping after: {self.healer.last_cause}"
         return {"healthy": why is None, "health": why}
 
+    def _engine_stats(self, engine: GenEngine) -> tuple[dict[str, Any], Any]:
+        """(``stats["engine"]`` of ``engine`` alone, its statistics snapshot)."""
+        s = engine.statistics()
+        return {
+            "waiting": s.waiting, "receiving": s.receiving, "ready": s.ready, "running": s.running,
+            "finished": s.finished, "aborted": s.aborted,
+            "failed": {r.value: n for r, n in s.failed.items()},
+            "deferrals": {r.value: n for r, n in s.deferral_episodes.items()},
+            "peak_staging_bytes": s.peak_staging_bytes,
+            "transfer_budget_bytes": self.config.transfer_budget_bytes,
+            "inline_fallbacks": s.inline_fallbacks,
+            "receives_in_flight": s.receives_in_flight, "quarantined_blocks": s.quarantined_blocks,
+            "receive_seconds": s.receive_seconds, "receive_bytes": s.receive_bytes,
+            "budget": dataclasses.asdict(s.budget),
+            "pool": dataclasses.asdict(s.pool),
+        }, s
+
     def stats(self) -> dict[str, Any]:
         assert self.engine is not None and self.loop is not None
-        s = self.engine.statistics()
+        with self._generation_lock:  # an engine and the counters of the ones before it, never a mix (a
+            engine, ended = self.engine, self._ended_counters  # scrape runs on the metrics server's threads)
+        mine, s = self._engine_stats(engine)
         return {
             "ok": True,
             "role": "gen",
@@ -430,21 +456,9 @@ class GenNode:
             **self._health(),
             "shutting_down": self.shutting_down,
             "control": dataclasses.asdict(self.control.statistics()),
-            "engine": add_counters({
-                "waiting": s.waiting, "receiving": s.receiving, "ready": s.ready, "running": s.running,
-                "finished": s.finished, "aborted": s.aborted,
-                "failed": {r.value: n for r, n in s.failed.items()},
-                "deferrals": {r.value: n for r, n in s.deferral_episodes.items()},
-                "peak_staging_bytes": s.peak_staging_bytes,
-                "transfer_budget_bytes": self.config.transfer_budget_bytes,
-                "inline_fallbacks": s.inline_fallbacks,
-                "receives_in_flight": s.receives_in_flight, "quarantined_blocks": s.quarantined_blocks,
-                "receive_seconds": s.receive_seconds, "receive_bytes": s.receive_bytes,
-                "budget": dataclasses.asdict(s.budget),
-                "pool": dataclasses.asdict(s.pool),
-            }, self._ended_counters),
+            "engine": add_counters(mine, ended),
             "loop": self._loop_stats(),
-            "rest_problems": self.engine.rest_problems(s),  # judged on the snapshot reported above
+            "rest_problems": engine.rest_problems(s),  # judged on the snapshot reported above
             "tp": self._tp_stats(),
         }
 
@@ -568,13 +582,16 @@ class GenNode:
     async def start_generation(self) -> None:
         """Rank 0: an engine, a decode loop and an execution thread on the current group (the first,
         or the one the healer just formed: then the model is rebuilt on its model group)."""
+        ended = self._ended_counters
         if self.engine is not None:
             self.model = build_model(self.args)
             self.step_fn = self._step_fn()
             # the ended generation's counters go on in the next one's (Prometheus counters never go back)
-            self._ended_counters = self.stats()["engine"]
+            ended = add_counters(self._engine_stats(self.engine)[0], ended)
         self.rank_loops.clear()
-        self.engine = self._new_engine()
+        engine = self._new_engine()
+        with self._generation_lock:
+            self.engine, self._ended_counters = engine, ended
         self.loop = self._new_loop()
         await self.engine.start(self._tg)
         self._exec_stop = threading.Event()
