@@ -45,7 +45,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        out = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        if self.status == 408:  # the body never came whole: the connection goes with it (RFC 9110 15.5.9)
+            out["Connection"] = "close"
+        return out
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
