@@ -273,6 +273,22 @@ def test_a_shaped_links_bucket_sends_its_bytes_at_once_only_from_an_idle_link() 
             n.start_soon(one, 30)
         return t
 
+    async def two_small(clock, thread):  # both from one bucket: the first one's bytes never flowed
+        link = ModelledLink(1000.0, 0.0, 4, burst_bytes=40)
+        t = []
+
+        async def one():
+            await link.transfer(10)
+            t.append(trio.current_time())
+
+        async with trio.open_nursery() as n:
+            n.start_soon(one)
+            n.start_soon(one)
+        return t
+
+    assert _run(two_small)[0] == pytest.approx([0.0, 0.0], abs=1e-9)
+    with pytest.raises(ValueError, match="link_burst_bytes"):
+        tiny(gen_tp=2, link_burst_bytes=1000).check()
     t, _, _ = _run(scenario)
     assert t[:3] == pytest.approx([0.06, 0.1, 0.08], abs=1e-6)
     # 60 B at full rate for 0.01 s (10 B), then two at half rate: the 30 B one ends after 0.06 s,

@@ -178,7 +178,7 @@ def main(argv: list[str], *, jobs: int | None = None) -> int:
     ap.add_argument("--bench-json", type=bench_json, help="a real quick benchmark's JSON to compare with (default: run it now)")
     ap.add_argument("--shaped-json", type=bench_json, help="a real shaped-link run's JSON (default: run it now, root only)")
     ap.add_argument("--link-mbit", type=cli.positive_float, default=20.0, help="the shaped run's link (default 20: one 128 KiB "
-                    "request takes ~56 ms, ~13 decode steps)")
+                    "request takes ~49 ms from an idle link, ~11 decode steps)")
     ap.add_argument("--shaped-osl", type=cli.positive_int, default=56)
     ap.add_argument("--shaped-max-num-seqs", type=cli.positive_int, default=3,
                     help="the shaped run's GEN batch cap: a small batch keeps each round's ramp (the one-request budget "

@@ -166,6 +166,10 @@ class SimParams:
             raise ValueError(f"iterations_per_step must be <= osl - 1 = {max(1, self.osl - 1)}, the iterations a request "
                              f"decodes (more would decode each request {self.iterations_per_step} iterations and credit "
                              f"it {self.osl} tokens), got {self.iterations_per_step}")
+        if self.link_burst_bytes and self.gen_tp > 1:
+            raise ValueError("link_burst_bytes (a shaped link's token bucket) is modelled on a GEN rank's own link: "
+                             f"at GEN TP {self.gen_tp} each rank would have a bucket of its own, where one shaped "
+                             "CTX link has one; use it at gen_tp 1")
         if self.num_kv_heads % self.gen_tp:
             raise ValueError(f"{self.num_kv_heads} KV heads do not split over GEN TP {self.gen_tp}")
         if min(self.concurrency, self.requests, self.osl, self.iterations_per_step) < 1 or self.warmup < 0:
@@ -386,7 +390,10 @@ class ModelledLink:
 
     async def _flow(self, nbytes: int, links: tuple[ModelledLink, ...]) -> None:
         fabric = self.fabric
-        flow = _Flow(self._from_bucket(nbytes, trio.current_time()), links)
+        remaining = self._from_bucket(nbytes, trio.current_time())
+        if remaining <= 0:  # the bucket sent it all: nothing flows (and the link stays idle for the next)
+            return
+        flow = _Flow(remaining, links)
         fabric.advance(trio.current_time())
         for link in links:
             link.active += 1
