@@ -86,7 +86,10 @@ class DecodeLoop:
             except Exception as exc:
                 if self.error is None:
                     self.error = exc
-                    log.exception("decode_loop_crashed")
+                    if isinstance(exc, GroupBroken):  # a rank or the group's link failed: a fault, not a bug
+                        log.error("decode_loop_group_broken", cause=exc.cause)  # one line, no traceback
+                    else:
+                        log.exception("decode_loop_crashed")
                     engine.mark_unhealthy(exc.cause if isinstance(exc, GroupBroken)  # the model's collective:
                                           # the group's one cause, whichever collective met it first
                                           else f"decode loop crashed: {type(exc).__name__}: {exc}")

@@ -206,13 +206,17 @@ async def test_a_model_collective_that_breaks_reports_the_groups_one_cause(where
         raise GroupBroken(cause)
 
     h = make_harness(step_fn=broken)
-    with pytest.raises(RuntimeError):
+    with structlog.testing.capture_logs() as logs, pytest.raises(RuntimeError):
         with EngineThreads(h.engine, idle_wait_s=0.005):
             h.engine.submit(h.request("a"))
             deadline = time.monotonic() + 10
             while h.engine.live_requests and time.monotonic() < deadline:
                 time.sleep(0.01)
     assert h.engine.health() == cause
+    # a broken group is a fault the node reports in one line, not a crash with a traceback
+    loop_logs = [e for e in logs if e["event"].startswith("decode_loop")]
+    assert loop_logs and all(e["event"] == "decode_loop_group_broken" and "exc_info" not in e for e in loop_logs), loop_logs
+    assert loop_logs[0]["cause"] == cause
     outs = [o for o in h.engine.poll() if o.finished]
     assert [o.message for o in outs] == [f"GEN engine unavailable: {cause}"] and h.engine.rest_problems() == []
 
