@@ -227,14 +227,13 @@ def test_the_engine_waits_through_the_clock_it_is_given() -> None:
 
 
 # -- the link model ------------------------------------------------------------------------------
-@pytest.mark.parametrize("concurrency, ends", [(2, [0.201, 0.201]), (1, [0.101, 0.201])])
-def test_link_shares_bandwidth_among_its_transfers(concurrency: int, ends: list[float]) -> None:
+def _two_at_once(link: ModelledLink, nbytes: int) -> list[float]:
+    """When each of two transfers of ``nbytes`` started together on ``link`` ends (virtual s)."""
     async def scenario(clock, thread):
-        link = ModelledLink(1000.0, 0.001, concurrency)  # 1000 B/s, 1 ms latency
         done = []
 
         async def one():
-            await link.transfer(100)
+            await link.transfer(nbytes)
             done.append(trio.current_time())
 
         async with trio.open_nursery() as n:
@@ -242,7 +241,12 @@ def test_link_shares_bandwidth_among_its_transfers(concurrency: int, ends: list[
             n.start_soon(one)
         return sorted(done)
 
-    done, _, _ = _run(scenario)
+    return _run(scenario)[0]
+
+
+@pytest.mark.parametrize("concurrency, ends", [(2, [0.201, 0.201]), (1, [0.101, 0.201])])
+def test_link_shares_bandwidth_among_its_transfers(concurrency: int, ends: list[float]) -> None:
+    done = _two_at_once(ModelledLink(1000.0, 0.001, concurrency), 100)  # 1000 B/s, 1 ms latency
     if concurrency == 1:  # the second one waits for the slot, then its own latency
         ends = [0.101, 0.202]
     assert done == pytest.approx(ends, abs=1e-6)
@@ -273,20 +277,8 @@ def test_a_shaped_links_bucket_sends_its_bytes_at_once_only_from_an_idle_link() 
             n.start_soon(one, 30)
         return t
 
-    async def two_small(clock, thread):  # both from one bucket: the first one's bytes never flowed
-        link = ModelledLink(1000.0, 0.0, 4, burst_bytes=40)
-        t = []
-
-        async def one():
-            await link.transfer(10)
-            t.append(trio.current_time())
-
-        async with trio.open_nursery() as n:
-            n.start_soon(one)
-            n.start_soon(one)
-        return t
-
-    assert _run(two_small)[0] == pytest.approx([0.0, 0.0], abs=1e-9)
+    # both from one bucket: the first one's bytes never flowed, so the link stayed idle for the second
+    assert _two_at_once(ModelledLink(1000.0, 0.0, 4, burst_bytes=40), 10) == pytest.approx([0.0, 0.0], abs=1e-9)
     with pytest.raises(ValueError, match="link_burst_bytes"):
         tiny(gen_tp=2, link_burst_bytes=1000).check()
     t, _, _ = _run(scenario)
