@@ -1010,3 +1010,19 @@ def test_check_judges_the_shaped_run_by_its_transfer_in_decode_steps_too(mbit, s
     targets = json.loads(out.read_text())["shaped"]["targets"]
     assert targets["transfer_spans_10_steps"] is spans and targets["inline_regress_15pct"] and targets["orchestrated_098"]
     assert (targets["transfer_steps"] >= 10) is spans
+
+
+def test_check_replays_a_shaped_run_at_gen_tp_2_without_the_bucket() -> None:
+    """tbf's bucket is refused at gen_tp > 1 (one per rank would overstate the one shaped link); the
+    check's parameters for a shaped run at GEN TP 2 leave it out instead of failing the replay."""
+    from pathlib import Path
+
+    from examples.sim._check import fit_pull, params_from_bench
+
+    results = Path(__file__).resolve().parents[1] / "results"
+    shaped = json.loads((results / "sim_check_shaped.json").read_text())
+    pull = fit_pull(results / "transport.json", "ucx-pull [netns]")
+    one, _ = params_from_bench(shaped["config"], shaped["modes"]["ideal"], pull, link_mbit=20.0)
+    two, sources = params_from_bench({**shaped["config"], "gen_tp": 2}, shaped["modes"]["ideal"], pull, link_mbit=20.0)
+    assert one.link_burst_bytes > 0 and two.link_burst_bytes == 0 and "not modelled" in sources["link"]
+    two.check()

@@ -79,7 +79,8 @@ def params_from_bench(cfg: dict[str, Any], ideal: dict[str, Any], pull: tuple[fl
     burst = 0
     if link_mbit:
         bw = min(bw, link_mbit * 1e6 / 8 * FRAMING)
-        burst = int(burst_bytes(link_mbit) * FRAMING)
+        if cfg.get("gen_tp", 1) == 1:  # one GEN rank's link is the shaped link (at TP > 1 the ranks share it)
+            burst = int(burst_bytes(link_mbit) * FRAMING)
     device_ms = cfg["device_step_ms"]
     per_seq = cfg["device_step_us_per_seq"]
     overhead = ideal["itl_ms"]["mean"] - (device_ms + per_seq * ideal["mean_batch"] / 1e3)
@@ -99,7 +100,8 @@ def params_from_bench(cfg: dict[str, Any], ideal: dict[str, Any], pull: tuple[fl
         "step_base_ms": f"FITTED on the real ideal run: device {device_ms} ms + overhead {overhead:.3f} ms "
                         f"(ITL {ideal['itl_ms']['mean']:.3f} ms at mean batch {ideal['mean_batch']:.1f})",
         "link": f"transport benchmark fit: latency {latency * 1e3:.3f} ms, {bw / 1e9:.3f} GB/s"
-                + (f" (capped at {link_mbit} Mbit/s x {FRAMING}; tbf's bucket {burst} bytes of KV)" if link_mbit else ""),
+                + (f" (capped at {link_mbit} Mbit/s x {FRAMING}; tbf's bucket "
+                   + (f"{burst} bytes of KV)" if burst else "not modelled at GEN TP > 1)") if link_mbit else ""),
         "ctx_prefill": (f"FITTED on the real ideal run's throughput: {ctx_us} us/token" if fit_ctx_on_ideal
                         else f"{CTX_US_PER_TOKEN} us/token (docs/bench.md)"),
         "requests": f"one segment of the benchmark ({cfg['requests']} / {rounds} rounds), {cfg['warmup']} warm-up",
