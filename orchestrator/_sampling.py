@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 _MASK63 = (1 << 63) - 1
-_MASK64 = (1 << 64) - 1
+SEED_MASK = (1 << 64) - 1
+"""A request's seed is 64 bits: one in [-2^63, 2^63) (vLLM's range) maps to one of these, one to one."""
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (as vLLM's _SAMPLING_EPS)
 
 
@@ -72,7 +73,7 @@ class SamplingParams:
         if not isinstance(suppress, list) or any(type(t) is not int for t in suppress):  # "257" is not (2, 5, 7)
             raise ValueError("sampling: suppress must be a list of token ids")
         return cls(temperature=number("temperature", 1.0), top_p=number("top_p", 1.0), top_k=integer("top_k"),
-                   seed=integer("seed") & _MASK64, min_tokens=integer("min_tokens"), suppress=tuple(suppress))
+                   seed=integer("seed") & SEED_MASK, min_tokens=integer("min_tokens"), suppress=tuple(suppress))
 
 
 def _mix(seed: int, position: int) -> int:

@@ -20,12 +20,11 @@ import structlog
 
 from examples.serve.config import Limits
 from examples.tiny_model import ByteTokenizer
-from orchestrator._sampling import GREEDY_BELOW
+from orchestrator._sampling import GREEDY_BELOW, SEED_MASK
 
 log = structlog.get_logger("examples.serve")
 TOKENIZER = ByteTokenizer()
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_SEED_MASK = (1 << 64) - 1  # a seed in [-2^63, 2^63) to the nodes' unsigned 64 bits, one to one (a choice's: + its index)
 
 
 class ApiError(Exception):
@@ -112,7 +111,7 @@ class Generation:
         if self.n == 1:
             return self
         sampling = None if self.sampling is None else {**self.sampling,
-                                                       "seed": (self.sampling["seed"] + i) & _SEED_MASK}
+                                                       "seed": (self.sampling["seed"] + i) & SEED_MASK}
         return dataclasses.replace(self, request_id=f"{self.request_id}-{i}", sampling=sampling)
 
 
@@ -257,7 +256,7 @@ def _common(body: dict[str, Any], kind: str, prompt_ids: list[int], *, model: st
     if temperature > 0 or min_tokens or top_logprobs is not None:  # else greedy: the nodes' argmax path (and TP)
         suppress = [*stop_ids, *([] if ignore_eos else [TOKENIZER.eos_id])]
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
-                    "seed": secrets.randbits(63) if seed is None else seed & _SEED_MASK,
+                    "seed": secrets.randbits(63) if seed is None else seed & SEED_MASK,
                     "min_tokens": min_tokens, "suppress": suppress}
     return Generation(
         kind=kind, request_id=f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
