@@ -86,13 +86,14 @@ class DecodeLoop:
             except Exception as exc:
                 if self.error is None:
                     self.error = exc
-                    if isinstance(exc, GroupBroken):  # a rank or the group's link failed: a fault, not a bug
-                        log.error("decode_loop_group_broken", cause=exc.cause)  # one line, no traceback
+                    if isinstance(exc, GroupBroken):  # the model's collective: a rank or the group's link failed,
+                        # a fault, not a bug: one line, no traceback, and the group's one cause, whichever
+                        # collective met it first
+                        log.error("decode_loop_group_broken", cause=exc.cause)
+                        engine.mark_unhealthy(exc.cause)
                     else:
                         log.exception("decode_loop_crashed")
-                    engine.mark_unhealthy(exc.cause if isinstance(exc, GroupBroken)  # the model's collective:
-                                          # the group's one cause, whichever collective met it first
-                                          else f"decode loop crashed: {type(exc).__name__}: {exc}")
+                        engine.mark_unhealthy(f"decode loop crashed: {type(exc).__name__}: {exc}")
                 else:  # failing the live requests failed too: nothing more can be done here
                     log.exception("decode_loop_gave_up")
                     return
