@@ -105,27 +105,30 @@ def client(front: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=front["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+async def _stats(front: Any, role: str) -> dict[str, Any]:
+    return await control.call(front[role][0], {"op": "stats"}, secret=front["secret"])
+
+
 def node_stats(front: Any, role: str) -> dict[str, Any]:
-    addr = front[role][0]
-    return anyio.run(lambda: control.call(addr, {"op": "stats"}, secret=front["secret"]))
+    return anyio.run(_stats, front, role)
 
 
 def gen_and_ctx_stats(front: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Both nodes' ``stats`` asked at once (one probe's time, not two in turn: a latency bound
     polled with them measures the nodes more than the probe)."""
-    async def both() -> list[dict[str, Any]]:
-        out: list[Any] = [None, None]
+    async def both() -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
 
-        async def one(i: int, role: str) -> None:
-            out[i] = await control.call(front[role][0], {"op": "stats"}, secret=front["secret"])
+        async def one(role: str) -> None:
+            out[role] = await _stats(front, role)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(one, 0, "gen")
-            tg.start_soon(one, 1, "ctx")
+            tg.start_soon(one, "gen")
+            tg.start_soon(one, "ctx")
         return out
 
-    gen, ctx = anyio.run(both)
-    return gen, ctx
+    out = anyio.run(both)
+    return out["gen"], out["ctx"]
 
 
 def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
